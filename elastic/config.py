@@ -1,0 +1,51 @@
+"""Configuration of the elastic control plane (pydantic, ``extra="forbid"``, frozen).
+
+Bad input gets a clear error naming the field and changes nothing.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+__all__ = ["TIMED_PHASES", "TimeoutsConfig"]
+
+
+# --------------------------------------------------------------------------------------
+# Timeouts
+# --------------------------------------------------------------------------------------
+
+#: Phases of the state machine that have a deadline (``running`` and ``failed`` have none).
+TIMED_PHASES: tuple[str, ...] = ("draining", "suppressed", "rescaling", "resuming")
+
+
+class TimeoutsConfig(BaseModel):
+    """Deadlines, all in seconds and all > 0.
+
+    The four phase deadlines bound how long the state machine may stay in that phase;
+    the coordinator's watchdog calls ``ScaleMachine.fail_if_overdue`` which moves an
+    overrunning phase to ``failed``. The other three bound the waits inside a phase.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    draining: float = Field(60.0, gt=0, description="in-flight EPLB layer transfers finish and commit on every rank")
+    suppressed: float = Field(30.0, gt=0, description="the EPLB worker thread is flushed and joined on every rank")
+    rescaling: float = Field(300.0, gt=0, description="experts redistributed, group replaced, workers added or retired")
+    resuming: float = Field(120.0, gt=0, description="EPLB group rebuilt and async worker restarted on every rank")
+    worker_start: float = Field(120.0, gt=0, description="a new worker process starts and joins the rendezvous")
+    collective: float = Field(60.0, gt=0, description="any single collective or point-to-point wait")
+    heartbeat: float = Field(10.0, gt=0, description="a worker silent this long is considered lost")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _finite(cls, value: float, info) -> float:
+        if not math.isfinite(value):
+            raise ValueError(f"{info.field_name} must be a finite number of seconds, got {value}")
+        return value
+
+    def for_phase(self, phase: str) -> float | None:
+        """The deadline of state-machine phase ``phase`` (a ``Phase`` or its value), or None if untimed."""
+        name = getattr(phase, "value", phase)
+        return getattr(self, name) if name in TIMED_PHASES else None

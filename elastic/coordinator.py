@@ -1,0 +1,538 @@
+"""The coordinator: owns the state machine, the worker processes and the scale operations.
+
+Threads, each with one job:
+
+- the *report reader* takes worker reports off the launcher's queue and files them;
+- the *watchdog* fails an overdue phase, notices dead or silent workers, and fails the
+  machine with the reason (never a wait forever);
+- one *operation* thread at a time runs a scale or a recovery phase by phase: it fires the
+  trigger, broadcasts the phase's command, and waits (with the phase deadline) for every
+  worker's ``PhaseDone``. Decisions (what the phase is, which ranks take part) are pure
+  functions of the state; the operation thread only executes them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from elastic import protocol as p
+from elastic.deployment import DeploymentConfig
+from elastic.errors import ElasticError, InvalidScaleRequest, ScaleConflict, StaleGeneration
+from elastic.launcher import Launcher, LocalLauncher, WorkerHandle
+from elastic.machine import Phase, ScaleMachine, Transition
+from elastic.mapping import RankMapping
+from elastic.worker import WorkerSpec
+
+log = logging.getLogger("elastic.coordinator")
+
+
+class OperationStatus(StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    NOOP = "noop"
+
+
+@dataclass
+class Operation:
+    """A scale or recovery, as the API shows it."""
+
+    id: str
+    kind: str  # scale | recover
+    target_size: int
+    from_size: int
+    generation_before: int
+    status: OperationStatus = OperationStatus.PENDING
+    phase: str = "pending"
+    created_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)
+    error: str | None = None
+    released_ranks: list[int] = field(default_factory=list)
+    generation_after: int | None = None
+    idempotency_key: str | None = None
+    bytes_moved: int = 0
+    paused_seconds: float | None = None
+    done: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in (OperationStatus.SUCCEEDED, OperationStatus.FAILED, OperationStatus.NOOP)
+
+    @property
+    def effective_size(self) -> int:
+        return self.target_size if self.status == OperationStatus.SUCCEEDED else self.from_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id, "kind": self.kind, "status": self.status.value, "phase": self.phase,
+            "target_size": self.target_size, "from_size": self.from_size,
+            "effective_size": self.effective_size,
+            "pending_size": None if self.terminal else self.target_size,
+            "generation_before": self.generation_before, "generation_after": self.generation_after,
+            "phases": self.phases, "error": self.error, "released_ranks": self.released_ranks,
+            "created_at": self.created_at, "finished_at": self.finished_at,
+            "idempotency_key": self.idempotency_key, "bytes_moved": self.bytes_moved,
+            "paused_seconds": self.paused_seconds,
+        }
+
+
+class OperationFailed(ElasticError):
+    def __init__(self, phase: str, reason: str):
+        self.phase, self.reason = phase, reason
+        super().__init__(f"{phase}: {reason}")
+
+
+@dataclass
+class WorkerRecord:
+    handle: WorkerHandle
+    rank: int
+    generation: int
+    last_report: float = field(default_factory=time.monotonic)
+    heartbeat: p.Heartbeat | None = None
+    expected_exit: bool = False
+    lost_reason: str | None = None
+
+
+class Coordinator:
+    """Runs a deployment of EP workers and scales it through the state machine."""
+
+    def __init__(self, config: DeploymentConfig, *, launcher: Launcher | None = None,
+                 clock: Callable[[], float] = time.monotonic, faults: tuple[Any, ...] = ()):
+        self.config = config
+        self.launcher = launcher or LocalLauncher(capacity=config.max_ep_size)
+        self.clock = clock
+        self.faults = faults
+        self.machine = ScaleMachine(timeouts=config.timeouts, clock=clock)
+        self.size = config.ep_size
+        self.num_physical = config.num_physical
+        self.workers: dict[int, WorkerRecord] = {}  # by pid
+        self.operations: dict[str, Operation] = {}
+        self._by_key: dict[str, str] = {}
+        self._current: Operation | None = None
+        self._lock = threading.RLock()
+        self._reports = threading.Condition(self._lock)
+        self._done: dict[int, dict[int, p.PhaseDone]] = {}  # seq -> pid -> report
+        self._errors: list[p.WorkerError] = []
+        self.events: list[p.WorkerEvent] = []
+        self._seq = itertools.count(1)
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._store: dist.TCPStore | None = None
+        self._subscribers: list[Callable[[str, dict[str, Any]], None]] = []
+        self.machine.subscribe(lambda t: self._emit("transition", t.to_dict()))
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> "Coordinator":
+        self._store = dist.TCPStore(self.config.store_host, 0, is_master=True, wait_for_workers=False,
+                                    use_libuv=True)
+        for rank in range(self.size):
+            self._launch(rank, self.size, generation=0)
+        self._threads = [threading.Thread(target=self._read_reports, name="coordinator-reports", daemon=True),
+                         threading.Thread(target=self._watchdog, name="coordinator-watchdog", daemon=True)]
+        for thread in self._threads:
+            thread.start()
+        self._await(0, set(self.workers), "Started", self.config.timeouts.worker_start, fail_machine=False)
+        return self
+
+    def __enter__(self) -> "Coordinator":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._lock:
+            live = [w for w in self.workers.values() if w.handle.is_alive()]
+            for w in live:
+                w.expected_exit = True
+        if live:
+            try:
+                self._broadcast(p.Shutdown, records=live)
+            except Exception:  # noqa: BLE001 - a queue to a dead process; we kill below anyway
+                pass
+            deadline = time.monotonic() + timeout
+            for w in live:
+                w.handle.join(max(0.0, deadline - time.monotonic()))
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(2)
+        self.launcher.shutdown()
+
+    def subscribe(self, callback: Callable[[str, dict[str, Any]], None]) -> None:
+        """``callback(kind, data)`` for transitions, worker events and operation updates."""
+        self._subscribers.append(callback)
+
+    def _emit(self, kind: str, data: dict[str, Any]) -> None:
+        for callback in list(self._subscribers):
+            try:
+                callback(kind, data)
+            except Exception:  # noqa: BLE001 - a subscriber never breaks the control plane
+                log.exception("subscriber failed on %s", kind)
+
+    def _launch(self, rank: int, size: int, generation: int, first_command: p.Rescale | None = None) -> WorkerRecord:
+        assert self._store is not None
+        cfg = self.config
+        spec = WorkerSpec(
+            rank=rank, size=size, generation=generation, store_host=cfg.store_host, store_port=self._store.port,
+            shape=cfg.model, eplb=cfg.eplb, trace=tuple((ph.start_step, ph.trace) for ph in cfg.trace),
+            seed=cfg.seed, num_physical=self.num_physical, backend=cfg.backend,
+            collective_timeout_s=cfg.timeouts.collective, join_timeout_s=cfg.timeouts.worker_start,
+            heartbeat_s=cfg.heartbeat_s, step_delay_s=cfg.step_delay_s, first_command=first_command,
+            faults=tuple(f for f in self.faults if getattr(f, "applies_to_spawn", True)),
+        )
+        handle = self.launcher.launch(spec)
+        record = WorkerRecord(handle, rank, generation)
+        with self._lock:
+            self.workers[handle.pid] = record
+        return record
+
+    # -- reports ---------------------------------------------------------------------------
+    def _read_reports(self) -> None:
+        source = self.launcher.reports()
+        while not self._stop.is_set():
+            try:
+                report = source.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            except (EOFError, OSError):
+                return
+            self._file(report)
+
+    def _file(self, report: p.Report) -> None:
+        with self._reports:
+            record = self.workers.get(report.pid)
+            if record is not None:
+                record.last_report = time.monotonic()
+                record.rank, record.generation = report.rank, report.generation
+            if isinstance(report, p.Heartbeat) and record is not None:
+                record.heartbeat = report
+            elif isinstance(report, p.PhaseDone):
+                self._done.setdefault(report.seq, {})[report.pid] = report
+                if report.phase == "Rescale" and report.detail.get("retired") and record is not None:
+                    record.expected_exit = True
+            elif isinstance(report, p.WorkerError):
+                self._errors.append(report)
+                log.warning("worker rank %d (pid %d): %s: %s", report.rank, report.pid, report.error_type, report.message)
+            elif isinstance(report, p.WorkerEvent):
+                self.events.append(report)
+            self._reports.notify_all()
+        if isinstance(report, p.WorkerEvent):
+            self._emit("worker_event", {"rank": report.rank, "step": report.step, "kind": report.kind, **report.data})
+        elif isinstance(report, p.WorkerError):
+            self._emit("worker_error", {"rank": report.rank, "step": report.step, "error": f"{report.error_type}: {report.message}"})
+
+    def _watchdog(self) -> None:
+        while not self._stop.wait(0.05):
+            try:
+                self.machine.fail_if_overdue()
+                lost = self._find_lost()
+                if lost and self.machine.state not in (Phase.FAILED,):
+                    reason = "; ".join(f"rank {w.rank} (pid {w.handle.pid}) {w.lost_reason}" for w in lost)
+                    try:
+                        self.machine.fail(reason=f"worker lost: {reason}")
+                    except ElasticError:
+                        pass
+                with self._reports:
+                    self._reports.notify_all()
+            except Exception:  # noqa: BLE001 - the watchdog must outlive anything it looks at
+                log.exception("watchdog iteration failed")
+
+    def _find_lost(self) -> list[WorkerRecord]:
+        silent_after = self.config.timeouts.heartbeat
+        now = time.monotonic()
+        newly = []
+        with self._lock:
+            for record in self.workers.values():
+                if record.expected_exit or record.lost_reason is not None:
+                    continue
+                if not record.handle.is_alive():
+                    record.lost_reason = "exited unexpectedly"
+                elif now - record.last_report > silent_after:
+                    record.lost_reason = f"silent for {now - record.last_report:.1f}s (heartbeat timeout {silent_after}s)"
+                else:
+                    continue
+                newly.append(record)
+        return newly
+
+    # -- commands --------------------------------------------------------------------------
+    def live_workers(self) -> list[WorkerRecord]:
+        with self._lock:
+            return sorted((w for w in self.workers.values() if not w.expected_exit and w.lost_reason is None
+                           and w.handle.is_alive()), key=lambda w: w.rank)
+
+    def _broadcast(self, command_type: type, records: list[WorkerRecord] | None = None, **fields: Any) -> int:
+        seq = next(self._seq)
+        command = command_type(seq=seq, **fields)
+        for record in records if records is not None else self.live_workers():
+            record.handle.inbox.put(command)
+        return seq
+
+    def _await(self, seq: int, pids: set[int], phase: str, deadline_s: float, *, fail_machine: bool = True,
+               operation: Operation | None = None) -> dict[int, p.PhaseDone]:
+        """Wait until every worker in ``pids`` reported ``seq`` done; raise on error, death or deadline."""
+        deadline = time.monotonic() + deadline_s
+        with self._reports:
+            while True:
+                done = self._done.get(seq, {})
+                if pids <= done.keys():
+                    return {pid: done[pid] for pid in pids}
+                errors = [e for e in self._errors if e.pid in pids and e.at >= (operation.created_at if operation else 0)]
+                if errors:
+                    e = errors[-1]
+                    raise OperationFailed(phase, f"rank {e.rank} failed in {e.where}: {e.error_type}: {e.message}")
+                lost = [self.workers[pid] for pid in pids if pid in self.workers and self.workers[pid].lost_reason]
+                if lost:
+                    raise OperationFailed(phase, "; ".join(f"rank {w.rank} {w.lost_reason}" for w in lost))
+                if fail_machine and self.machine.state == Phase.FAILED:
+                    raise OperationFailed(phase, self.machine.failure_reason or "the machine failed")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = sorted(self.workers[pid].rank for pid in pids - done.keys() if pid in self.workers)
+                    raise OperationFailed(phase, f"ranks {missing} did not finish {phase} within {deadline_s:.1f}s")
+                self._reports.wait(min(remaining, 0.1))
+
+    # -- scale -----------------------------------------------------------------------------
+    def validate_size(self, ep_size: Any) -> int:
+        if isinstance(ep_size, bool) or not isinstance(ep_size, int):
+            raise InvalidScaleRequest("ep_size", "must be an integer", value=ep_size)
+        problem = self.config.size_problem(ep_size)
+        if problem:
+            raise InvalidScaleRequest("ep_size", problem, value=ep_size)
+        return ep_size
+
+    def scale(self, ep_size: int, *, expected_generation: int | None = None, idempotency_key: str | None = None,
+              wait: bool = True, timeout: float | None = None) -> Operation:
+        """Scale to ``ep_size`` ranks. Raises a typed error (and changes nothing) when it cannot start.
+
+        Returns the operation; with ``wait`` it has finished (succeeded, failed or no-op).
+        """
+        with self._lock:
+            if idempotency_key is not None and idempotency_key in self._by_key:
+                return self.operations[self._by_key[idempotency_key]]
+            ep_size = self.validate_size(ep_size)
+            if expected_generation is not None and expected_generation != self.machine.generation:
+                raise StaleGeneration(expected=expected_generation, actual=self.machine.generation)
+            if self._current is not None and not self._current.terminal:
+                raise ScaleConflict(self._current.id, self.machine.state, self.machine.allowed())
+            op = Operation(id=f"op-{uuid.uuid4().hex[:12]}", kind="scale", target_size=ep_size,
+                           from_size=self.size, generation_before=self.machine.generation,
+                           idempotency_key=idempotency_key)
+            if ep_size == self.size:
+                op.status, op.phase, op.finished_at = OperationStatus.NOOP, "noop", time.time()
+                op.generation_after = self.machine.generation
+                op.done.set()
+            else:
+                self.machine.request_scale(operation_id=op.id, reason=f"scale {self.size} -> {ep_size}")
+                op.status, op.phase = OperationStatus.RUNNING, Phase.DRAINING.value
+                self._current = op
+            self.operations[op.id] = op
+            if idempotency_key is not None:
+                self._by_key[idempotency_key] = op.id
+        if op.status == OperationStatus.RUNNING:
+            threading.Thread(target=self._run_operation, args=(op,), name=f"operation-{op.id}", daemon=True).start()
+        if wait:
+            op.done.wait(timeout)
+        return op
+
+    def recover(self, *, wait: bool = True, timeout: float | None = None) -> Operation:
+        """From ``failed``: rebuild a consistent group from the living workers (a new generation)."""
+        with self._lock:
+            if self._current is not None and not self._current.terminal:
+                raise ScaleConflict(self._current.id, self.machine.state, self.machine.allowed())
+            survivors = self.live_workers()
+            op = Operation(id=f"op-{uuid.uuid4().hex[:12]}", kind="recover", target_size=len(survivors),
+                           from_size=self.size, generation_before=self.machine.generation)
+            self.machine.recover(operation_id=op.id, reason=f"recover with {len(survivors)} living workers")
+            op.status, op.phase = OperationStatus.RUNNING, Phase.RESCALING.value
+            self._current = op
+            self.operations[op.id] = op
+        threading.Thread(target=self._run_recovery, args=(op, survivors), name=f"operation-{op.id}", daemon=True).start()
+        if wait:
+            op.done.wait(timeout)
+        return op
+
+    def _enter(self, op: Operation, phase: str) -> None:
+        now = time.monotonic()
+        previous = op.phase
+        if previous in op.phases and "ended" not in op.phases[previous]:
+            op.phases[previous]["ended"] = now
+            op.phases[previous]["seconds"] = now - op.phases[previous]["started"]
+        op.phase = phase
+        op.phases[phase] = {"started": now}
+        self._emit("operation", op.to_dict())
+
+    def _finish(self, op: Operation, status: OperationStatus, error: str | None = None) -> None:
+        self._enter(op, status.value)
+        op.phases.pop(status.value, None)
+        op.status, op.error, op.finished_at = status, error, time.time()
+        op.generation_after = self.machine.generation
+        self._emit("operation", op.to_dict())
+        op.done.set()
+
+    def _run_operation(self, op: Operation) -> None:
+        timeouts = self.config.timeouts
+        try:
+            op.phases[Phase.DRAINING.value] = {"started": time.monotonic()}
+            old = self.live_workers()
+            pids = {w.handle.pid for w in old}
+            # 1. draining: finish in-flight layers, start nothing new; decoding goes on
+            seq = self._broadcast(p.Drain, operation_id=op.id)
+            self._await(seq, pids, "draining", timeouts.draining, operation=op)
+            self.machine.drained(reason="every in-flight layer committed on every rank")
+            # 2. suppressed: join the EPLB threads everywhere
+            self._enter(op, Phase.SUPPRESSED.value)
+            seq = self._broadcast(p.Suppress, operation_id=op.id)
+            self._await(seq, pids, "suppressed", timeouts.suppressed, operation=op)
+            mapping = RankMapping.for_resize(self.size, op.target_size)
+            self.machine.suppressed(reason=f"EPLB threads joined; mapping {mapping}")
+            # 3. rescaling: move experts, replace the group (decoding paused)
+            self._enter(op, Phase.RESCALING.value)
+            self._rescale(op, mapping, old, lost=())
+            # 4. resuming: rebuild the EPLB group and restart the async worker
+            self._enter(op, Phase.RESUMING.value)
+            self._resume(op)
+            self._finish(op, OperationStatus.SUCCEEDED)
+        except (OperationFailed, ElasticError) as exc:
+            self._fail(op, str(exc))
+        except Exception as exc:  # noqa: BLE001 - an operation thread reports, never raises across threads
+            log.exception("operation %s crashed", op.id)
+            self._fail(op, f"{type(exc).__name__}: {exc}")
+
+    def _fail(self, op: Operation, reason: str) -> None:
+        if self.machine.state != Phase.FAILED:
+            try:
+                self.machine.fail(reason=reason)
+            except ElasticError:
+                pass
+        self._finish(op, OperationStatus.FAILED, reason)
+
+    def _rescale(self, op: Operation, mapping: RankMapping, old: list[WorkerRecord], lost: tuple[int, ...]) -> None:
+        generation = self.machine.generation + 1
+        new_size = mapping.new_size
+        execute_on = "old" if new_size < len(mapping.old_to_new) and not lost else "new"
+        seq = next(self._seq)
+        command = p.Rescale(seq=seq, operation_id=op.id, generation=generation, new_size=new_size,
+                            mapping=tuple(mapping.old_to_new), lost=lost, execute_on=execute_on)
+        participants = [w for w in old if w.rank not in lost]
+        for w in participants:
+            w.handle.inbox.put(command)
+        fresh = [self._launch(rank, new_size, generation, first_command=command) for rank in mapping.joining]
+        pids = {w.handle.pid for w in participants + fresh}
+        started = time.monotonic()
+        reports = self._await(seq, pids, "rescaling", self.config.timeouts.rescaling, operation=op)
+        op.paused_seconds = max(r.detail.get("seconds", 0.0) for r in reports.values())
+        op.bytes_moved = sum(r.detail.get("bytes_received", 0) for r in reports.values())
+        digests = {r.detail["digest"] for r in reports.values() if not r.detail.get("retired")}
+        if len(digests) != 1:
+            raise OperationFailed("rescaling", f"ranks disagree on the new placement: digests {sorted(digests)}")
+        retired = [self.workers[pid] for pid, r in reports.items() if r.detail.get("retired")]
+        for w in retired:
+            w.expected_exit = True
+            if not w.handle.join(max(1.0, self.config.timeouts.collective)):
+                w.handle.kill()
+        op.released_ranks = sorted(w.rank for w in retired)
+        with self._lock:
+            self.size = new_size
+            self.num_physical = next(iter(r.detail["num_physical"] for r in reports.values() if not r.detail.get("retired")))
+        log.info("rescaled to %d ranks (generation %d) in %.2fs", new_size, generation, time.monotonic() - started)
+        self.machine.rescaled(generation=generation, reason=f"group of {new_size} formed, experts redistributed")
+
+    def _resume(self, op: Operation) -> None:
+        live = self.live_workers()
+        seq = self._broadcast(p.Resume, records=live, operation_id=op.id)
+        self._await(seq, {w.handle.pid for w in live}, "resuming", self.config.timeouts.resuming, operation=op)
+        self.machine.resumed(reason="EPLB group rebuilt and async worker restarted on every rank")
+
+    def _run_recovery(self, op: Operation, survivors: list[WorkerRecord]) -> None:
+        try:
+            lost_ranks = tuple(sorted({w.rank for w in self.workers.values() if w.lost_reason} & set(range(self.size))))
+            alive_ranks = {w.rank for w in survivors}
+            lost_ranks = tuple(r for r in range(self.size) if r not in alive_ranks)
+            mapping = RankMapping.without(self.size, lost_ranks)
+            op.target_size = mapping.new_size
+            problem = self.config.size_problem(mapping.new_size)
+            if problem:
+                raise OperationFailed("rescaling", f"cannot recover: {problem}")
+            for w in self.workers.values():
+                if w.lost_reason is not None:
+                    w.expected_exit = True
+                    w.handle.kill()
+            self._rescale(op, mapping, survivors, lost=lost_ranks)
+            self._enter(op, Phase.RESUMING.value)
+            self._resume(op)
+            self._finish(op, OperationStatus.SUCCEEDED)
+        except (OperationFailed, ElasticError) as exc:
+            self._fail(op, str(exc))
+        except Exception as exc:  # noqa: BLE001
+            log.exception("recovery %s crashed", op.id)
+            self._fail(op, f"{type(exc).__name__}: {exc}")
+
+    # -- other operations ------------------------------------------------------------------
+    def rebalance(self, timeout: float = 30.0) -> bool:
+        """Ask every rank to start a rebalance at the next step boundary; True if one started."""
+        if self.machine.state != Phase.RUNNING:
+            raise ScaleConflict(self._current.id if self._current else None, self.machine.state, self.machine.allowed())
+        live = self.live_workers()
+        seq = self._broadcast(p.RebalanceNow, records=live)
+        reports = self._await(seq, {w.handle.pid for w in live}, "rebalance", timeout, fail_machine=False)
+        return all(r.detail.get("started") for r in reports.values())
+
+    def verify(self, timeout: float = 60.0) -> dict[int, dict[str, Any]]:
+        """Every rank checks every local slot bit-exactly; returns rank -> its verdict."""
+        live = self.live_workers()
+        seq = self._broadcast(p.Verify, records=live)
+        reports = self._await(seq, {w.handle.pid for w in live}, "verify", timeout, fail_machine=False)
+        return {r.rank: {**r.detail, "generation": r.generation, "step": r.step} for r in reports.values()}
+
+    def wait_for_step(self, step: int, timeout: float = 60.0) -> int:
+        """Block until every live worker has passed ``step``; returns the slowest worker's step."""
+        deadline = time.monotonic() + timeout
+        with self._reports:
+            while True:
+                steps = [w.heartbeat.step if w.heartbeat else 0 for w in self.live_workers()]
+                if steps and min(steps) >= step:
+                    return min(steps)
+                if self.machine.state == Phase.FAILED and self._current is None:
+                    raise OperationFailed("running", self.machine.failure_reason or "failed")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"workers at steps {steps} did not reach step {step} within {timeout}s")
+                self._reports.wait(0.1)
+
+    def snapshot(self) -> dict[str, Any]:
+        """State, generation, size, balancedness, in-flight layer, per-rank status, history tail."""
+        with self._lock:
+            live = self.live_workers()
+            beats = [w.heartbeat for w in live if w.heartbeat is not None]
+            eplb = [b.eplb for b in beats]
+            return {
+                "state": self.machine.state.value,
+                "generation": self.machine.generation,
+                "ep_size": self.size,
+                "num_physical": self.num_physical,
+                "serving": self.machine.state in (Phase.RUNNING, Phase.DRAINING, Phase.SUPPRESSED, Phase.RESUMING),
+                "balancedness": min((b.balancedness for b in beats), default=None),
+                "step": min((b.step for b in beats), default=0),
+                "in_flight_layer": next((b.in_flight_layer for b in beats if b.in_flight_layer is not None), None),
+                "operation": self._current.to_dict() if self._current is not None else None,
+                "failure_reason": self.machine.failure_reason,
+                "ranks": [{"rank": w.rank, "pid": w.handle.pid, "generation": w.generation,
+                           "step": w.heartbeat.step if w.heartbeat else 0,
+                           "state": w.heartbeat.state if w.heartbeat else "starting"} for w in live],
+                "rebalances": max((e.get("rebalances_finished", 0) for e in eplb), default=0),
+                "layers_committed": max((e.get("layers_committed", 0) for e in eplb), default=0),
+                "bytes_moved": sum(e.get("bytes_moved", 0) for e in eplb),
+                "watchdog_stalls": sum(e.get("watchdog_stalls", 0) for e in eplb),
+                "history": [t.to_dict() for t in self.machine.history()[-20:]],
+            }

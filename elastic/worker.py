@@ -1,0 +1,437 @@
+"""One EP rank: a worker process running the decode loop of the reference MoE model.
+
+At every step boundary the worker runs one small MAX all-reduce carrying (a) the highest
+command sequence number it has received and (b) its EPLB control words. Then every rank
+executes the same commands and makes the same EPLB decision at the same step. The step itself
+routes this rank's tokens, sums tokens per physical slot over ranks (one collective, which is
+also the EPLB's load recording) and runs the local experts on them.
+
+When a collective fails (a peer died or stalled past the group timeout) the worker reports the
+error as data and switches to *broken* mode: no more decoding, and commands are executed as
+they arrive (a recovery ``Rescale`` or ``Shutdown``) instead of at agreed step boundaries.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from eplb.algorithm import compute_placement
+from eplb.config import EPLBConfig
+from eplb.model import ModelShape, ReferenceMoE
+from eplb.placement import Placement
+from eplb.plan import holders_from_mapping, plan_layer
+from eplb.state import CONTROL_WORDS, EPLBState, LoadWindow
+from eplb.trace import PhasedTrace, TraceConfig
+from eplb.transfer import execute_layer, materialize
+from elastic import protocol as p
+from elastic.groups import GroupGeneration, connect_store
+
+log = logging.getLogger("elastic.worker")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker process needs to start (picklable)."""
+
+    rank: int
+    size: int
+    generation: int
+    store_host: str
+    store_port: int
+    shape: ModelShape
+    eplb: EPLBConfig
+    trace: tuple[tuple[int, TraceConfig], ...]
+    seed: int = 0
+    num_physical: int = 0  # physical slots at this generation
+    backend: str = "gloo"
+    collective_timeout_s: float = 30.0
+    join_timeout_s: float = 60.0
+    heartbeat_s: float = 0.1
+    step_delay_s: float = 0.0  # optional pacing of the decode loop (replays at a readable speed)
+    first_command: p.Rescale | None = None  # a fresh rank joining by a scale-up starts here
+    faults: tuple[Any, ...] = field(default_factory=tuple)  # fault injections (tests, scenarios)
+
+
+class BrokenGroup(RuntimeError):
+    """A collective of the decode loop failed: the group cannot be used any more."""
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec, inbox: Any, outbox: Any):
+        self.spec = spec
+        self.inbox = inbox
+        self.outbox = outbox
+        self.rank = spec.rank
+        self.size = spec.size
+        self.generation = spec.generation
+        self.step = 0
+        self.received_seq = 0  # highest command seq received from the inbox
+        self.executed_seq = 0
+        self.pending: dict[int, p.Command] = {}
+        self.broken = False
+        self.stopping = False
+        self.mode = "decoding"
+        self.draining_op: p.Drain | None = None
+        self.last_heartbeat = 0.0
+        self.tokens_since = 0
+        self.trace = PhasedTrace(list(spec.trace), spec.shape.num_layers, spec.shape.num_experts)
+        self.store = connect_store(spec.store_host, spec.store_port, spec.join_timeout_s)
+        self.group: GroupGeneration | None = None
+        self.model: ReferenceMoE | None = None
+        self.eplb: EPLBState | None = None
+
+    # -- reporting -------------------------------------------------------------------------
+    def _base(self) -> dict[str, Any]:
+        return {"rank": self.rank, "generation": self.generation, "pid": os.getpid(), "at": time.time()}
+
+    def report(self, cls: type, **fields: Any) -> None:
+        self.outbox.put(cls(**self._base(), **fields))
+
+    def _eplb_event(self, kind: str, data: dict[str, Any]) -> None:
+        self.report(p.WorkerEvent, step=self.step, kind=kind, data=data)
+
+    # -- startup ---------------------------------------------------------------------------
+    def start(self) -> None:
+        spec = self.spec
+        if spec.first_command is not None:  # a fresh rank: it joins through the rescale
+            self.received_seq = self.executed_seq = spec.first_command.seq
+            self._rescale(spec.first_command, fresh=True)
+            return
+        self.group = GroupGeneration.join(self.store, self.generation, self.rank, self.size,
+                                          backend=spec.backend, timeout_s=spec.collective_timeout_s)
+        placement = Placement.static(spec.shape.num_layers, spec.shape.num_experts, spec.num_physical)
+        self.model = ReferenceMoE(spec.shape, placement, self.rank, self.size, seed=spec.seed)
+        self.eplb = EPLBState(spec.eplb, self.model, placement, self.rank, self.size, on_event=self._eplb_event)
+        self._resume_eplb()
+        self.report(p.PhaseDone, seq=0, phase="Started", step=self.step, detail={"num_physical": placement.num_physical})
+
+    def _resume_eplb(self) -> None:
+        self.eplb.group = self.group.build_eplb_group()
+        self.eplb.start_worker(self.eplb.group)
+        self.eplb.resume()
+
+    # -- commands --------------------------------------------------------------------------
+    def _poll_inbox(self, block_until: int | None = None, timeout: float = 0.0) -> None:
+        """Move commands from the queue to ``pending``; with ``block_until``, wait for that seq."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                wait = None if block_until is None else max(0.0, deadline - time.monotonic())
+                command = self.inbox.get(block=block_until is not None, timeout=wait)
+            except queue.Empty:
+                if block_until is not None and self.received_seq < block_until:
+                    raise TimeoutError(f"command {block_until} did not arrive within {timeout:.1f}s")
+                return
+            self.pending[command.seq] = command
+            self.received_seq = max(self.received_seq, command.seq)
+            if block_until is not None and self.received_seq >= block_until:
+                block_until = None  # got it; drain the rest without blocking
+
+    def _run_commands_up_to(self, seq: int) -> bool:
+        """Execute every command up to ``seq``; False when the group changed (restart the step)."""
+        if self.received_seq < seq:
+            self._poll_inbox(block_until=seq, timeout=self.spec.collective_timeout_s)
+        while self.executed_seq < seq and not self.stopping:
+            command = self.pending.pop(self.executed_seq + 1)
+            self.executed_seq = command.seq
+            self._execute(command)
+            if isinstance(command, p.Rescale):
+                return False  # a new group: the next step starts with its own step-boundary sync
+        return True
+
+    def _execute(self, command: p.Command) -> None:
+        if isinstance(command, p.Drain):
+            self.eplb.begin_drain()
+            self.mode = "draining"
+            self.draining_op = command
+        elif isinstance(command, p.Suppress):
+            if not self.eplb.drained:
+                raise RuntimeError("suppress before the drain finished: a transfer is still in flight")
+            started = time.perf_counter()
+            gone = self.eplb.stop_worker(timeout=self.spec.collective_timeout_s)
+            if not gone:
+                raise TimeoutError("the async EPLB thread did not stop in time")
+            self.mode = "suppressed"
+            self._done(command, {"join_seconds": time.perf_counter() - started,
+                                 "threads": _thread_names()})
+        elif isinstance(command, p.Rescale):
+            self._rescale(command, fresh=False)
+        elif isinstance(command, p.Resume):
+            started = time.perf_counter()
+            self._resume_eplb()
+            self.mode = "decoding"
+            self._done(command, {"seconds": time.perf_counter() - started, "threads": _thread_names()})
+        elif isinstance(command, p.RebalanceNow):
+            if not self.eplb.draining and self.eplb.all_idle:
+                self.eplb.rebalance_now()
+            self._done(command, {"started": self.eplb.in_flight is not None or not self.spec.eplb.use_async})
+        elif isinstance(command, p.Verify):
+            self._done(command, self._verify())
+        elif isinstance(command, p.Shutdown):
+            self.stopping = True
+            self._done(command, {})
+        else:
+            raise TypeError(f"unknown command {command!r}")
+
+    def _done(self, command: p.Command, detail: dict[str, Any]) -> None:
+        self.report(p.PhaseDone, seq=command.seq, operation_id=command.operation_id,
+                    phase=type(command).__name__, step=self.step, detail=detail)
+
+    def _verify(self) -> dict[str, Any]:
+        placement = self.eplb.placement
+        return {
+            "mismatched": self.model.verify(),
+            "digest": placement_digest(placement),
+            "replica_min": int(placement.replica_count.min()),
+            "num_physical": placement.num_physical,
+            "size": self.size,
+        }
+
+    # -- rescale ---------------------------------------------------------------------------
+    def _rescale(self, cmd: p.Rescale, *, fresh: bool) -> None:
+        """Redistribute experts by ``cmd.mapping`` and move to generation ``cmd.generation``."""
+        started = time.perf_counter()
+        spec = self.spec
+        if self.eplb is not None and self.eplb.worker is not None:
+            raise RuntimeError("rescale while the async EPLB worker runs: suppress it first")
+        new_rank = cmd.mapping[self.rank] if not fresh else self.rank
+        bytes_moved = 0
+        if cmd.execute_on == "old":
+            # scale down: every expert a leaving rank holds that the new placement needs is
+            # sent out over the old group, and only then is the group replaced
+            new_placement = self._next_placement(cmd)
+            new_weights, bytes_moved = self._redistribute(cmd, new_placement, executing_rank=self.rank)
+            dist.barrier(group=self.group.eplb_group) if self.group.eplb_group is not None else dist.barrier()
+            self.group.destroy()
+            if new_rank < 0:
+                self.report(p.PhaseDone, seq=cmd.seq, operation_id=cmd.operation_id, phase="Rescale", step=self.step,
+                            detail={"retired": True, "bytes_received": bytes_moved, "seconds": time.perf_counter() - started})
+                self.stopping = True
+                return
+            self.group = GroupGeneration.join(self.store, cmd.generation, new_rank, cmd.new_size,
+                                              backend=spec.backend, timeout_s=spec.collective_timeout_s)
+            self._adopt(new_rank, cmd, new_placement, new_weights)
+        else:
+            # scale up or recovery: form the new group first, then move over it
+            if self.group is not None:
+                self.group.destroy()
+            if new_rank < 0:
+                self.report(p.PhaseDone, seq=cmd.seq, operation_id=cmd.operation_id, phase="Rescale", step=self.step,
+                            detail={"retired": True, "bytes_received": 0, "seconds": time.perf_counter() - started})
+                self.stopping = True
+                return
+            self.group = GroupGeneration.join(self.store, cmd.generation, new_rank, cmd.new_size,
+                                              backend=spec.backend, timeout_s=spec.collective_timeout_s)
+            self._share_state(cmd, new_rank, fresh)
+            new_placement = self._next_placement(cmd)
+            new_weights, bytes_moved = self._redistribute(cmd, new_placement, executing_rank=new_rank)
+            self._adopt(new_rank, cmd, new_placement, new_weights)
+        self.broken = False
+        self.mode = "resuming"
+        self.report(p.PhaseDone, seq=cmd.seq, operation_id=cmd.operation_id, phase="Rescale", step=self.step,
+                    detail={"retired": False, "bytes_received": bytes_moved, "seconds": time.perf_counter() - started,
+                            "digest": placement_digest(self.eplb.placement), "num_physical": self.eplb.placement.num_physical})
+
+    def _share_state(self, cmd: p.Rescale, new_rank: int, fresh: bool) -> None:
+        """The lowest surviving rank sends step, placement and load window to every rank of the new group."""
+        survivors = [n for old, n in enumerate(cmd.mapping) if n >= 0 and old not in cmd.lost]
+        source = min(survivors)
+        payload = [None]
+        if new_rank == source:
+            payload = [{
+                "step": self.step,
+                "p2l": self.eplb.placement.physical_to_logical,
+                "window": self.eplb.window.state(),
+                "stats": self.eplb.stats,
+                "steps_since_rebalance": self.eplb.steps_since_rebalance,
+            }]
+        dist.broadcast_object_list(payload, src=source)
+        state = payload[0]
+        self.step = state["step"]
+        old_placement = Placement.from_physical_to_logical(state["p2l"], self.spec.shape.num_experts)
+        if fresh:
+            self.model = ReferenceMoE(self.spec.shape, old_placement, 0, 1, seed=self.spec.seed, materialize=False)
+            self.model.replace_weights([])
+            self.eplb = EPLBState(self.spec.eplb, self.model, old_placement, new_rank, cmd.new_size,
+                                  window=LoadWindow.from_state(state["window"]), on_event=self._eplb_event)
+            self.eplb.stats = state["stats"]
+            self.eplb.steps_since_rebalance = state["steps_since_rebalance"]
+        else:
+            self.eplb.window = LoadWindow.from_state(state["window"])
+            self.eplb.placement = old_placement
+
+    def _next_placement(self, cmd: p.Rescale) -> Placement:
+        """The placement for the new group: same slots per rank, a policy run on the carried window."""
+        old = self.eplb.placement
+        per_rank = old.num_physical // len(cmd.mapping)
+        opts = dict(self.spec.eplb.policy_options)
+        return compute_placement(self.eplb.window.total(), per_rank * cmd.new_size, cmd.new_size,
+                                 num_groups=opts.pop("num_groups", 1), num_nodes=opts.pop("num_nodes", 1),
+                                 policy=self.spec.eplb.policy, previous=old, **opts)
+
+    def _redistribute(self, cmd: p.Rescale, new_placement: Placement, executing_rank: int):
+        """Move every layer to the new placement; returns this rank's new weights and bytes received."""
+        old = self.eplb.placement
+        old_size = len(cmd.mapping)
+        per_rank = old.num_physical // old_size
+        lost = frozenset(cmd.lost)
+        old_holder, new_holder = holders_from_mapping(list(cmd.mapping), cmd.new_size, cmd.execute_on, lost)
+        my_new_rank = executing_rank if cmd.execute_on == "new" else cmd.mapping[self.rank]
+        old_weights = self.model.expert_weights() if self.model.expert_weights() else None
+        new_weights = self.model.allocate(per_rank) if my_new_rank >= 0 else None
+        received = 0
+        timeout = timedelta(seconds=self.spec.eplb.transfer_timeout_s)
+        for layer in range(old.num_layers):
+            plan = plan_layer(old.physical_to_logical[layer], new_placement.physical_to_logical[layer],
+                              per_rank, per_rank, old_holder, new_holder)
+            rank_plan = plan.for_rank(executing_rank)
+            stats = execute_layer(
+                plan, executing_rank, None if old_weights is None else old_weights[layer],
+                [] if new_weights is None else new_weights[layer], group=None, timeout=timeout,
+                max_ops_per_batch=self.spec.eplb.max_ops_per_batch, layer=layer,
+                reload_fn=lambda expert, layer=layer: self.model.canonical_expert(layer, expert),
+            )
+            if new_weights is not None:
+                materialize(rank_plan, None if old_weights is None else old_weights[layer], new_weights[layer])
+            received += stats.bytes_received
+        return new_weights, received
+
+    def _adopt(self, new_rank: int, cmd: p.Rescale, placement: Placement, weights) -> None:
+        self.rank, self.size, self.generation = new_rank, cmd.new_size, cmd.generation
+        self.model.install_placement(placement, new_rank, cmd.new_size)
+        self.model.replace_weights(weights)
+        self.eplb.placement = placement
+        self.eplb.rank, self.eplb.num_ranks = new_rank, cmd.new_size
+        self.eplb.group = None
+        self.eplb.draining = True  # the EPLB stays off until Resume restarts it on the new group
+
+    # -- the decode loop -------------------------------------------------------------------
+    def _sync(self) -> list[int]:
+        self._poll_inbox()
+        control = torch.tensor([self.received_seq, *self.eplb.control()], dtype=torch.int64)
+        try:
+            dist.all_reduce(control, op=dist.ReduceOp.MAX)
+        except Exception as exc:  # noqa: BLE001
+            raise BrokenGroup(f"step-boundary all-reduce failed at step {self.step}: {exc}") from exc
+        return control.tolist()
+
+    def decode_step(self) -> None:
+        reduced = self._sync()
+        if not self._run_commands_up_to(reduced[0]) or self.stopping:
+            return
+        self.eplb.after_sync(reduced[1 : 1 + CONTROL_WORDS])
+        if self.draining_op is not None and self.eplb.drained:
+            op, self.draining_op = self.draining_op, None
+            self._done(op, {"layers_committed": self.eplb.stats.layers_committed})
+        started = time.perf_counter()
+        logical = self.trace.token_counts(self.step, self.rank)
+        physical = self.model.route(logical)
+        try:
+            dist.all_reduce(physical)
+        except Exception as exc:  # noqa: BLE001
+            raise BrokenGroup(f"token all-reduce failed at step {self.step}: {exc}") from exc
+        self.eplb.record(physical)
+        self.model.forward(physical)
+        self.tokens_since += self.trace.config_at(self.step).tokens_per_step
+        self.step += 1
+        self._maybe_heartbeat(time.perf_counter() - started, physical)
+        if self.spec.step_delay_s:
+            time.sleep(self.spec.step_delay_s)
+
+    def _maybe_heartbeat(self, step_seconds: float, physical: torch.Tensor | None, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.last_heartbeat < self.spec.heartbeat_s:
+            return
+        self.last_heartbeat = now
+        rank_load = 0.0
+        if physical is not None:
+            per_rank = physical.shape[1] // self.size
+            rank_load = float(physical[:, self.rank * per_rank : (self.rank + 1) * per_rank].sum())
+        self.report(p.Heartbeat, step=self.step, step_seconds=step_seconds,
+                    balancedness=self.eplb.stats.last_balancedness if self.eplb else 1.0,
+                    tokens=self.tokens_since, state="broken" if self.broken else self.mode,
+                    in_flight_layer=self.eplb.in_flight_layer if self.eplb else None,
+                    eplb=self.eplb.stats.as_dict() if self.eplb else {}, rank_load=rank_load)
+        self.tokens_since = 0
+
+    def broken_loop(self) -> None:
+        """After a failed collective: execute commands as they arrive (recovery or shutdown)."""
+        while not self.stopping:
+            try:
+                command = self.inbox.get(timeout=self.spec.heartbeat_s)
+            except queue.Empty:
+                self._maybe_heartbeat(0.0, None)
+                continue
+            self.received_seq = max(self.received_seq, command.seq)
+            self.executed_seq = command.seq
+            if isinstance(command, p.Rescale):
+                if self.eplb is not None and self.eplb.worker is not None:
+                    self.eplb.stop_worker(timeout=self.spec.collective_timeout_s)
+                self._rescale(command, fresh=False)
+                return
+            if isinstance(command, p.Shutdown):
+                self.stopping = True
+                self._done(command, {})
+            else:
+                self.report(p.WorkerError, step=self.step, where="broken", error_type="Refused",
+                            message=f"{type(command).__name__} refused: the group is broken, only a rescale or shutdown can follow",
+                            fatal=False)
+
+    def run(self) -> None:
+        self.start()
+        while not self.stopping:
+            try:
+                self.decode_step()
+            except BrokenGroup as exc:
+                self.broken = True
+                self.report(p.WorkerError, step=self.step, where="decode", error_type=type(exc).__name__,
+                            message=str(exc), traceback=traceback.format_exc(), fatal=False)
+                if self.eplb is not None and self.eplb.worker is not None:
+                    self.eplb.stop_worker(timeout=1.0)
+                if self.group is not None:
+                    self.group.destroy()
+                self.group = None
+                self.broken_loop()
+        if self.eplb is not None and self.eplb.worker is not None:
+            self.eplb.stop_worker(timeout=self.spec.collective_timeout_s)
+        if self.group is not None:
+            self.group.destroy()
+
+
+def _thread_names() -> list[str]:
+    import threading
+
+    return sorted(t.name for t in threading.enumerate())
+
+
+def placement_digest(placement: Placement) -> str:
+    import hashlib
+
+    return hashlib.blake2b(placement.physical_to_logical.numpy().tobytes(), digest_size=8).hexdigest()
+
+
+def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any) -> None:
+    """Entry point of a worker process."""
+    logging.basicConfig(level=os.environ.get("ELASTIC_EP_WORKER_LOG", "WARNING"))
+    torch.set_num_threads(1)
+    worker = None
+    try:
+        worker = Worker(spec, inbox, outbox)
+        worker.run()
+    except BaseException as exc:  # noqa: BLE001 - the coordinator must hear about every death
+        outbox.put(p.WorkerError(rank=spec.rank if worker is None else worker.rank,
+                                 generation=spec.generation if worker is None else worker.generation,
+                                 pid=os.getpid(), at=time.time(), step=0 if worker is None else worker.step,
+                                 where="worker", error_type=type(exc).__name__, message=str(exc),
+                                 traceback=traceback.format_exc(), fatal=True))
+        raise SystemExit(1)

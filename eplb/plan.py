@@ -1,0 +1,381 @@
+"""Planning one MoE layer's expert move: who sends what to whom, what is copied locally, what is reloaded.
+
+The planner is pure and deterministic: every rank of the executing group calls
+:func:`plan_layer` with the same inputs and gets the same global plan, then executes its own
+part (:meth:`LayerPlan.for_rank`). No communication is needed to agree on the plan.
+
+Vocabulary
+----------
+- *old rank* ``r`` holds old physical slots ``[r*S_old, (r+1)*S_old)`` of ``old_row``;
+  *new rank* ``n`` holds new slots ``[n*S_new, (n+1)*S_new)`` of ``new_row``.
+- The *executing group* is the process group the transfer runs on. A *group rank* ``g`` is a
+  worker of that group. ``old_holder[r]`` is the group rank that has old rank ``r``'s weights
+  (``-1``: lost, e.g. the rank died); ``new_holder[n]`` is the group rank that becomes new rank ``n``.
+- Old *local* slot ``i`` of group rank ``g`` indexes the worker's old weights (``[S_old, ...]``);
+  new local slot ``j`` indexes its staging buffer / new weights (``[S_new, ...]``).
+
+One formulation covers every case:
+
+============================  =============================  ======================================
+case                          old_holder                     new_holder
+============================  =============================  ======================================
+rebalance                     identity                       identity
+scale down, run on old group  identity                       ``new_holder[n]`` = old rank becoming n
+scale up, run on new group    ``old_holder[r]`` = new rank   identity (fresh workers: no old rank)
+failure                       ``-1`` for each lost rank      as above
+============================  =============================  ======================================
+
+:func:`holders_from_mapping` builds the two tables from a rank mapping.
+
+Rules the plan follows
+----------------------
+1. *Keep*: a new slot whose worker held the same expert in the same local slot index is not
+   touched (``RankPlan.keeps``).
+2. *Local copy*: an expert the receiving worker already holds in one of its old slots is
+   copied from there (lowest such old slot), never over the network.
+3. *Transfer*: otherwise the expert is received once per receiving worker (``Transfer``), into
+   every new slot that needs it (``dst_slots``; the executor receives into the first and fans
+   out locally). The sender is the live holder with the fewest sends so far in this layer
+   (ties: lowest group rank); its source slot is its lowest old slot holding the expert.
+4. *Reload*: an expert that no live worker holds comes from the canonical checkpoint
+   (``RankPlan.reloads``), unless ``allow_reload=False`` (then :class:`PlanError`).
+5. Workers without a new rank (leaving) only send; fresh workers (no old rank) only receive,
+   copy locally among their new slots, or reload.
+
+New slots are visited in order (new rank, local slot); the global transfer list is in the
+order transfers were first needed. Its positions (``Transfer.index``) are what the executor
+chunks on, identically on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Literal, Sequence
+
+import torch
+
+__all__ = [
+    "LayerPlan",
+    "PlanError",
+    "RankPlan",
+    "Reload",
+    "Transfer",
+    "holders_from_mapping",
+    "plan_layer",
+]
+
+
+class PlanError(ValueError):
+    """Inputs no plan can be made from (inconsistent rows, layouts, holders or mappings)."""
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One expert sent from one worker to another (group ranks).
+
+    ``src_slot`` is an old local slot on ``src``; ``dst_slots`` are new local slots on ``dst``
+    (ascending, at least one). ``index`` is the position in the layer's global transfer list.
+    """
+
+    src: int
+    src_slot: int
+    dst: int
+    expert: int
+    dst_slots: tuple[int, ...]
+    index: int = 0
+
+
+@dataclass(frozen=True)
+class Reload:
+    """An expert no live worker holds: load it from the checkpoint into ``slots`` (new local)."""
+
+    expert: int
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One group rank's part of a :class:`LayerPlan`.
+
+    ``old_rank``/``new_rank`` are ``None`` when the worker has no old weights (fresh or its
+    weights were lost) / no new slots (leaving or a bystander). ``num_transfers`` is the size of
+    the *global* transfer list: the executor needs it to chunk identically on every rank.
+    """
+
+    group_rank: int
+    old_rank: int | None
+    new_rank: int | None
+    num_old_slots: int
+    num_new_slots: int
+    sends: tuple[Transfer, ...]
+    recvs: tuple[Transfer, ...]
+    local_copies: tuple[tuple[int, int], ...]  # (old local slot, new local slot)
+    keeps: tuple[int, ...]  # new local slots whose content is unchanged
+    reloads: tuple[Reload, ...]
+    num_transfers: int
+
+    @property
+    def changed_slots(self) -> tuple[int, ...]:
+        """New local slots the plan writes (every new slot that is not kept)."""
+        kept = set(self.keeps)
+        return tuple(j for j in range(self.num_new_slots) if j not in kept)
+
+    @property
+    def is_idle(self) -> bool:
+        """Nothing to send, receive, copy or reload."""
+        return not (self.sends or self.recvs or self.local_copies or self.reloads)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """The global plan for one layer. Immutable; equal inputs give equal plans."""
+
+    old_row: tuple[int, ...]
+    new_row: tuple[int, ...]
+    old_slots_per_rank: int
+    new_slots_per_rank: int
+    old_holder: tuple[int, ...]
+    new_holder: tuple[int, ...]
+    transfers: tuple[Transfer, ...]
+    _ranks: dict[int, RankPlan] = field(repr=False, compare=False)
+
+    @property
+    def num_transfers(self) -> int:
+        return len(self.transfers)
+
+    @property
+    def group_ranks(self) -> tuple[int, ...]:
+        """Every group rank with a part in the plan (old or new holder), ascending."""
+        return tuple(sorted(self._ranks))
+
+    @property
+    def num_local_copies(self) -> int:
+        return sum(len(p.local_copies) for p in self._ranks.values())
+
+    @property
+    def num_reloads(self) -> int:
+        """Reloaded (worker, expert) pairs (each loaded once, fanned out to its slots)."""
+        return sum(len(p.reloads) for p in self._ranks.values())
+
+    @property
+    def num_kept(self) -> int:
+        return sum(len(p.keeps) for p in self._ranks.values())
+
+    def bytes_moved(self, expert_bytes: int) -> int:
+        """Bytes over the network: one expert's bytes per transfer."""
+        return self.num_transfers * int(expert_bytes)
+
+    def sends_per_rank(self) -> dict[int, int]:
+        return {g: len(p.sends) for g, p in sorted(self._ranks.items())}
+
+    def for_rank(self, group_rank: int) -> RankPlan:
+        """The part of ``group_rank``; an empty part for a group rank the plan does not involve."""
+        plan = self._ranks.get(group_rank)
+        if plan is None:
+            return RankPlan(group_rank, None, None, 0, 0, (), (), (), (), (), self.num_transfers)
+        return plan
+
+
+def _as_row(row: torch.Tensor | Sequence[int], name: str) -> tuple[int, ...]:
+    if isinstance(row, torch.Tensor):
+        if row.dim() != 1:
+            raise PlanError(f"{name} must be 1-D, got shape {tuple(row.shape)}")
+        if row.dtype.is_floating_point or row.dtype.is_complex or row.dtype == torch.bool:
+            raise PlanError(f"{name} must hold integers, got {row.dtype}")
+        values = tuple(int(v) for v in row.tolist())
+    else:
+        try:
+            values = tuple(int(v) for v in row)
+        except (TypeError, ValueError) as exc:
+            raise PlanError(f"{name} must be a sequence of integers: {exc}") from None
+    if not values:
+        raise PlanError(f"{name} is empty")
+    bad = [v for v in values if v < 0]
+    if bad:
+        raise PlanError(f"{name} holds negative expert ids {sorted(set(bad))[:5]}")
+    return values
+
+
+def _ranks_of(row: tuple[int, ...], slots_per_rank: int, name: str) -> int:
+    if isinstance(slots_per_rank, bool) or not isinstance(slots_per_rank, int) or slots_per_rank < 1:
+        raise PlanError(f"{name} slots per rank must be a positive int, got {slots_per_rank!r}")
+    if len(row) % slots_per_rank:
+        raise PlanError(f"{name} row has {len(row)} slots, not divisible by {slots_per_rank} slots per rank")
+    return len(row) // slots_per_rank
+
+
+def _as_holders(holders: Iterable[int] | None, count: int, name: str, allow_lost: bool) -> tuple[int, ...]:
+    if holders is None:
+        return tuple(range(count))
+    values = tuple(int(h) for h in holders)
+    if len(values) != count:
+        raise PlanError(f"{name} has {len(values)} entries, expected one per {name.split('_')[0]} rank ({count})")
+    low = -1 if allow_lost else 0
+    bad = [h for h in values if h < low]
+    if bad:
+        allowed = ">= 0 or -1 (lost)" if allow_lost else ">= 0"
+        raise PlanError(f"{name} entries must be {allowed}, got {bad[:5]}")
+    live = [h for h in values if h >= 0]
+    if len(set(live)) != len(live):
+        dup = sorted({h for h in live if live.count(h) > 1})
+        raise PlanError(f"{name} names group ranks {dup} more than once")
+    return values
+
+
+def plan_layer(
+    old_row: torch.Tensor | Sequence[int],
+    new_row: torch.Tensor | Sequence[int],
+    old_slots_per_rank: int,
+    new_slots_per_rank: int | None = None,
+    old_holder: Sequence[int] | None = None,
+    new_holder: Sequence[int] | None = None,
+    *,
+    allow_reload: bool = True,
+) -> LayerPlan:
+    """Plan one layer's move from ``old_row`` (``[P_old]``) to ``new_row`` (``[P_new]``).
+
+    ``new_slots_per_rank`` defaults to ``old_slots_per_rank``; ``old_holder``/``new_holder``
+    default to the identity (a rebalance on the same group). See the module docstring.
+    Raises :class:`PlanError` on inconsistent inputs.
+    """
+    old = _as_row(old_row, "old_row")
+    new = _as_row(new_row, "new_row")
+    s_old = old_slots_per_rank
+    s_new = old_slots_per_rank if new_slots_per_rank is None else new_slots_per_rank
+    n_old = _ranks_of(old, s_old, "old")
+    n_new = _ranks_of(new, s_new, "new")
+    old_h = _as_holders(old_holder, n_old, "old_holder", allow_lost=True)
+    new_h = _as_holders(new_holder, n_new, "new_holder", allow_lost=False)
+
+    # What each live worker holds in its old slots.
+    old_rank_of: dict[int, int] = {g: r for r, g in enumerate(old_h) if g >= 0}
+    old_slots_of: dict[int, tuple[int, ...]] = {g: old[r * s_old : (r + 1) * s_old] for g, r in old_rank_of.items()}
+    first_slot: dict[int, dict[int, int]] = {}  # group rank -> expert -> lowest old local slot
+    holders_of: dict[int, list[int]] = {}  # expert -> live group ranks holding it, ascending
+    for g in sorted(old_slots_of):
+        seen: dict[int, int] = {}
+        for i, e in enumerate(old_slots_of[g]):
+            seen.setdefault(e, i)
+        first_slot[g] = seen
+        for e in seen:
+            holders_of.setdefault(e, []).append(g)
+
+    if not allow_reload:
+        missing = sorted({e for e in new if e not in holders_of})
+        if missing:
+            lost = [r for r, g in enumerate(old_h) if g < 0]
+            raise PlanError(
+                f"experts {missing[:10]} of new_row are held by no live worker "
+                f"(lost old ranks: {lost}) and reload is not allowed"
+            )
+
+    send_count: dict[int, int] = {g: 0 for g in old_slots_of}
+    transfers: list[dict] = []  # mutable while planning
+    recv_of: dict[tuple[int, int], dict] = {}  # (dst, expert) -> transfer being built
+    per_rank: dict[int, dict[str, list]] = {}
+
+    def part(g: int) -> dict[str, list]:
+        return per_rank.setdefault(g, {"copies": [], "keeps": [], "reloads": {}})
+
+    for n, g in enumerate(new_h):
+        mine = part(g)
+        held = first_slot.get(g, {})
+        own_old = old_slots_of.get(g)
+        for j in range(s_new):
+            e = new[n * s_new + j]
+            if own_old is not None and j < s_old and own_old[j] == e:
+                mine["keeps"].append(j)
+            elif e in held:
+                mine["copies"].append((held[e], j))
+            elif (g, e) in recv_of:
+                recv_of[(g, e)]["dst_slots"].append(j)
+            elif e in holders_of:
+                src = min(holders_of[e], key=lambda h: (send_count[h], h))
+                send_count[src] += 1
+                t = {"src": src, "src_slot": first_slot[src][e], "dst": g, "expert": e, "dst_slots": [j]}
+                recv_of[(g, e)] = t
+                transfers.append(t)
+            else:
+                mine["reloads"].setdefault(e, []).append(j)
+
+    frozen = tuple(
+        Transfer(t["src"], t["src_slot"], t["dst"], t["expert"], tuple(t["dst_slots"]), index)
+        for index, t in enumerate(transfers)
+    )
+    new_rank_of = {g: n for n, g in enumerate(new_h)}
+    ranks: dict[int, RankPlan] = {}
+    for g in sorted(set(old_rank_of) | set(new_rank_of)):
+        mine = per_rank.get(g, {"copies": [], "keeps": [], "reloads": {}})
+        ranks[g] = RankPlan(
+            group_rank=g,
+            old_rank=old_rank_of.get(g),
+            new_rank=new_rank_of.get(g),
+            num_old_slots=s_old if g in old_rank_of else 0,
+            num_new_slots=s_new if g in new_rank_of else 0,
+            sends=tuple(t for t in frozen if t.src == g),
+            recvs=tuple(t for t in frozen if t.dst == g),
+            local_copies=tuple(mine["copies"]),
+            keeps=tuple(mine["keeps"]),
+            reloads=tuple(Reload(e, tuple(slots)) for e, slots in mine["reloads"].items()),
+            num_transfers=len(frozen),
+        )
+    return LayerPlan(old, new, s_old, s_new, old_h, new_h, frozen, ranks)
+
+
+def holders_from_mapping(
+    rank_mapping: Sequence[int],
+    num_new_ranks: int,
+    execute_on: Literal["old", "new"],
+    lost: Iterable[int] = frozenset(),
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(old_holder, new_holder)`` for a rank mapping, executed on the old or the new group.
+
+    ``rank_mapping[old_rank]`` is the new rank the old rank becomes, ``-1`` if it leaves.
+    ``lost`` are old ranks whose weights are gone (dead). Group ranks are those of the
+    executing group: old ranks for ``execute_on="old"``, new ranks for ``"new"``.
+
+    - ``"old"``: every new rank must be the image of a live old rank (no fresh workers on
+      the old group); leaving ranks still send.
+    - ``"new"``: new ranks not the image of any old rank are fresh workers (no old
+      weights); leaving old ranks are not in the new group, so they cannot send
+      (their weights count as lost for this plan).
+    """
+    mapping = tuple(int(m) for m in rank_mapping)
+    if isinstance(num_new_ranks, bool) or not isinstance(num_new_ranks, int) or num_new_ranks < 1:
+        raise PlanError(f"num_new_ranks must be a positive int, got {num_new_ranks!r}")
+    if not mapping:
+        raise PlanError("rank_mapping is empty")
+    if execute_on not in ("old", "new"):
+        raise PlanError(f"execute_on must be 'old' or 'new', got {execute_on!r}")
+    bad = [(r, m) for r, m in enumerate(mapping) if not -1 <= m < num_new_ranks]
+    if bad:
+        raise PlanError(f"rank_mapping entries must be -1 or in [0, {num_new_ranks}), got (old, new) {bad[:5]}")
+    targets = [m for m in mapping if m >= 0]
+    if len(set(targets)) != len(targets):
+        dup = sorted({m for m in targets if targets.count(m) > 1})
+        raise PlanError(f"rank_mapping maps several old ranks onto new ranks {dup}")
+    lost_set = {int(r) for r in lost}
+    out = sorted(r for r in lost_set if not 0 <= r < len(mapping))
+    if out:
+        raise PlanError(f"lost ranks {out} are outside [0, {len(mapping)})")
+
+    if execute_on == "old":
+        old_holder = tuple(-1 if r in lost_set else r for r in range(len(mapping)))
+        new_holder: list[int] = [-1] * num_new_ranks
+        for r, m in enumerate(mapping):
+            if m >= 0:
+                if r in lost_set:
+                    raise PlanError(
+                        f"old rank {r} is lost but maps to new rank {m}: a dead rank cannot receive "
+                        "on the old group (execute on the new group with a replacement worker)"
+                    )
+                new_holder[m] = r
+        fresh = [n for n, h in enumerate(new_holder) if h < 0]
+        if fresh:
+            raise PlanError(
+                f"new ranks {fresh} are not the image of any old rank: fresh workers are not in the "
+                "old group (execute on the new group)"
+            )
+        return old_holder, tuple(new_holder)
+    old_holder = tuple(-1 if (r in lost_set or m < 0) else m for r, m in enumerate(mapping))
+    return old_holder, tuple(range(num_new_ranks))

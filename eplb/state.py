@@ -1,0 +1,492 @@
+"""Per-rank EPLB state: the load window, balancedness, sync rearrange and the async worker.
+
+The decode loop owns an :class:`EPLBState` and calls it at every step boundary:
+
+1. ``record(physical_counts)`` with the step's global tokens per physical slot
+   (``[layers, P]``, already summed over ranks by the decode loop's one collective).
+2. ``control()`` returns this rank's small control vector; the decode loop MAX-reduces it with
+   the other ranks' (together with its own control words, in one collective) and hands the
+   result to ``after_sync(reduced, step)``, which commits a layer when every rank's buffer is
+   ready, tells the worker whether to go on, and starts a new rebalance every
+   ``step_interval`` steps. Every rank sees the same reduced vector at the same step, so every
+   rank makes the same decision: the maps switch per layer at the same step everywhere.
+
+The async worker (:class:`AsyncEPLBWorker`) is a named thread that talks to the decode loop
+through two queues of frozen records, never through shared flags: it receives a job, computes
+the placement, fills the staging buffer for one layer over the dedicated EPLB group, posts
+:class:`LayerReady`, and blocks until the decode loop answers :class:`Proceed` or
+:class:`Finish`. Any exception in the thread comes back as a :class:`WorkerFailed` record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+
+from eplb.algorithm import compute_placement
+from eplb.config import EPLBConfig
+from eplb.placement import Placement
+from eplb.plan import plan_layer
+from eplb.transfer import TransferStats, commit_layer, execute_layer
+
+log = logging.getLogger("eplb")
+
+__all__ = [
+    "AsyncEPLBWorker", "EPLBState", "EPLBStats", "LoadWindow", "RebalanceJob", "LayerReady",
+    "WorkerFailed", "RebalanceFinished", "balancedness_of",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# load window
+
+class LoadWindow:
+    """The last ``size`` steps of global logical load, ``[size, layers, L]`` int64.
+
+    Logical load does not depend on which rank holds what, so the window carries over a
+    rescale unchanged; :meth:`state` / :meth:`from_state` move it to ranks that join.
+    """
+
+    def __init__(self, size: int, num_layers: int, num_logical: int):
+        self.buffer = torch.zeros(size, num_layers, num_logical, dtype=torch.int64)
+        self.filled = 0
+        self.position = 0
+
+    def record(self, logical_load: torch.Tensor) -> None:
+        self.buffer[self.position].copy_(logical_load)
+        self.position = (self.position + 1) % self.buffer.shape[0]
+        self.filled = min(self.filled + 1, self.buffer.shape[0])
+
+    def total(self) -> torch.Tensor:
+        return self.buffer.sum(dim=0)
+
+    def state(self) -> dict[str, Any]:
+        return {"buffer": self.buffer.clone(), "filled": self.filled, "position": self.position}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> "LoadWindow":
+        size, layers, logical = state["buffer"].shape
+        window = cls(size, layers, logical)
+        window.buffer.copy_(state["buffer"])
+        window.filled, window.position = state["filled"], state["position"]
+        return window
+
+
+def balancedness_of(physical_counts: torch.Tensor, num_ranks: int) -> float:
+    """Mean over layers of (mean rank load / max rank load); 1.0 for a layer with no tokens."""
+    rank_load = physical_counts.double().view(physical_counts.shape[0], num_ranks, -1).sum(dim=2)
+    peak = rank_load.max(dim=1).values
+    per_layer = torch.where(peak > 0, rank_load.mean(dim=1) / peak.clamp(min=1e-300), torch.ones_like(peak))
+    return float(per_layer.mean())
+
+
+# --------------------------------------------------------------------------------------------
+# records exchanged with the worker thread (frozen: a record never changes after it is sent)
+
+@dataclass(frozen=True)
+class RebalanceJob:
+    rebalance_id: int
+    load: torch.Tensor  # [layers, L] window total, identical on every rank
+    placement: Placement  # the placement being served when the job started
+    num_ranks: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class Proceed:
+    """Decode loop -> worker: the last layer is committed everywhere, transfer the next one."""
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Decode loop -> worker: commit done, start no further layer (drain, failure or last layer)."""
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Decode loop -> worker: leave the thread."""
+
+
+@dataclass(frozen=True)
+class PlacementComputed:
+    rebalance_id: int
+    layers: tuple[int, ...]  # layers whose row changes, in transfer order
+    seconds: float
+
+
+@dataclass(frozen=True)
+class LayerReady:
+    rebalance_id: int
+    layer: int
+    new_row: torch.Tensor  # [P]
+    rank_plan: Any
+    stats: TransferStats
+
+
+@dataclass(frozen=True)
+class RebalanceFinished:
+    rebalance_id: int
+    layers_transferred: int
+    drained: bool  # stopped early because the decode loop asked it to
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    rebalance_id: int
+    layer: int | None
+    error_type: str
+    message: str
+    traceback: str
+
+
+# --------------------------------------------------------------------------------------------
+# the async worker thread
+
+class AsyncEPLBWorker:
+    """A background thread per rank that computes placements and fills the staging buffer.
+
+    Lifecycle, driven by the decode loop / control plane: :meth:`start`, :meth:`submit` a job,
+    answer each :class:`LayerReady` with :meth:`proceed` or :meth:`finish`, :meth:`stop`
+    (join with a timeout). ``restart`` is ``stop`` then a new worker on the new group.
+    """
+
+    def __init__(self, *, config: EPLBConfig, weights: Callable[[], list[list[torch.Tensor]]],
+                 staging: list[torch.Tensor], group: Any, rank: int, name: str = "eplb-async"):
+        self.config = config
+        self._weights = weights
+        self.staging = staging
+        self.group = group
+        self.rank = rank
+        self._inbox: "queue.Queue[object]" = queue.Queue()
+        self.events: "queue.Queue[object]" = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-rank{rank}", daemon=True)
+        self.last_progress = time.monotonic()
+
+    # -- decode-loop side --------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, job: RebalanceJob) -> None:
+        self._inbox.put(job)
+
+    def proceed(self) -> None:
+        self._inbox.put(Proceed())
+
+    def finish(self) -> None:
+        self._inbox.put(Finish())
+
+    def stop(self, timeout: float) -> bool:
+        """Ask the thread to leave and join it; True when it is gone within ``timeout``."""
+        self._inbox.put(Shutdown())
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    # -- the thread ------------------------------------------------------------------------
+    def _post(self, event: object) -> None:
+        self.last_progress = time.monotonic()
+        self.events.put(event)
+
+    def _run(self) -> None:
+        while True:
+            message = self._inbox.get()
+            if isinstance(message, Shutdown):
+                return
+            if isinstance(message, RebalanceJob):
+                if not self._rebalance(message):
+                    return
+            # a stray Proceed/Finish (e.g. after a failure) needs no answer
+
+    def _rebalance(self, job: RebalanceJob) -> bool:
+        """Run one job; False when asked to shut down in the middle."""
+        layer: int | None = None
+        done = 0
+        try:
+            started = time.perf_counter()
+            new = compute_placement(
+                job.load, job.placement.num_physical, job.num_ranks,
+                num_groups=self.config.policy_options.get("num_groups", 1),
+                num_nodes=self.config.policy_options.get("num_nodes", 1),
+                policy=self.config.policy, previous=job.placement,
+                **{k: v for k, v in self.config.policy_options.items() if k not in ("num_groups", "num_nodes")},
+            )
+            changed = tuple(
+                int(i) for i in (new.physical_to_logical != job.placement.physical_to_logical).any(dim=1).nonzero().flatten()
+            )
+            self._post(PlacementComputed(job.rebalance_id, changed, time.perf_counter() - started))
+            slots = job.placement.slots_per_rank(job.num_ranks)
+            identity = list(range(job.num_ranks))
+            timeout = timedelta(seconds=self.config.transfer_timeout_s)
+            for layer in changed:
+                old_row = job.placement.physical_to_logical[layer]
+                new_row = new.physical_to_logical[layer]
+                plan = plan_layer(old_row, new_row, slots, slots, identity, identity)
+                rank_plan = plan.for_rank(self.rank)
+                stats = execute_layer(
+                    plan, self.rank, self._weights()[layer], self.staging, group=self.group,
+                    timeout=timeout, max_ops_per_batch=self.config.max_ops_per_batch, layer=layer,
+                )
+                self._post(LayerReady(job.rebalance_id, layer, new_row.clone(), rank_plan, stats))
+                answer = self._inbox.get()  # the decode loop answers after the commit step
+                done += 1
+                if isinstance(answer, Shutdown):
+                    return False
+                if isinstance(answer, Finish):
+                    self._post(RebalanceFinished(job.rebalance_id, done, drained=layer != changed[-1]))
+                    return True
+            self._post(RebalanceFinished(job.rebalance_id, done, drained=False))
+        except Exception as exc:  # noqa: BLE001 - every failure goes back as data
+            self._post(WorkerFailed(job.rebalance_id, layer, type(exc).__name__, str(exc), traceback.format_exc()))
+        return True
+
+
+# --------------------------------------------------------------------------------------------
+# the decode loop's side
+
+@dataclass
+class EPLBStats:
+    rebalances_started: int = 0
+    rebalances_finished: int = 0
+    rebalances_failed: int = 0
+    layers_committed: int = 0
+    bytes_moved: int = 0
+    watchdog_stalls: int = 0
+    last_balancedness: float = 1.0
+    balancedness_before: float | None = None  # window balancedness under the old placement
+    last_failure: WorkerFailed | None = None
+    placement_seconds: float = 0.0
+    sync_stall_seconds: list[float] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["last_failure"] = None if self.last_failure is None else {
+            "layer": self.last_failure.layer, "error_type": self.last_failure.error_type, "message": self.last_failure.message}
+        return d
+
+
+# control vector indices (MAX-reduced over ranks)
+NOT_READY = 0  # 1 when this rank has no staged layer waiting (or none in flight)
+FAILED = 1  # 1 when this rank's worker reported a failure
+BUSY = 2  # 1 while this rank has a rebalance in flight
+CONTROL_WORDS = 3
+
+
+class EPLBState:
+    """The EPLB of one rank, driven once per step by the decode loop."""
+
+    def __init__(self, config: EPLBConfig, model: Any, placement: Placement, rank: int, num_ranks: int,
+                 *, group: Any = None, window: LoadWindow | None = None,
+                 on_event: Callable[[str, dict[str, Any]], None] | None = None):
+        self.config = config
+        self.model = model
+        self.placement = placement
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.group = group
+        self.window = window or LoadWindow(config.window_size, placement.num_layers, placement.num_logical)
+        self.stats = EPLBStats()
+        self.on_event = on_event or (lambda kind, data: None)
+        self.worker: AsyncEPLBWorker | None = None
+        self.staging: list[torch.Tensor] = []
+        self.draining = False
+        self.in_flight: int | None = None  # rebalance id being transferred, if any
+        self.ready: LayerReady | None = None
+        self.in_flight_layer: int | None = None
+        self._next_id = 0
+        self.steps_since_rebalance = 0
+        self.all_idle = True
+
+    # -- lifecycle (driven by the control plane) -----------------------------------------------
+    def start_worker(self, group: Any = None) -> None:
+        """Start the async worker on ``group`` (the dedicated EPLB group)."""
+        if not (self.config.enabled and self.config.use_async):
+            return
+        if self.worker is not None and self.worker.alive:
+            raise RuntimeError("the async EPLB worker is already running")
+        self.group = group if group is not None else self.group
+        weights = self.model.expert_weights()
+        # one layer of local experts, allocated once per group generation, never per layer
+        self.staging = [torch.empty_like(t) for t in weights[0]]
+        self.worker = AsyncEPLBWorker(config=self.config, weights=self.model.expert_weights, staging=self.staging,
+                                      group=self.group, rank=self.rank)
+        self.worker.start()
+        self.draining = False
+
+    def begin_drain(self) -> None:
+        """No new rebalance starts; the in-flight layer (if any) still completes and commits."""
+        self.draining = True
+
+    def stop_worker(self, timeout: float) -> bool:
+        """Join the async thread (after a drain). True when it is gone within ``timeout``."""
+        if self.worker is None:
+            return True
+        gone = self.worker.stop(timeout)
+        if gone:
+            self.worker = None
+            self.staging = []
+        return gone
+
+    def resume(self) -> None:
+        self.draining = False
+
+    # -- per step ------------------------------------------------------------------------------
+    def record(self, physical_counts: torch.Tensor) -> float:
+        """Record one step's global tokens per physical slot; returns the step's balancedness."""
+        logical = torch.zeros(self.placement.num_layers, self.placement.num_logical, dtype=torch.int64)
+        logical.scatter_add_(1, self.placement.physical_to_logical, physical_counts.long())
+        self.window.record(logical)
+        self.stats.last_balancedness = balancedness_of(physical_counts, self.num_ranks)
+        return self.stats.last_balancedness
+
+    def _drain_events(self) -> None:
+        if self.worker is None:
+            return
+        while True:
+            try:
+                event = self.worker.events.get_nowait()
+            except queue.Empty:
+                return
+            if getattr(event, "rebalance_id", None) != self.in_flight:
+                continue  # a late record of a rebalance already aborted
+            if isinstance(event, LayerReady):
+                self.ready = event
+            elif isinstance(event, PlacementComputed):
+                self.stats.placement_seconds = event.seconds
+                if event.layers:
+                    self.in_flight_layer = event.layers[0]
+            elif isinstance(event, RebalanceFinished):
+                self.in_flight = None
+                self.in_flight_layer = None
+                self.stats.rebalances_finished += 1
+                self.on_event("rebalance_finished", {"layers": event.layers_transferred, "drained": event.drained})
+            elif isinstance(event, WorkerFailed):
+                self.stats.last_failure = event
+                self._failure = event
+
+    _failure: WorkerFailed | None = None
+
+    def control(self) -> list[int]:
+        """This rank's control words, to be MAX-reduced with every other rank's."""
+        words = [0] * CONTROL_WORDS
+        self._drain_events()
+        words[NOT_READY] = 0 if self.ready is not None else 1
+        words[FAILED] = 1 if self._failure is not None else 0
+        words[BUSY] = 1 if self.in_flight is not None else 0
+        if self.worker is not None and self.in_flight is not None and self.ready is None:
+            if time.monotonic() - self.worker.last_progress > self.config.watchdog_s:
+                self.stats.watchdog_stalls += 1
+                self.worker.last_progress = time.monotonic()  # count each stall period once
+                self.on_event("watchdog_stall", {"rebalance": self.in_flight, "layer": self.in_flight_layer})
+        return words
+
+    def after_sync(self, reduced: list[int]) -> None:
+        """Act on the reduced control words: identical input on every rank, identical decisions.
+
+        ``BUSY`` is agreed, not local: a rank whose worker already reported the end of a
+        rebalance still waits until every rank's has, so no rank starts the next one alone.
+        """
+        self.all_idle = not reduced[BUSY]
+        if not self.config.enabled:
+            return
+        if reduced[FAILED]:
+            self._abort_rebalance()
+        elif self.in_flight is not None and not reduced[NOT_READY]:
+            self._commit(self.ready)
+        self.steps_since_rebalance += 1
+        if self.steps_since_rebalance >= self.config.step_interval and not self.draining and self.all_idle:
+            self.rebalance_now()
+
+    @property
+    def drained(self) -> bool:
+        """Every rank's worker has finished (agreed at the last step boundary)."""
+        return self.all_idle
+
+    def _commit(self, ready: LayerReady) -> None:
+        layer = ready.layer
+        commit_layer(ready.rank_plan, self.staging, self.model.expert_weights()[layer])
+        self.placement = self.placement.with_layer(layer, ready.new_row)
+        self.model.install_placement(self.placement, self.rank, self.num_ranks)
+        self.stats.layers_committed += 1
+        self.stats.bytes_moved += ready.stats.bytes_received
+        self.ready = None
+        self.in_flight_layer = None
+        self.on_event("layer_committed", {"layer": layer, "bytes": ready.stats.bytes_received})
+        if self.draining:
+            self.worker.finish()
+        else:
+            self.worker.proceed()
+        # the worker answers with the next LayerReady or RebalanceFinished; until that arrives
+        # the rebalance stays in flight so no new one starts and a drain waits for it
+
+    def _abort_rebalance(self) -> None:
+        failure = self._failure
+        self.stats.rebalances_failed += 1
+        self.in_flight = None
+        self.ready = None
+        self.in_flight_layer = None
+        self._failure = None
+        if self.worker is not None:
+            self.worker.finish()
+        self.on_event("rebalance_failed", {"error": None if failure is None else f"{failure.error_type}: {failure.message}"})
+
+    def rebalance_now(self) -> None:
+        """Start a rebalance (async: hand a job to the worker; sync: move every layer now)."""
+        self.steps_since_rebalance = 0
+        load = self.window.total()
+        self.stats.balancedness_before = float(self.placement.balancedness(load, self.num_ranks).mean())
+        self.stats.rebalances_started += 1
+        self._next_id += 1
+        if self.config.use_async:
+            if self.worker is None:
+                return  # suppressed: no worker, nothing starts
+            self.in_flight = self._next_id
+            self.all_idle = False
+            self.worker.submit(RebalanceJob(self._next_id, load, self.placement, self.num_ranks, self.rank))
+            self.on_event("rebalance_started", {"id": self._next_id, "mode": "async"})
+        else:
+            self._rebalance_sync(load)
+
+    def _rebalance_sync(self, load: torch.Tensor) -> None:
+        started = time.perf_counter()
+        new = compute_placement(
+            load, self.placement.num_physical, self.num_ranks,
+            num_groups=self.config.policy_options.get("num_groups", 1),
+            num_nodes=self.config.policy_options.get("num_nodes", 1),
+            policy=self.config.policy, previous=self.placement,
+            **{k: v for k, v in self.config.policy_options.items() if k not in ("num_groups", "num_nodes")},
+        )
+        slots = self.placement.slots_per_rank(self.num_ranks)
+        identity = list(range(self.num_ranks))
+        weights = self.model.expert_weights()
+        if not self.staging:
+            self.staging = [torch.empty_like(t) for t in weights[0]]
+        timeout = timedelta(seconds=self.config.transfer_timeout_s)
+        for layer in range(self.placement.num_layers):
+            old_row, new_row = self.placement.physical_to_logical[layer], new.physical_to_logical[layer]
+            if torch.equal(old_row, new_row):
+                continue
+            plan = plan_layer(old_row, new_row, slots, slots, identity, identity)
+            rank_plan = plan.for_rank(self.rank)
+            stats = execute_layer(plan, self.rank, weights[layer], self.staging, group=self.group,
+                                  timeout=timeout, max_ops_per_batch=self.config.max_ops_per_batch, layer=layer)
+            commit_layer(rank_plan, self.staging, weights[layer])
+            self.stats.layers_committed += 1
+            self.stats.bytes_moved += stats.bytes_received
+        self.placement = new
+        self.model.install_placement(self.placement, self.rank, self.num_ranks)
+        self.stats.rebalances_finished += 1
+        self.stats.sync_stall_seconds.append(time.perf_counter() - started)
+        self.on_event("rebalance_finished", {"mode": "sync", "seconds": self.stats.sync_stall_seconds[-1]})

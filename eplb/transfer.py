@@ -1,0 +1,402 @@
+"""Executing a :class:`~eplb.plan.LayerPlan` over a ``torch.distributed`` group, with deadlines.
+
+The flow for one layer, on every rank of the executing group::
+
+    plan = plan_layer(old_row, new_row, S_old, S_new, old_holder, new_holder)   # same on all ranks
+    stats = execute_layer(plan, my_group_rank, old_weights, staging, group=g, timeout=30, layer=i)
+    commit_layer(plan.for_rank(my_group_rank), staging, weights)     # same S: changed slots only
+    # or, when S changes / the worker is fresh:  materialize(rank_plan, old_weights, staging)
+    #                                            and staging *is* the new weights.
+
+Weights are a sequence of tensors per layer (e.g. ``[w13, w2]``), each ``[slots, ...]``; slot
+``i`` of every tensor together is one expert. ``old_weights`` has ``S_old`` slots (the worker's
+old local slots; empty or ``None`` for a fresh worker), ``staging`` has ``S_new`` (empty or
+``None`` for a leaving worker), with the same number of tensors, dtypes and trailing shapes.
+
+Network protocol (deadlock free, no collective needed):
+
+- The global transfer list of the plan (identical on every rank) expands into a global op
+  list, one op per weight tensor per transfer: op ``k = transfer.index * T + w``.
+- That list is cut into consecutive chunks of ``max_ops_per_batch`` ops, identically on every
+  rank (so ``max_ops_per_batch`` must be the same everywhere). For each chunk in order, a
+  rank posts only its own ops of the chunk (``isend`` as sender, ``irecv`` as receiver)
+  through ``torch.distributed.batch_isend_irecv`` and waits for all of them before the next
+  chunk. A chunk's sends and receives all lie in that chunk, so chunk ``c`` completes once
+  every rank is done with its earlier chunks: no cycle, no deadlock. Ranks without ops in a
+  chunk skip it. Between one pair of ranks ops are posted in the same global order on both
+  sides, so messages match.
+- Every rank of the group whose part is not idle must call :func:`execute_layer` for the
+  layer. Idle ranks may call it (it returns at once) or not.
+- Every wait has a deadline (``timeout`` for the whole network phase of the layer). A peer
+  that does not post its side makes the wait raise :class:`TransferTimeout`; a peer whose
+  connection breaks raises :class:`TransferError`; both name the layer and the peers.
+  After either, ops may still be pending on the group: the group must be treated as broken
+  (aborted/replaced), never reused for another transfer.
+
+Peers: ``torch.distributed``'s ``P2POp`` takes GLOBAL ranks (ranks of the default group), so
+plan group ranks are translated with ``torch.distributed.get_global_rank(group, r)`` when
+``group`` is a subgroup. With ``group=None`` (default group) group rank == global rank.
+
+With NCCL, note torch's rule that if ``batch_isend_irecv`` is the first collective on the
+group, every rank of the group must take part; run one collective (e.g. a barrier) on a fresh
+group before the first transfer.
+
+After the network phase: received experts are fanned out locally to their other slots, local
+copies are made from ``old_weights``, and reloads are filled from ``reload_fn(expert)``.
+Kept slots of ``staging`` are never touched.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from eplb.plan import LayerPlan, RankPlan, Transfer
+
+__all__ = [
+    "TransferError",
+    "TransferStats",
+    "TransferTimeout",
+    "commit_layer",
+    "execute_layer",
+    "materialize",
+]
+
+
+class TransferError(RuntimeError):
+    """A layer's transfer failed (a peer's connection broke, a reload failed, ...).
+
+    Fields: ``layer`` (index or None), ``rank`` (the raising group rank), ``peers`` (group
+    ranks involved in what failed), ``timeout`` (seconds, when a deadline applied),
+    ``waiting`` (a description of what was being waited for), ``cause`` (the original error
+    text, if any).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        layer: int | None = None,
+        rank: int | None = None,
+        peers: Sequence[int] = (),
+        timeout: float | None = None,
+        waiting: str = "",
+        cause: str = "",
+    ):
+        self.message = message
+        self.layer = layer
+        self.rank = rank
+        self.peers = tuple(sorted(set(peers)))
+        self.timeout = timeout
+        self.waiting = waiting
+        self.cause = cause
+        super().__init__(self._describe())
+
+    def _describe(self) -> str:
+        where = f"layer {self.layer}" if self.layer is not None else "layer ?"
+        if self.rank is not None:
+            where += f", rank {self.rank}"
+        text = f"{where}: {self.message}"
+        if self.peers:
+            text += f"; peers {list(self.peers)}"
+        if self.waiting:
+            text += f"; waiting for {self.waiting}"
+        if self.cause:
+            text += f" ({self.cause})"
+        return text
+
+    def __reduce__(self):
+        kwargs = dict(layer=self.layer, rank=self.rank, peers=self.peers, timeout=self.timeout,
+                      waiting=self.waiting, cause=self.cause)
+        return (_rebuild_error, (type(self), self.message, kwargs))
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """A wait of a layer's transfer passed its deadline (a peer stuck, slow or gone)."""
+
+
+def _rebuild_error(cls, message, kwargs):
+    return cls(message, **kwargs)
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """What one rank did for one layer. Counts are experts (not tensors); bytes are summed over tensors."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    num_sends: int = 0
+    num_recvs: int = 0
+    num_local_copies: int = 0
+    num_reloads: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class _Op:
+    index: int  # global op index
+    is_send: bool
+    peer: int  # group rank
+    transfer: Transfer
+    tensor: torch.Tensor  # what is sent / received into (contiguous)
+    target: torch.Tensor | None  # for a recv into a non-contiguous slot: where to copy after
+
+
+def _tensors(ts: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+    return list(ts) if ts is not None else []
+
+
+def _expert_bytes(ts: Sequence[torch.Tensor]) -> int:
+    return sum(t[0].numel() * t.element_size() for t in ts) if ts and ts[0].shape[0] else 0
+
+
+def _seconds(timeout: timedelta | float) -> float:
+    value = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if not value > 0:
+        raise ValueError(f"timeout must be positive, got {timeout!r}")
+    return value
+
+
+def _check_args(rp: RankPlan, old: list[torch.Tensor], staging: list[torch.Tensor], reload_fn) -> int:
+    """Validate buffers against the rank's part; return the number of tensors per expert."""
+    needs_old = bool(rp.sends or rp.local_copies)
+    needs_new = bool(rp.recvs or rp.local_copies or rp.reloads)
+    if needs_old:
+        if not old:
+            raise ValueError(f"rank {rp.group_rank} sends or copies locally but was given no old weights")
+        for w, t in enumerate(old):
+            if t.dim() < 1 or t.shape[0] != rp.num_old_slots:
+                raise ValueError(
+                    f"old_weights[{w}] has shape {tuple(t.shape)}, expected {rp.num_old_slots} old slots first"
+                )
+    if needs_new:
+        if not staging:
+            raise ValueError(f"rank {rp.group_rank} receives or fills slots but was given no staging buffer")
+        for w, t in enumerate(staging):
+            if t.dim() < 1 or t.shape[0] != rp.num_new_slots:
+                raise ValueError(
+                    f"staging[{w}] has shape {tuple(t.shape)}, expected {rp.num_new_slots} new slots first"
+                )
+    if old and staging and needs_old and needs_new:
+        if len(old) != len(staging):
+            raise ValueError(f"{len(old)} old weight tensors but {len(staging)} staging tensors")
+        for w, (a, b) in enumerate(zip(old, staging)):
+            if a.dtype != b.dtype or a.shape[1:] != b.shape[1:]:
+                raise ValueError(
+                    f"tensor {w}: old weights {a.dtype}{list(a.shape[1:])} vs staging {b.dtype}{list(b.shape[1:])}"
+                )
+    if rp.reloads and reload_fn is None:
+        experts = [r.expert for r in rp.reloads]
+        raise ValueError(f"rank {rp.group_rank} must reload experts {experts} but no reload_fn was given")
+    return len(staging) if (needs_new and staging) else len(old)
+
+
+def _global_rank(group, group_rank: int) -> int:
+    if group is None or group is dist.GroupMember.WORLD:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def _describe_ops(ops: Sequence[_Op]) -> str:
+    parts = []
+    for op in ops[:6]:
+        t = op.transfer
+        if op.is_send:
+            parts.append(f"send of expert {t.expert} to rank {op.peer}")
+        else:
+            parts.append(f"recv of expert {t.expert} from rank {op.peer}")
+    if len(ops) > 6:
+        parts.append(f"... {len(ops) - 6} more ops")
+    return ", ".join(dict.fromkeys(parts))
+
+
+def _pending(ops: list[_Op], works: list) -> list[_Op]:
+    if len(works) != len(ops):  # a coalesced backend: one work for the whole chunk
+        return list(ops)
+    out = []
+    for op, work in zip(ops, works):
+        try:
+            done = work.is_completed()
+        except Exception:  # noqa: BLE001
+            done = False
+        if not done:
+            out.append(op)
+    return out or list(ops)
+
+
+def execute_layer(
+    plan: RankPlan | LayerPlan,
+    my_group_rank: int | None = None,
+    old_weights: Sequence[torch.Tensor] | None = None,
+    staging: Sequence[torch.Tensor] | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
+    timeout: timedelta | float = 60.0,
+    max_ops_per_batch: int = 64,
+    reload_fn: Callable[[int], Sequence[torch.Tensor]] | None = None,
+    layer: int | None = None,
+) -> TransferStats:
+    """Fill ``staging`` with every slot this rank's part changes; return what was done.
+
+    ``plan`` is the layer's :class:`LayerPlan` (then ``my_group_rank`` defaults to
+    ``dist.get_rank(group)``) or this rank's :class:`RankPlan`. ``timeout`` (seconds or a
+    timedelta) bounds the network phase; ``max_ops_per_batch`` must be equal on every rank.
+    ``reload_fn(expert)`` returns one tensor per weight tensor (trailing shape of a slot) for
+    experts no live worker holds. Raises :class:`TransferTimeout` / :class:`TransferError`
+    on a stuck or broken peer, ``ValueError`` on buffers that do not fit the plan.
+    """
+    started = time.monotonic()
+    limit = _seconds(timeout)
+    if isinstance(plan, LayerPlan):
+        if my_group_rank is None:
+            my_group_rank = dist.get_rank(group)
+        rp = plan.for_rank(my_group_rank)
+    else:
+        rp = plan
+        if my_group_rank is not None and my_group_rank != rp.group_rank:
+            raise ValueError(f"rank plan is for group rank {rp.group_rank}, not {my_group_rank}")
+    if isinstance(max_ops_per_batch, bool) or not isinstance(max_ops_per_batch, int) or max_ops_per_batch < 1:
+        raise ValueError(f"max_ops_per_batch must be a positive int, got {max_ops_per_batch!r}")
+    me = rp.group_rank
+    old = _tensors(old_weights)
+    new = _tensors(staging)
+    num_tensors = _check_args(rp, old, new, reload_fn)
+
+    # ---- network phase: chunks of the global op list --------------------------------------
+    chunks: dict[int, list[_Op]] = {}
+    if rp.sends or rp.recvs:
+        if num_tensors < 1:
+            raise ValueError("experts have no weight tensors")
+        for t in rp.sends:
+            for w in range(num_tensors):
+                k = t.index * num_tensors + w
+                src = old[w][t.src_slot]
+                chunks.setdefault(k // max_ops_per_batch, []).append(
+                    _Op(k, True, t.dst, t, src if src.is_contiguous() else src.contiguous(), None)
+                )
+        for t in rp.recvs:
+            for w in range(num_tensors):
+                k = t.index * num_tensors + w
+                dst = new[w][t.dst_slots[0]]
+                buf, target = (dst, None) if dst.is_contiguous() else (torch.empty_like(dst), dst)
+                chunks.setdefault(k // max_ops_per_batch, []).append(_Op(k, False, t.src, t, buf, target))
+    num_chunks = -(-rp.num_transfers * num_tensors // max_ops_per_batch) if num_tensors else 0
+    deadline = started + limit
+    for c in sorted(chunks):
+        ops = sorted(chunks[c], key=lambda op: op.index)
+        p2p = [
+            dist.P2POp(dist.isend if op.is_send else dist.irecv, op.tensor, _global_rank(group, op.peer), group)
+            for op in ops
+        ]
+        try:
+            works = dist.batch_isend_irecv(p2p)
+        except RuntimeError as exc:
+            raise TransferError(
+                f"posting chunk {c + 1}/{num_chunks} failed", layer=layer, rank=me,
+                peers=[op.peer for op in ops], timeout=limit, waiting=_describe_ops(ops), cause=str(exc),
+            ) from exc
+        for work in works:
+            remaining = deadline - time.monotonic()
+            try:
+                # timedelta(0) would mean "no timeout": never pass less than a millisecond.
+                ok = work.wait(timeout=timedelta(seconds=max(remaining, 1e-3)))
+            except RuntimeError as exc:
+                pending = _pending(ops, works)
+                kwargs = dict(layer=layer, rank=me, peers=[op.peer for op in pending], timeout=limit,
+                              waiting=_describe_ops(pending), cause=str(exc).splitlines()[0][:300])
+                if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                    raise TransferTimeout(
+                        f"transfer chunk {c + 1}/{num_chunks} not done within {limit:g}s", **kwargs
+                    ) from exc
+                raise TransferError(f"transfer chunk {c + 1}/{num_chunks} failed", **kwargs) from exc
+            if ok is False:
+                pending = _pending(ops, works)
+                raise TransferTimeout(
+                    f"transfer chunk {c + 1}/{num_chunks} not done within {limit:g}s", layer=layer, rank=me,
+                    peers=[op.peer for op in pending], timeout=limit, waiting=_describe_ops(pending),
+                )
+        for op in ops:
+            if op.target is not None:
+                op.target.copy_(op.tensor)
+
+    # ---- local phase: fan out received experts, local copies, reloads ---------------------
+    for t in rp.recvs:
+        for w in range(num_tensors):
+            first = new[w][t.dst_slots[0]]
+            for j in t.dst_slots[1:]:
+                new[w][j].copy_(first)
+    for i, j in rp.local_copies:
+        for w in range(len(new)):
+            new[w][j].copy_(old[w][i])
+    for r in rp.reloads:
+        try:
+            loaded = list(reload_fn(r.expert))  # type: ignore[misc]
+        except Exception as exc:
+            raise TransferError(
+                f"reloading expert {r.expert} failed", layer=layer, rank=me, cause=f"{type(exc).__name__}: {exc}"
+            ) from exc
+        if len(loaded) != len(new) or any(a.shape != b.shape[1:] for a, b in zip(loaded, new)):
+            raise TransferError(
+                f"reload_fn({r.expert}) returned shapes {[tuple(a.shape) for a in loaded]}, "
+                f"expected {[tuple(b.shape[1:]) for b in new]}", layer=layer, rank=me,
+            )
+        for w, value in enumerate(loaded):
+            for j in r.slots:
+                new[w][j].copy_(value)
+
+    return TransferStats(
+        bytes_sent=len(rp.sends) * _expert_bytes(old),
+        bytes_received=len(rp.recvs) * _expert_bytes(new),
+        num_sends=len(rp.sends),
+        num_recvs=len(rp.recvs),
+        num_local_copies=len(rp.local_copies),
+        num_reloads=len(rp.reloads),
+        seconds=time.monotonic() - started,
+    )
+
+
+def commit_layer(
+    rank_plan: RankPlan, staging: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]
+) -> int:
+    """Copy every changed slot from ``staging`` into ``weights`` in place; kept slots are untouched.
+
+    Needs ``weights`` with the new slot count (``S_new``); when the slot count changes (or the
+    worker is fresh), use :func:`materialize` instead. Returns the number of slots written.
+    """
+    changed = rank_plan.changed_slots
+    if not changed:
+        return 0
+    if len(staging) != len(weights):
+        raise ValueError(f"{len(staging)} staging tensors but {len(weights)} weight tensors")
+    for w, (s, t) in enumerate(zip(staging, weights)):
+        if t.shape[0] != rank_plan.num_new_slots or s.shape[0] != rank_plan.num_new_slots:
+            raise ValueError(
+                f"tensor {w}: weights {tuple(t.shape)} / staging {tuple(s.shape)} must both have "
+                f"{rank_plan.num_new_slots} slots (slot count changed? use materialize)"
+            )
+    for s, t in zip(staging, weights):
+        for j in changed:
+            t[j].copy_(s[j])
+    return len(changed)
+
+
+def materialize(
+    rank_plan: RankPlan, old_weights: Sequence[torch.Tensor] | None, staging: Sequence[torch.Tensor]
+) -> Sequence[torch.Tensor]:
+    """Copy the kept slots from ``old_weights`` into ``staging``; ``staging`` then is the new weights.
+
+    For a rescale where the slot count changes, or a fresh worker (no kept slots). Returns ``staging``.
+    """
+    if rank_plan.keeps:
+        old = _tensors(old_weights)
+        if len(old) != len(staging):
+            raise ValueError(f"{len(old)} old weight tensors but {len(staging)} staging tensors")
+        for o, s in zip(old, staging):
+            for j in rank_plan.keeps:
+                s[j].copy_(o[j])
+    return staging
