@@ -190,7 +190,7 @@ class Coordinator:
             seed=cfg.seed, num_physical=self.num_physical, backend=cfg.backend,
             collective_timeout_s=cfg.timeouts.collective, join_timeout_s=cfg.timeouts.worker_start,
             heartbeat_s=cfg.heartbeat_s, step_delay_s=cfg.step_delay_s, first_command=first_command,
-            faults=tuple(f for f in self.faults if getattr(f, "applies_to_spawn", True)),
+            faults=tuple(self.faults),
         )
         handle = self.launcher.launch(spec)
         record = WorkerRecord(handle, rank, generation)

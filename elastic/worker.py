@@ -30,9 +30,10 @@ from eplb.config import EPLBConfig
 from eplb.model import ModelShape, ReferenceMoE
 from eplb.placement import Placement
 from eplb.plan import holders_from_mapping, plan_layer
-from eplb.state import CONTROL_WORDS, EPLBState, LoadWindow
+from eplb.state import CONTROL_WORDS, EPLBState, LoadWindow, TransferHooks
 from eplb.trace import PhasedTrace, TraceConfig
 from eplb.transfer import execute_layer, materialize
+from elastic import faults as f
 from elastic import protocol as p
 from elastic.groups import GroupGeneration, connect_store
 
@@ -89,6 +90,8 @@ class Worker:
         self.group: GroupGeneration | None = None
         self.model: ReferenceMoE | None = None
         self.eplb: EPLBState | None = None
+        self._fired: set[Any] = set()
+        self._corrupted = 0
 
     # -- reporting -------------------------------------------------------------------------
     def _base(self) -> dict[str, Any]:
@@ -100,11 +103,47 @@ class Worker:
     def _eplb_event(self, kind: str, data: dict[str, Any]) -> None:
         self.report(p.WorkerEvent, step=self.step, kind=kind, data=data)
 
+    # -- faults (tests and scenarios only) -----------------------------------------------
+    def _faults(self, kind: type) -> list[Any]:
+        return [x for x in self.spec.faults if isinstance(x, kind) and x.rank == self.rank
+                and (x.generation is None or x.generation == self.generation)]
+
+    def _apply_step_faults(self) -> None:
+        for fault in self._faults(f.KillRank):
+            if fault.at_step is not None and self.step >= fault.at_step:
+                os._exit(17)
+        for fault in self._faults(f.StallRank):
+            if self.step >= fault.at_step and fault not in self._fired:
+                self._fired.add(fault)
+                time.sleep(fault.seconds)
+
+    def _apply_phase_faults(self, command: p.Command) -> None:
+        phase = {p.Drain: "draining", p.Suppress: "suppressed", p.Rescale: "rescaling", p.Resume: "resuming"}.get(type(command))
+        for fault in self._faults(f.KillRank):
+            if phase is not None and fault.in_phase == phase:
+                os._exit(17)
+
+    def _hooks(self) -> TransferHooks:
+        def before_layer(layer: int) -> None:
+            for fault in self._faults(f.DelayTransfer):
+                time.sleep(fault.seconds)
+
+        def after_fill(layer: int, rank_plan: Any, staging: list[torch.Tensor]) -> None:
+            for fault in self._faults(f.CorruptBuffer):
+                if self._corrupted < fault.times and rank_plan.changed_slots:
+                    self._corrupted += 1
+                    staging[0][rank_plan.changed_slots[0]].add_(1.0)
+
+        verify = self.model.verify_staged if self.spec.eplb.verify_transfers else None
+        return TransferHooks(before_layer=before_layer, after_fill=after_fill,
+                             verify_staged=(lambda *a: verify(*a)) if verify else None)
+
     # -- startup ---------------------------------------------------------------------------
     def start(self) -> None:
         spec = self.spec
         if spec.first_command is not None:  # a fresh rank: it joins through the rescale
             self.received_seq = self.executed_seq = spec.first_command.seq
+            self._apply_phase_faults(spec.first_command)
             self._rescale(spec.first_command, fresh=True)
             return
         self.group = GroupGeneration.join(self.store, self.generation, self.rank, self.size,
@@ -112,6 +151,7 @@ class Worker:
         placement = Placement.static(spec.shape.num_layers, spec.shape.num_experts, spec.num_physical)
         self.model = ReferenceMoE(spec.shape, placement, self.rank, self.size, seed=spec.seed)
         self.eplb = EPLBState(spec.eplb, self.model, placement, self.rank, self.size, on_event=self._eplb_event)
+        self.eplb.hooks = self._hooks()
         self._resume_eplb()
         self.report(p.PhaseDone, seq=0, phase="Started", step=self.step, detail={"num_physical": placement.num_physical})
 
@@ -150,10 +190,12 @@ class Worker:
         return True
 
     def _execute(self, command: p.Command) -> None:
+        self._apply_phase_faults(command)
         if isinstance(command, p.Drain):
             self.eplb.begin_drain()
             self.mode = "draining"
             self.draining_op = command
+            self.drain_started_step = self.step
         elif isinstance(command, p.Suppress):
             if not self.eplb.drained:
                 raise RuntimeError("suppress before the drain finished: a transfer is still in flight")
@@ -264,6 +306,7 @@ class Worker:
             self.model.replace_weights([])
             self.eplb = EPLBState(self.spec.eplb, self.model, old_placement, new_rank, cmd.new_size,
                                   window=LoadWindow.from_state(state["window"]), on_event=self._eplb_event)
+            self.eplb.hooks = self._hooks()
             self.eplb.stats = state["stats"]
             self.eplb.steps_since_rebalance = state["steps_since_rebalance"]
         else:
@@ -326,13 +369,15 @@ class Worker:
         return control.tolist()
 
     def decode_step(self) -> None:
+        self._apply_step_faults()
         reduced = self._sync()
         if not self._run_commands_up_to(reduced[0]) or self.stopping:
             return
         self.eplb.after_sync(reduced[1 : 1 + CONTROL_WORDS])
         if self.draining_op is not None and self.eplb.drained:
             op, self.draining_op = self.draining_op, None
-            self._done(op, {"layers_committed": self.eplb.stats.layers_committed})
+            self._done(op, {"layers_committed": self.eplb.stats.layers_committed,
+                            "steps_while_draining": self.step - self.drain_started_step})
         started = time.perf_counter()
         logical = self.trace.token_counts(self.step, self.rank)
         physical = self.model.route(logical)
@@ -349,6 +394,8 @@ class Worker:
             time.sleep(self.spec.step_delay_s)
 
     def _maybe_heartbeat(self, step_seconds: float, physical: torch.Tensor | None, force: bool = False) -> None:
+        if any(self.step >= fault.from_step for fault in self._faults(f.DropHeartbeats)):
+            return
         now = time.monotonic()
         if not force and now - self.last_heartbeat < self.spec.heartbeat_s:
             return

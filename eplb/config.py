@@ -21,4 +21,5 @@ class EPLBConfig(BaseModel):
     transfer_timeout_s: float = Field(30.0, gt=0, description="deadline of every transfer wait")
     max_ops_per_batch: int = Field(64, ge=2, description="p2p ops in one batch_isend_irecv call")
     watchdog_s: float = Field(10.0, gt=0, description="an async handshake that has not moved this long is flagged as a stall")
+    verify_transfers: bool = Field(False, description="check every staged layer against the model's own check before committing it")
     communicator: Literal["auto", "gloo", "nccl"] = "auto"

@@ -160,6 +160,16 @@ class ReferenceMoE:
                     bad.append((layer, view.first_slot + local))
         return bad
 
+    def verify_staged(self, layer: int, new_row: torch.Tensor, rank_plan, staging: list[torch.Tensor]) -> list[int]:
+        """Local slots of a staged layer that do not hold exactly the expert ``new_row`` assigns."""
+        first = rank_plan.num_new_slots * self.rank
+        wrong = []
+        for local in rank_plan.changed_slots:
+            want = self.canonical_expert(layer, int(new_row[first + local]))
+            if not all(torch.equal(s[local], c) for s, c in zip(staging, want)):
+                wrong.append(local)
+        return wrong
+
     # -- compute ------------------------------------------------------------------------
     def route(self, logical_counts: torch.Tensor) -> torch.Tensor:
         """``[layers, L]`` logical token counts of this rank's batch -> ``[layers, P]`` per slot."""

@@ -43,7 +43,7 @@ log = logging.getLogger("eplb")
 
 __all__ = [
     "AsyncEPLBWorker", "EPLBState", "EPLBStats", "LoadWindow", "RebalanceJob", "LayerReady",
-    "WorkerFailed", "RebalanceFinished", "balancedness_of",
+    "WorkerFailed", "RebalanceFinished", "balancedness_of", "TransferHooks", "StagedWeightsCorrupt",
 ]
 
 
@@ -152,6 +152,25 @@ class WorkerFailed:
 # --------------------------------------------------------------------------------------------
 # the async worker thread
 
+@dataclass(frozen=True)
+class TransferHooks:
+    """Optional callbacks around each async layer transfer.
+
+    ``before_layer(layer)`` runs before the transfer (fault injection: a slow link);
+    ``after_fill(layer, rank_plan, staging)`` runs once the staging buffer is filled (fault
+    injection: corruption); ``verify_staged(layer, new_row, rank_plan, staging)`` returns the
+    local slots whose staged weights are wrong, and a non-empty answer fails the layer, so
+    a corrupted buffer is never committed.
+    """
+
+    before_layer: Callable[[int], None] | None = None
+    after_fill: Callable[[int, Any, list[torch.Tensor]], None] | None = None
+    verify_staged: Callable[[int, torch.Tensor, Any, list[torch.Tensor]], list[int]] | None = None
+
+
+class StagedWeightsCorrupt(RuntimeError):
+    """A received layer does not hold what the plan says: it is refused, never committed."""
+
 class AsyncEPLBWorker:
     """A background thread per rank that computes placements and fills the staging buffer.
 
@@ -161,8 +180,10 @@ class AsyncEPLBWorker:
     """
 
     def __init__(self, *, config: EPLBConfig, weights: Callable[[], list[list[torch.Tensor]]],
-                 staging: list[torch.Tensor], group: Any, rank: int, name: str = "eplb-async"):
+                 staging: list[torch.Tensor], group: Any, rank: int, name: str = "eplb-async",
+                 hooks: TransferHooks | None = None):
         self.config = config
+        self.hooks = hooks or TransferHooks()
         self._weights = weights
         self.staging = staging
         self.group = group
@@ -235,10 +256,18 @@ class AsyncEPLBWorker:
                 new_row = new.physical_to_logical[layer]
                 plan = plan_layer(old_row, new_row, slots, slots, identity, identity)
                 rank_plan = plan.for_rank(self.rank)
+                if self.hooks.before_layer is not None:
+                    self.hooks.before_layer(layer)
                 stats = execute_layer(
                     plan, self.rank, self._weights()[layer], self.staging, group=self.group,
                     timeout=timeout, max_ops_per_batch=self.config.max_ops_per_batch, layer=layer,
                 )
+                if self.hooks.after_fill is not None:
+                    self.hooks.after_fill(layer, rank_plan, self.staging)
+                if self.hooks.verify_staged is not None:
+                    wrong = self.hooks.verify_staged(layer, new_row, rank_plan, self.staging)
+                    if wrong:
+                        raise StagedWeightsCorrupt(f"layer {layer}: staged slots {wrong} do not hold their experts")
                 self._post(LayerReady(job.rebalance_id, layer, new_row.clone(), rank_plan, stats))
                 answer = self._inbox.get()  # the decode loop answers after the commit step
                 done += 1
@@ -289,8 +318,10 @@ class EPLBState:
 
     def __init__(self, config: EPLBConfig, model: Any, placement: Placement, rank: int, num_ranks: int,
                  *, group: Any = None, window: LoadWindow | None = None,
-                 on_event: Callable[[str, dict[str, Any]], None] | None = None):
+                 on_event: Callable[[str, dict[str, Any]], None] | None = None,
+                 hooks: TransferHooks | None = None):
         self.config = config
+        self.hooks = hooks
         self.model = model
         self.placement = placement
         self.rank = rank
@@ -321,7 +352,7 @@ class EPLBState:
         # one layer of local experts, allocated once per group generation, never per layer
         self.staging = [torch.empty_like(t) for t in weights[0]]
         self.worker = AsyncEPLBWorker(config=self.config, weights=self.model.expert_weights, staging=self.staging,
-                                      group=self.group, rank=self.rank)
+                                      group=self.group, rank=self.rank, hooks=self.hooks)
         self.worker.start()
         self.draining = False
 

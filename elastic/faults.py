@@ -1,0 +1,67 @@
+"""Fault injection for tests and scenarios: what to break, on which rank, when.
+
+Each fault is a small validated record the coordinator hands to the workers in their spec;
+a worker applies the ones that name its current rank. Nothing here is used in production
+paths unless a scenario or test asks for it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PHASES = ("draining", "suppressed", "rescaling", "resuming")
+
+
+class _Fault(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int = Field(ge=0, description="the rank (at the moment the fault fires) it applies to")
+    generation: int | None = Field(None, ge=0, description="only in this generation (default: any)")
+
+
+class KillRank(_Fault):
+    """The worker process dies abruptly (``os._exit``) at a step or when a phase's command reaches it."""
+
+    kind: Literal["kill"] = "kill"
+    at_step: int | None = Field(None, ge=0)
+    in_phase: Literal["draining", "suppressed", "rescaling", "resuming"] | None = None
+
+    @model_validator(mode="after")
+    def _one_trigger(self) -> "KillRank":
+        if (self.at_step is None) == (self.in_phase is None):
+            raise ValueError("a kill fault needs exactly one of at_step or in_phase")
+        return self
+
+
+class StallRank(_Fault):
+    """The worker stops answering (sleeps in its decode loop) for ``seconds`` from ``at_step``."""
+
+    kind: Literal["stall"] = "stall"
+    at_step: int = Field(ge=0)
+    seconds: float = Field(gt=0)
+
+
+class DelayTransfer(_Fault):
+    """The async EPLB worker sleeps ``seconds`` before each layer transfer (a slow link)."""
+
+    kind: Literal["delay_transfer"] = "delay_transfer"
+    seconds: float = Field(gt=0)
+
+
+class DropHeartbeats(_Fault):
+    """The worker keeps working but stops reporting from ``from_step`` on."""
+
+    kind: Literal["drop_heartbeats"] = "drop_heartbeats"
+    from_step: int = Field(0, ge=0)
+
+
+class CorruptBuffer(_Fault):
+    """Flip bits in the staging buffer after a layer is received (verification must catch it)."""
+
+    kind: Literal["corrupt_buffer"] = "corrupt_buffer"
+    times: int = Field(1, ge=1, description="how many received layers to corrupt")
+
+
+Fault = Annotated[Union[KillRank, StallRank, DelayTransfer, DropHeartbeats, CorruptBuffer], Field(discriminator="kind")]
