@@ -231,7 +231,14 @@ class Worker:
 
     def _verify(self) -> dict[str, Any]:
         placement = self.eplb.placement
+        from torch.distributed import distributed_c10d
+
         return {
+            "threads": _thread_names(),
+            "process_groups": len(distributed_c10d._world.pg_map),
+            "rss_bytes": _rss_bytes(),
+            "expert_weight_bytes": sum(t.numel() * t.element_size() for layer in self.model.expert_weights() for t in layer),
+            "staging_bytes": sum(t.numel() * t.element_size() for t in self.eplb.staging),
             "mismatched": self.model.verify(),
             "digest": placement_digest(placement),
             "replica_min": int(placement.replica_count.min()),
@@ -459,6 +466,15 @@ def _thread_names() -> list[str]:
     import threading
 
     return sorted(t.name for t in threading.enumerate())
+
+
+def _rss_bytes() -> int:
+    """Resident memory of this process now (Linux ``/proc/self/statm``), 0 where unknown."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
 
 
 def placement_digest(placement: Placement) -> str:

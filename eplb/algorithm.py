@@ -908,7 +908,7 @@ def _improve(p2l: np.ndarray, load: np.ndarray, num_gpus: int, target_peak: np.n
         d = wi[:, :, None, None] - sl3[:, None, :, :]  # [A, S_i, G, S_j]
         est_s = np.maximum(peak[:, None, None, None] - d, gl[:, None, :, None] + d)
         f_on_h = holds[ra[:, None, None], h[:, None, None], e3]  # [A, G, S] expert j already on h
-        bad_s = holds[ra[:, None, None], np.arange(g)[None, :, None], eh[:, :, None]][:, :, :, None]  # e on gj  [A,S,G,1]
+        bad_s = holds[ra[:, None, None], np.arange(g)[None, None, :], eh[:, :, None]][:, :, :, None]  # e_i on GPU j [A,S,G,1]
         bad_s = bad_s | f_on_h[:, None, :, :] | (np.arange(g)[None, None, :, None] == h[:, None, None, None])
         est_s = np.where(bad_s, np.inf, est_s).reshape(a, -1)
         best_s = est_s.argmin(axis=1)

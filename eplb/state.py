@@ -454,7 +454,8 @@ class EPLBState:
         self.stats.bytes_moved += ready.stats.bytes_received
         self.ready = None
         self.in_flight_layer = None
-        self.on_event("layer_committed", {"layer": layer, "bytes": ready.stats.bytes_received})
+        self.on_event("layer_committed", {"rebalance": ready.rebalance_id, "layer": layer,
+                                          "bytes": ready.stats.bytes_received})
         if self.draining:
             self.worker.finish()
         else:
@@ -471,7 +472,9 @@ class EPLBState:
         self._failure = None
         if self.worker is not None:
             self.worker.finish()
-        self.on_event("rebalance_failed", {"error": None if failure is None else f"{failure.error_type}: {failure.message}"})
+        self.on_event("rebalance_failed", {
+            "error": "another rank's layer failed" if failure is None else f"{failure.error_type}: {failure.message}",
+            "local": failure is not None, "layer": None if failure is None else failure.layer})
 
     def rebalance_now(self) -> None:
         """Start a rebalance (async: hand a job to the worker; sync: move every layer now)."""

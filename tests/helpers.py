@@ -1,0 +1,17 @@
+"""Assertions shared by the multi-process tests."""
+
+from __future__ import annotations
+
+
+def assert_consistent(coordinator, expected_size: int) -> dict:
+    """Every slot on every rank verified bit-exact, every expert served, every rank agrees."""
+    verdict = coordinator.verify()
+    assert sorted(verdict) == list(range(expected_size)), f"ranks {sorted(verdict)} answered, wanted {expected_size}"
+    for rank, v in verdict.items():
+        assert v["mismatched"] == [], f"rank {rank} holds wrong weights in (layer, slot) {v['mismatched']}"
+        assert v["replica_min"] >= 1, f"rank {rank}: a logical expert has no replica"
+        assert v["size"] == expected_size
+    assert len({v["digest"] for v in verdict.values()}) == 1, "ranks disagree on the maps"
+    assert len({v["generation"] for v in verdict.values()}) == 1, "ranks disagree on the generation"
+    assert len({v["num_physical"] for v in verdict.values()}) == 1
+    return verdict
