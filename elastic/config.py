@@ -35,8 +35,8 @@ class TimeoutsConfig(BaseModel):
     rescaling: float = Field(300.0, gt=0, description="experts redistributed, group replaced, workers added or retired")
     resuming: float = Field(120.0, gt=0, description="EPLB group rebuilt and async worker restarted on every rank")
     worker_start: float = Field(120.0, gt=0, description="a new worker process starts and joins the rendezvous")
-    collective: float = Field(60.0, gt=0, description="any single collective or point-to-point wait")
-    heartbeat: float = Field(10.0, gt=0, description="a worker silent this long is considered lost")
+    collective: float = Field(30.0, gt=0, description="any single collective or point-to-point wait")
+    heartbeat: float = Field(45.0, gt=0, description="a worker silent this long is considered lost (must exceed collective)")
 
     @field_validator("*", mode="after")
     @classmethod

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from elastic import protocol as p
 from elastic.deployment import DeploymentConfig
-from elastic.errors import ElasticError, InvalidScaleRequest, ScaleConflict, StaleGeneration
+from elastic.errors import ElasticError, InvalidTransition, InvalidScaleRequest, ScaleConflict, StaleGeneration
 from elastic.launcher import Launcher, LocalLauncher, WorkerHandle
 from elastic.machine import Phase, ScaleMachine, Transition
 from elastic.mapping import RankMapping
@@ -81,7 +81,8 @@ class Operation:
             "effective_size": self.effective_size,
             "pending_size": None if self.terminal else self.target_size,
             "generation_before": self.generation_before, "generation_after": self.generation_after,
-            "phases": self.phases, "error": self.error, "released_ranks": self.released_ranks,
+            "phases": {name: dict(timing) for name, timing in self.phases.items()},  # a copy: safe to serialize later
+            "error": self.error, "released_ranks": list(self.released_ranks),
             "created_at": self.created_at, "finished_at": self.finished_at,
             "idempotency_key": self.idempotency_key, "bytes_moved": self.bytes_moved,
             "paused_seconds": self.paused_seconds,
@@ -131,6 +132,11 @@ class Coordinator:
         self._threads: list[threading.Thread] = []
         self._store: dist.TCPStore | None = None
         self._subscribers: list[Callable[[str, dict[str, Any]], None]] = []
+        #: Called with the operation on its thread before a scale touches the machine; raising vetoes
+        #: the scale (the operation fails with the error, the machine stays ``running``). See elastic.hooks.
+        self.before_scale: list[Callable[[Operation], None]] = []
+        self.auto_recoveries = 0
+        self._last_generation = 0
         self.machine.subscribe(lambda t: self._emit("transition", t.to_dict()))
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -171,7 +177,7 @@ class Coordinator:
         self.launcher.shutdown()
 
     def subscribe(self, callback: Callable[[str, dict[str, Any]], None]) -> None:
-        """``callback(kind, data)`` for transitions, worker events and operation updates."""
+        """``callback(kind, data)`` for transitions, worker events and errors, operation updates and heartbeats."""
         self._subscribers.append(callback)
 
     def _emit(self, kind: str, data: dict[str, Any]) -> None:
@@ -232,6 +238,12 @@ class Coordinator:
             self._emit("worker_event", {"rank": report.rank, "step": report.step, "kind": report.kind, **report.data})
         elif isinstance(report, p.WorkerError):
             self._emit("worker_error", {"rank": report.rank, "step": report.step, "error": f"{report.error_type}: {report.message}"})
+        elif isinstance(report, p.Heartbeat) and self._subscribers:
+            self._emit("heartbeat", {"rank": report.rank, "generation": report.generation, "pid": report.pid,
+                                     "step": report.step, "step_seconds": report.step_seconds,
+                                     "balancedness": report.balancedness, "state": report.state,
+                                     "in_flight_layer": report.in_flight_layer, "rank_load": report.rank_load,
+                                     "received": time.monotonic()})
 
     def _watchdog(self) -> None:
         while not self._stop.wait(0.05):
@@ -244,10 +256,25 @@ class Coordinator:
                         self.machine.fail(reason=f"worker lost: {reason}")
                     except ElasticError:
                         pass
+                self._maybe_auto_recover()
                 with self._reports:
                     self._reports.notify_all()
             except Exception:  # noqa: BLE001 - the watchdog must outlive anything it looks at
                 log.exception("watchdog iteration failed")
+
+    def _maybe_auto_recover(self) -> None:
+        if not self.config.auto_recover or self.machine.state != Phase.FAILED:
+            return
+        with self._lock:
+            if self._current is not None and not self._current.terminal:
+                return
+            if self.auto_recoveries >= self.config.max_auto_recoveries:
+                return
+            self.auto_recoveries += 1
+        try:
+            self.recover(wait=False)
+        except ElasticError as exc:
+            log.warning("auto-recovery refused: %s", exc)
 
     def _find_lost(self) -> list[WorkerRecord]:
         silent_after = self.config.timeouts.heartbeat
@@ -280,15 +307,22 @@ class Coordinator:
         return seq
 
     def _await(self, seq: int, pids: set[int], phase: str, deadline_s: float, *, fail_machine: bool = True,
-               operation: Operation | None = None) -> dict[int, p.PhaseDone]:
-        """Wait until every worker in ``pids`` reported ``seq`` done; raise on error, death or deadline."""
+               operation: Operation | None = None, since: float | None = None,
+               broken_ok: bool = False) -> dict[int, p.PhaseDone]:
+        """Wait until every worker in ``pids`` reported ``seq`` done; raise on error, death or deadline.
+
+        An error counts when the worker had taken up this command (or a later one) when it
+        failed, or (unless ``broken_ok``: a recovery expects broken workers) when it happened
+        after ``since`` (default: now, right after the command was sent).
+        """
         deadline = time.monotonic() + deadline_s
+        after = since if since is not None else time.time()
         with self._reports:
             while True:
                 done = self._done.get(seq, {})
                 if pids <= done.keys():
                     return {pid: done[pid] for pid in pids}
-                errors = [e for e in self._errors if e.pid in pids and e.at >= (operation.created_at if operation else 0)]
+                errors = [e for e in self._errors if e.pid in pids and (e.seq >= seq or (not broken_ok and e.at >= after))]
                 if errors:
                     e = errors[-1]
                     raise OperationFailed(phase, f"rank {e.rank} failed in {e.where}: {e.error_type}: {e.message}")
@@ -333,6 +367,11 @@ class Coordinator:
                 op.status, op.phase, op.finished_at = OperationStatus.NOOP, "noop", time.time()
                 op.generation_after = self.machine.generation
                 op.done.set()
+            elif self.before_scale:  # hooks first, on the operation thread; the machine moves only if they pass
+                if self.machine.state != Phase.RUNNING:
+                    raise ScaleConflict(self.machine.operation_id, self.machine.state, self.machine.allowed())
+                op.phase = "before_hooks"
+                self._current = op
             else:
                 self.machine.request_scale(operation_id=op.id, reason=f"scale {self.size} -> {ep_size}")
                 op.status, op.phase = OperationStatus.RUNNING, Phase.DRAINING.value
@@ -340,7 +379,7 @@ class Coordinator:
             self.operations[op.id] = op
             if idempotency_key is not None:
                 self._by_key[idempotency_key] = op.id
-        if op.status == OperationStatus.RUNNING:
+        if not op.terminal:
             threading.Thread(target=self._run_operation, args=(op,), name=f"operation-{op.id}", daemon=True).start()
         if wait:
             op.done.wait(timeout)
@@ -351,40 +390,80 @@ class Coordinator:
         with self._lock:
             if self._current is not None and not self._current.terminal:
                 raise ScaleConflict(self._current.id, self.machine.state, self.machine.allowed())
-            survivors = self.live_workers()
+            if self.machine.state != Phase.FAILED:
+                raise InvalidTransition(self.machine.state, "recover", self.machine.allowed())
+            # only workers of the last consistent generation survive: a rank that was still
+            # joining (or already moved on) when the attempt failed is retired, so no rank
+            # is left on a half-made generation
+            survivors = [w for w in self.live_workers() if w.generation == self.machine.generation]
+            alive_ranks = {w.rank for w in survivors}
+            lost_ranks = tuple(r for r in range(self.size) if r not in alive_ranks)
+            # refuse before the state changes: a recovery that cannot work must not start
+            if not survivors:
+                raise InvalidScaleRequest("ep_size", "cannot recover: no worker of the last consistent generation is alive")
+            problem = self.config.size_problem(self.size - len(lost_ranks))
+            if problem:
+                raise InvalidScaleRequest("ep_size", f"cannot recover with {len(survivors)} living workers: {problem}")
             op = Operation(id=f"op-{uuid.uuid4().hex[:12]}", kind="recover", target_size=len(survivors),
                            from_size=self.size, generation_before=self.machine.generation)
             self.machine.recover(operation_id=op.id, reason=f"recover with {len(survivors)} living workers")
             op.status, op.phase = OperationStatus.RUNNING, Phase.RESCALING.value
             self._current = op
             self.operations[op.id] = op
-        threading.Thread(target=self._run_recovery, args=(op, survivors), name=f"operation-{op.id}", daemon=True).start()
+        threading.Thread(target=self._run_recovery, args=(op, survivors, lost_ranks), name=f"operation-{op.id}", daemon=True).start()
         if wait:
             op.done.wait(timeout)
         return op
 
     def _enter(self, op: Operation, phase: str) -> None:
         now = time.monotonic()
-        previous = op.phase
-        if previous in op.phases and "ended" not in op.phases[previous]:
-            op.phases[previous]["ended"] = now
-            op.phases[previous]["seconds"] = now - op.phases[previous]["started"]
-        op.phase = phase
-        op.phases[phase] = {"started": now}
-        self._emit("operation", op.to_dict())
+        with self._lock:  # readers (snapshot, get_operation) copy the op under the same lock
+            previous = op.phase
+            if previous in op.phases and "ended" not in op.phases[previous]:
+                op.phases[previous]["ended"] = now
+                op.phases[previous]["seconds"] = now - op.phases[previous]["started"]
+            op.phase = phase
+            op.phases[phase] = {"started": now}
+            data = op.to_dict()
+        self._emit("operation", data)
 
     def _finish(self, op: Operation, status: OperationStatus, error: str | None = None) -> None:
         self._enter(op, status.value)
-        op.phases.pop(status.value, None)
-        op.status, op.error, op.finished_at = status, error, time.time()
-        op.generation_after = self.machine.generation
-        self._emit("operation", op.to_dict())
+        with self._lock:
+            op.phases.pop(status.value, None)
+            op.status, op.error, op.finished_at = status, error, time.time()
+            op.generation_after = self.machine.generation
+            data = op.to_dict()
+        self._emit("operation", data)
         op.done.set()
+
+    def _run_before_hooks(self, op: Operation) -> bool:
+        """Run the before-scale hooks; True when the scale may go on (the machine is then ``draining``)."""
+        self._enter(op, "before_hooks")
+        for hook in list(self.before_scale):
+            try:
+                hook(op)
+            except Exception as exc:  # noqa: BLE001 - a veto: the operation fails, the machine is untouched
+                reason = str(exc) if isinstance(exc, ElasticError) else f"before-scale hook failed: {type(exc).__name__}: {exc}"
+                self._finish(op, OperationStatus.FAILED, reason)
+                return False
+        with self._lock:
+            try:
+                self.machine.request_scale(operation_id=op.id, reason=f"scale {self.size} -> {op.target_size}")
+            except ElasticError as exc:  # e.g. a worker was lost while the hooks ran
+                self._finish(op, OperationStatus.FAILED, str(exc))
+                return False
+            op.status = OperationStatus.RUNNING
+        self._enter(op, Phase.DRAINING.value)
+        return True
 
     def _run_operation(self, op: Operation) -> None:
         timeouts = self.config.timeouts
+        if op.status == OperationStatus.PENDING and not self._run_before_hooks(op):
+            return
         try:
-            op.phases[Phase.DRAINING.value] = {"started": time.monotonic()}
+            with self._lock:
+                op.phases.setdefault(Phase.DRAINING.value, {"started": time.monotonic()})
             old = self.live_workers()
             pids = {w.handle.pid for w in old}
             # 1. draining: finish in-flight layers, start nothing new; decoding goes on
@@ -419,7 +498,9 @@ class Coordinator:
         self._finish(op, OperationStatus.FAILED, reason)
 
     def _rescale(self, op: Operation, mapping: RankMapping, old: list[WorkerRecord], lost: tuple[int, ...]) -> None:
-        generation = self.machine.generation + 1
+        # a generation number is never reused, even after a failed attempt: its store keys may linger
+        with self._lock:
+            self._last_generation = generation = max(self._last_generation, self.machine.generation) + 1
         new_size = mapping.new_size
         execute_on = "old" if new_size < len(mapping.old_to_new) and not lost else "new"
         seq = next(self._seq)
@@ -431,7 +512,8 @@ class Coordinator:
         fresh = [self._launch(rank, new_size, generation, first_command=command) for rank in mapping.joining]
         pids = {w.handle.pid for w in participants + fresh}
         started = time.monotonic()
-        reports = self._await(seq, pids, "rescaling", self.config.timeouts.rescaling, operation=op)
+        reports = self._await(seq, pids, "rescaling", self.config.timeouts.rescaling, operation=op,
+                              broken_ok=op.kind == "recover")
         op.paused_seconds = max(r.detail.get("seconds", 0.0) for r in reports.values())
         op.bytes_moved = sum(r.detail.get("bytes_received", 0) for r in reports.values())
         digests = {r.detail["digest"] for r in reports.values() if not r.detail.get("retired")}
@@ -455,18 +537,12 @@ class Coordinator:
         self._await(seq, {w.handle.pid for w in live}, "resuming", self.config.timeouts.resuming, operation=op)
         self.machine.resumed(reason="EPLB group rebuilt and async worker restarted on every rank")
 
-    def _run_recovery(self, op: Operation, survivors: list[WorkerRecord]) -> None:
+    def _run_recovery(self, op: Operation, survivors: list[WorkerRecord], lost_ranks: tuple[int, ...]) -> None:
         try:
-            lost_ranks = tuple(sorted({w.rank for w in self.workers.values() if w.lost_reason} & set(range(self.size))))
-            alive_ranks = {w.rank for w in survivors}
-            lost_ranks = tuple(r for r in range(self.size) if r not in alive_ranks)
             mapping = RankMapping.without(self.size, lost_ranks)
-            op.target_size = mapping.new_size
-            problem = self.config.size_problem(mapping.new_size)
-            if problem:
-                raise OperationFailed("rescaling", f"cannot recover: {problem}")
-            for w in self.workers.values():
-                if w.lost_reason is not None:
+            keep = {w.handle.pid for w in survivors}
+            for w in list(self.workers.values()):
+                if w.handle.pid not in keep and not w.expected_exit:
                     w.expected_exit = True
                     w.handle.kill()
             self._rescale(op, mapping, survivors, lost=lost_ranks)
@@ -479,21 +555,35 @@ class Coordinator:
             log.exception("recovery %s crashed", op.id)
             self._fail(op, f"{type(exc).__name__}: {exc}")
 
+    def get_operation(self, operation_id: str) -> dict[str, Any] | None:
+        """A consistent copy of one operation (``Operation.to_dict``), or None for an unknown id."""
+        with self._lock:
+            op = self.operations.get(operation_id)
+            return op.to_dict() if op is not None else None
+
+    def list_operations(self, limit: int | None = None) -> list[dict[str, Any]]:
+        """Copies of the operations, newest first (at most ``limit``)."""
+        with self._lock:
+            ops = sorted(self.operations.values(), key=lambda o: o.created_at, reverse=True)
+            return [o.to_dict() for o in ops[:limit]]
+
     # -- other operations ------------------------------------------------------------------
     def rebalance(self, timeout: float = 30.0) -> bool:
         """Ask every rank to start a rebalance at the next step boundary; True if one started."""
         if self.machine.state != Phase.RUNNING:
             raise ScaleConflict(self._current.id if self._current else None, self.machine.state, self.machine.allowed())
         live = self.live_workers()
+        sent = time.time()  # errors from before this command (a past failure) are not its answer
         seq = self._broadcast(p.RebalanceNow, records=live)
-        reports = self._await(seq, {w.handle.pid for w in live}, "rebalance", timeout, fail_machine=False)
+        reports = self._await(seq, {w.handle.pid for w in live}, "rebalance", timeout, fail_machine=False, since=sent)
         return all(r.detail.get("started") for r in reports.values())
 
     def verify(self, timeout: float = 60.0) -> dict[int, dict[str, Any]]:
         """Every rank checks every local slot bit-exactly; returns rank -> its verdict."""
         live = self.live_workers()
+        sent = time.time()
         seq = self._broadcast(p.Verify, records=live)
-        reports = self._await(seq, {w.handle.pid for w in live}, "verify", timeout, fail_machine=False)
+        reports = self._await(seq, {w.handle.pid for w in live}, "verify", timeout, fail_machine=False, since=sent)
         return {r.rank: {**r.detail, "generation": r.generation, "step": r.step} for r in reports.values()}
 
     def wait_for_step(self, step: int, timeout: float = 60.0) -> int:

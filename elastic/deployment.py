@@ -29,6 +29,8 @@ class DeploymentConfig(BaseModel):
     timeouts: TimeoutsConfig = TimeoutsConfig()
     heartbeat_s: float = Field(0.1, gt=0, description="how often each worker reports")
     step_delay_s: float = Field(0.0, ge=0, description="sleep after each decode step (pacing a replay)")
+    auto_recover: bool = Field(False, description="after a failure, recover with the living workers without waiting for an operator")
+    max_auto_recoveries: int = Field(3, ge=0, description="give up auto-recovery after this many attempts")
     store_host: str = "127.0.0.1"
     backend: str = Field("gloo", pattern="^(gloo|nccl)$")
 
@@ -41,6 +43,11 @@ class DeploymentConfig(BaseModel):
                 f"physical slots do not divide over ep_size={self.ep_size}")
         if self.ep_size > self.max_ep_size:
             raise ValueError(f"ep_size={self.ep_size} exceeds max_ep_size={self.max_ep_size}")
+        if self.timeouts.heartbeat <= self.timeouts.collective:
+            raise ValueError(
+                f"timeouts.heartbeat ({self.timeouts.heartbeat}s) must exceed timeouts.collective "
+                f"({self.timeouts.collective}s): a rank blocked on a dead peer reports the failure within the "
+                "collective timeout, and only a rank silent beyond that is declared lost")
         starts = [phase.start_step for phase in self.trace]
         if not starts or starts[0] != 0 or starts != sorted(set(starts)):
             raise ValueError(f"trace phases must start at step 0 and increase strictly, got starts {starts}")

@@ -86,6 +86,9 @@ class Heartbeat(Report):
     in_flight_layer: int | None = None
     eplb: dict[str, Any] = field(default_factory=dict)
     rank_load: float = 0.0
+    # per decode step since the last heartbeat: (step, monotonic end time, wall and CPU seconds
+    # the decode thread spent in EPLB control/after_sync/record, 1 if a rebalance was in flight)
+    step_timings: tuple[tuple[int, float, float, float, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -118,3 +121,4 @@ class WorkerError(Report):
     message: str = ""
     traceback: str = ""
     fatal: bool = True
+    seq: int = 0  # the last command the worker had taken up when it failed

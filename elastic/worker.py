@@ -13,9 +13,11 @@ they arrive (a recovery ``Rescale`` or ``Shutdown``) instead of at agreed step b
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -85,6 +87,11 @@ class Worker:
         self.draining_op: p.Drain | None = None
         self.last_heartbeat = 0.0
         self.tokens_since = 0
+        # per decode step since the last heartbeat: (step, monotonic end time, wall seconds and
+        # this thread's CPU seconds in eplb.control() + after_sync() + record(), 1 if a rebalance
+        # was in flight)
+        self.step_timings: list[tuple[int, float, float, float, int]] = []
+        self._control_seconds = (0.0, 0.0)
         self.trace = PhasedTrace(list(spec.trace), spec.shape.num_layers, spec.shape.num_experts)
         self.store = connect_store(spec.store_host, spec.store_port, spec.join_timeout_s)
         self.group: GroupGeneration | None = None
@@ -146,8 +153,9 @@ class Worker:
             self._apply_phase_faults(spec.first_command)
             self._rescale(spec.first_command, fresh=True)
             return
-        self.group = GroupGeneration.join(self.store, self.generation, self.rank, self.size,
-                                          backend=spec.backend, timeout_s=spec.collective_timeout_s)
+        with self._busy("starting"):
+            self.group = GroupGeneration.join(self.store, self.generation, self.rank, self.size,
+                                              backend=spec.backend, timeout_s=spec.collective_timeout_s)
         placement = Placement.static(spec.shape.num_layers, spec.shape.num_experts, spec.num_physical)
         self.model = ReferenceMoE(spec.shape, placement, self.rank, self.size, seed=spec.seed)
         self.eplb = EPLBState(spec.eplb, self.model, placement, self.rank, self.size, on_event=self._eplb_event)
@@ -247,7 +255,30 @@ class Worker:
         }
 
     # -- rescale ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _busy(self, what: str):
+        """While a long blocking phase runs (rendezvous, transfers), a thread keeps reporting
+        liveness so the coordinator can tell "busy" from "gone"; a frozen process still falls silent."""
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(self.spec.heartbeat_s):
+                self.report(p.Heartbeat, step=self.step, state=what,
+                            balancedness=self.eplb.stats.last_balancedness if self.eplb else 1.0)
+
+        thread = threading.Thread(target=beat, name=f"busy-heartbeat-{what}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+
     def _rescale(self, cmd: p.Rescale, *, fresh: bool) -> None:
+        with self._busy("rescaling"):
+            self._rescale_blocking(cmd, fresh=fresh)
+
+    def _rescale_blocking(self, cmd: p.Rescale, *, fresh: bool) -> None:
         """Redistribute experts by ``cmd.mapping`` and move to generation ``cmd.generation``."""
         started = time.perf_counter()
         spec = self.spec
@@ -255,41 +286,58 @@ class Worker:
             raise RuntimeError("rescale while the async EPLB worker runs: suppress it first")
         new_rank = cmd.mapping[self.rank] if not fresh else self.rank
         bytes_moved = 0
+        timing = {"group_seconds": 0.0, "transfer_seconds": 0.0}  # group destroy + rendezvous; redistribution
         if cmd.execute_on == "old":
             # scale down: every expert a leaving rank holds that the new placement needs is
             # sent out over the old group, and only then is the group replaced
+            placement_before = self.eplb.placement.physical_to_logical.tolist()
+            mark = time.perf_counter()
             new_placement = self._next_placement(cmd)
             new_weights, bytes_moved = self._redistribute(cmd, new_placement, executing_rank=self.rank)
             dist.barrier(group=self.group.eplb_group) if self.group.eplb_group is not None else dist.barrier()
+            timing["transfer_seconds"] = time.perf_counter() - mark
+            mark = time.perf_counter()
             self.group.destroy()
             if new_rank < 0:
+                timing["group_seconds"] = time.perf_counter() - mark
                 self.report(p.PhaseDone, seq=cmd.seq, operation_id=cmd.operation_id, phase="Rescale", step=self.step,
-                            detail={"retired": True, "bytes_received": bytes_moved, "seconds": time.perf_counter() - started})
+                            detail={"retired": True, "bytes_received": bytes_moved, "seconds": time.perf_counter() - started,
+                                    **timing})
                 self.stopping = True
                 return
             self.group = GroupGeneration.join(self.store, cmd.generation, new_rank, cmd.new_size,
                                               backend=spec.backend, timeout_s=spec.collective_timeout_s)
+            timing["group_seconds"] = time.perf_counter() - mark
             self._adopt(new_rank, cmd, new_placement, new_weights)
         else:
             # scale up or recovery: form the new group first, then move over it
+            mark = time.perf_counter()
             if self.group is not None:
                 self.group.destroy()
             if new_rank < 0:
+                timing["group_seconds"] = time.perf_counter() - mark
                 self.report(p.PhaseDone, seq=cmd.seq, operation_id=cmd.operation_id, phase="Rescale", step=self.step,
-                            detail={"retired": True, "bytes_received": 0, "seconds": time.perf_counter() - started})
+                            detail={"retired": True, "bytes_received": 0, "seconds": time.perf_counter() - started,
+                                    **timing})
                 self.stopping = True
                 return
             self.group = GroupGeneration.join(self.store, cmd.generation, new_rank, cmd.new_size,
                                               backend=spec.backend, timeout_s=spec.collective_timeout_s)
+            timing["group_seconds"] = time.perf_counter() - mark
             self._share_state(cmd, new_rank, fresh)
+            placement_before = self.eplb.placement.physical_to_logical.tolist()
+            mark = time.perf_counter()
             new_placement = self._next_placement(cmd)
             new_weights, bytes_moved = self._redistribute(cmd, new_placement, executing_rank=new_rank)
+            timing["transfer_seconds"] = time.perf_counter() - mark
             self._adopt(new_rank, cmd, new_placement, new_weights)
         self.broken = False
         self.mode = "resuming"
         self.report(p.PhaseDone, seq=cmd.seq, operation_id=cmd.operation_id, phase="Rescale", step=self.step,
                     detail={"retired": False, "bytes_received": bytes_moved, "seconds": time.perf_counter() - started,
-                            "digest": placement_digest(self.eplb.placement), "num_physical": self.eplb.placement.num_physical})
+                            "digest": placement_digest(self.eplb.placement), "num_physical": self.eplb.placement.num_physical,
+                            "placement_before": placement_before,
+                            "placement_after": self.eplb.placement.physical_to_logical.tolist(), **timing})
 
     def _share_state(self, cmd: p.Rescale, new_rank: int, fresh: bool) -> None:
         """The lowest surviving rank sends step, placement and load window to every rank of the new group."""
@@ -368,7 +416,10 @@ class Worker:
     # -- the decode loop -------------------------------------------------------------------
     def _sync(self) -> list[int]:
         self._poll_inbox()
-        control = torch.tensor([self.received_seq, *self.eplb.control()], dtype=torch.int64)
+        mark, cpu = time.perf_counter(), time.thread_time()
+        words = self.eplb.control()
+        self._control_seconds = (time.perf_counter() - mark, time.thread_time() - cpu)
+        control = torch.tensor([self.received_seq, *words], dtype=torch.int64)
         try:
             dist.all_reduce(control, op=dist.ReduceOp.MAX)
         except Exception as exc:  # noqa: BLE001
@@ -378,9 +429,19 @@ class Worker:
     def decode_step(self) -> None:
         self._apply_step_faults()
         reduced = self._sync()
-        if not self._run_commands_up_to(reduced[0]) or self.stopping:
-            return
+        try:
+            if not self._run_commands_up_to(reduced[0]) or self.stopping:
+                return
+        except BrokenGroup:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a failed phase leaves the group unusable
+            raise BrokenGroup(f"command failed at step {self.step}: {type(exc).__name__}: {exc}") from exc
+        stalls = len(self.eplb.stats.sync_stall_seconds)
+        mark, cpu = time.perf_counter(), time.thread_time()
         self.eplb.after_sync(reduced[1 : 1 + CONTROL_WORDS])
+        eplb_seconds = self._control_seconds[0] + time.perf_counter() - mark
+        eplb_cpu = self._control_seconds[1] + time.thread_time() - cpu
+        rebalancing = int(self.eplb.in_flight is not None or len(self.eplb.stats.sync_stall_seconds) != stalls)
         if self.draining_op is not None and self.eplb.drained:
             op, self.draining_op = self.draining_op, None
             self._done(op, {"layers_committed": self.eplb.stats.layers_committed,
@@ -392,10 +453,15 @@ class Worker:
             dist.all_reduce(physical)
         except Exception as exc:  # noqa: BLE001
             raise BrokenGroup(f"token all-reduce failed at step {self.step}: {exc}") from exc
+        mark, cpu = time.perf_counter(), time.thread_time()
         self.eplb.record(physical)
+        eplb_seconds += time.perf_counter() - mark
+        eplb_cpu += time.thread_time() - cpu
         self.model.forward(physical)
         self.tokens_since += self.trace.config_at(self.step).tokens_per_step
         self.step += 1
+        if len(self.step_timings) < 10_000:  # bounded even when heartbeats are dropped
+            self.step_timings.append((self.step, time.monotonic(), eplb_seconds, eplb_cpu, rebalancing))
         self._maybe_heartbeat(time.perf_counter() - started, physical)
         if self.spec.step_delay_s:
             time.sleep(self.spec.step_delay_s)
@@ -415,23 +481,32 @@ class Worker:
                     balancedness=self.eplb.stats.last_balancedness if self.eplb else 1.0,
                     tokens=self.tokens_since, state="broken" if self.broken else self.mode,
                     in_flight_layer=self.eplb.in_flight_layer if self.eplb else None,
-                    eplb=self.eplb.stats.as_dict() if self.eplb else {}, rank_load=rank_load)
+                    eplb=self.eplb.stats.as_dict() if self.eplb else {}, rank_load=rank_load,
+                    step_timings=tuple(self.step_timings))
         self.tokens_since = 0
+        self.step_timings = []
 
     def broken_loop(self) -> None:
         """After a failed collective: execute commands as they arrive (recovery or shutdown)."""
         while not self.stopping:
-            try:
-                command = self.inbox.get(timeout=self.spec.heartbeat_s)
-            except queue.Empty:
-                self._maybe_heartbeat(0.0, None)
-                continue
+            if self.pending:  # commands received before the group broke come first
+                command = self.pending.pop(min(self.pending))
+            else:
+                try:
+                    command = self.inbox.get(timeout=self.spec.heartbeat_s)
+                except queue.Empty:
+                    self._maybe_heartbeat(0.0, None, force=True)
+                    continue
             self.received_seq = max(self.received_seq, command.seq)
+            if command.seq <= self.executed_seq:
+                continue  # already acted on before the group broke
             self.executed_seq = command.seq
             if isinstance(command, p.Rescale):
-                if self.eplb is not None and self.eplb.worker is not None:
-                    self.eplb.stop_worker(timeout=self.spec.collective_timeout_s)
-                self._rescale(command, fresh=False)
+                try:
+                    self._rescale(command, fresh=False)
+                except Exception as exc:  # noqa: BLE001 - stay broken, report, wait for the next order
+                    self._enter_broken(exc)
+                    continue
                 return
             if isinstance(command, p.Shutdown):
                 self.stopping = True
@@ -441,20 +516,26 @@ class Worker:
                             message=f"{type(command).__name__} refused: the group is broken, only a rescale or shutdown can follow",
                             fatal=False)
 
+    def _enter_broken(self, exc: BaseException) -> None:
+        """Report the failure, make sure no transfer is in flight, drop the group, wait for orders."""
+        self.broken = True
+        self.report(p.WorkerError, step=self.step, where="decode", error_type=type(exc).__name__,
+                    message=str(exc), traceback=traceback.format_exc(), fatal=False, seq=self.executed_seq)
+        if self.eplb is not None and self.eplb.worker is not None:
+            # a transfer on the EPLB group ends within its own deadline; only then may the group go
+            if not self.eplb.stop_worker(timeout=self.spec.eplb.transfer_timeout_s + self.spec.collective_timeout_s):
+                raise RuntimeError("the async EPLB thread did not stop: the group cannot be destroyed safely")
+        if self.group is not None:
+            self.group.destroy()
+        self.group = None
+
     def run(self) -> None:
         self.start()
         while not self.stopping:
             try:
                 self.decode_step()
             except BrokenGroup as exc:
-                self.broken = True
-                self.report(p.WorkerError, step=self.step, where="decode", error_type=type(exc).__name__,
-                            message=str(exc), traceback=traceback.format_exc(), fatal=False)
-                if self.eplb is not None and self.eplb.worker is not None:
-                    self.eplb.stop_worker(timeout=1.0)
-                if self.group is not None:
-                    self.group.destroy()
-                self.group = None
+                self._enter_broken(exc)
                 self.broken_loop()
         if self.eplb is not None and self.eplb.worker is not None:
             self.eplb.stop_worker(timeout=self.spec.collective_timeout_s)
@@ -463,8 +544,6 @@ class Worker:
 
 
 def _thread_names() -> list[str]:
-    import threading
-
     return sorted(t.name for t in threading.enumerate())
 
 

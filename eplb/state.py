@@ -368,6 +368,10 @@ class EPLBState:
         if gone:
             self.worker = None
             self.staging = []
+            # a rebalance still in flight (the group broke before a drain) dies with its
+            # thread: its uncommitted layers are dropped, the committed ones stay
+            self.in_flight = self.ready = self.in_flight_layer = None
+            self._failure = None
         return gone
 
     def resume(self) -> None:

@@ -23,7 +23,7 @@ def small_config(**overrides):
     model = dict(num_layers=4, num_experts=8, hidden_size=32, intermediate_size=64)
     model.update(overrides.pop("model", {}))
     trace = overrides.pop("trace", dict(kind="zipf", tokens_per_step=32, zipf_exponent=(1.0, 1.4)))
-    timeouts = dict(draining=30, suppressed=20, rescaling=60, resuming=30, worker_start=60, collective=20, heartbeat=10)
+    timeouts = dict(draining=30, suppressed=20, rescaling=60, resuming=30, worker_start=60, collective=20, heartbeat=25)
     timeouts.update(overrides.pop("timeouts", {}))
     base = dict(model=ModelShape(**model), eplb=EPLBConfig(**eplb), trace=[TracePhase(trace=TraceConfig(**trace))],
                 ep_size=2, max_ep_size=4, timeouts=TimeoutsConfig(**timeouts), heartbeat_s=0.05)

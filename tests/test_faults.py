@@ -1,0 +1,73 @@
+"""Faults on real worker processes: a rank dies or stalls; the deployment recovers and loses nothing."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from elastic.coordinator import OperationStatus
+from elastic.faults import KillRank, StallRank
+from tests.conftest import running, small_config
+from tests.helpers import assert_consistent
+
+pytestmark = [pytest.mark.multiprocess]
+
+
+def _wait_state(c, state, timeout=60.0, generation=None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (c.machine.state.value == state and (c._current is None or c._current.terminal)
+                and (generation is None or c.machine.generation == generation)):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"state {c.machine.state.value}, wanted {state}; history {[t.sentence() for t in c.machine.history()]}")
+
+
+@pytest.mark.timeout(120)
+def test_rank_killed_while_running_auto_recovers_to_a_smaller_verified_group():
+    config = small_config(ep_size=3, model=dict(num_layers=3, num_experts=8), eplb=dict(num_redundant_experts=4),
+                          auto_recover=True)
+    with running(config, faults=[KillRank(rank=2, at_step=25, generation=0)]) as c:
+        _wait_state(c, "running", timeout=60, generation=1)
+        triggers = [t.trigger for t in c.machine.history()]
+        assert triggers[-4:] == ["fail", "recover", "rescaled", "resumed"], triggers
+        assert "worker lost" in c.machine.history()[-4].reason
+        recovery = c._current
+        assert recovery.kind == "recover" and recovery.status == OperationStatus.SUCCEEDED
+        assert c.size == 2 and c.machine.generation == 1
+        c.wait_for_step(c.snapshot()["step"] + 10)
+        assert_consistent(c, 2)
+
+
+@pytest.mark.timeout(120)
+def test_rank_killed_mid_rescale_fails_with_reason_then_recover_restores_running():
+    config = small_config(ep_size=2, model=dict(num_layers=3, num_experts=8), eplb=dict(num_redundant_experts=8),
+                          timeouts=dict(collective=4, heartbeat=6))
+    with running(config, faults=[KillRank(rank=1, in_phase="rescaling", generation=0)]) as c:
+        c.wait_for_step(10)
+        op = c.scale(4, timeout=90)
+        assert op.status == OperationStatus.FAILED
+        assert c.machine.state.value == "failed" and op.error
+        recovery = c.recover(timeout=90)
+        assert recovery.status == OperationStatus.SUCCEEDED, recovery.error
+        assert c.machine.state.value == "running" and c.size == 1
+        c.wait_for_step(c.snapshot()["step"] + 10)
+        assert_consistent(c, 1)
+        # a failed scale never wedges later scales
+        again = c.scale(2, timeout=90)
+        assert again.status == OperationStatus.SUCCEEDED, again.error
+        assert_consistent(c, 2)
+
+
+@pytest.mark.timeout(120)
+def test_stalled_rank_is_treated_as_lost_after_its_deadline():
+    config = small_config(ep_size=2, timeouts=dict(collective=2, heartbeat=4), auto_recover=True,
+                          eplb=dict(num_redundant_experts=4), model=dict(num_layers=2, num_experts=4))
+    with running(config, faults=[StallRank(rank=1, at_step=20, seconds=60, generation=0)]) as c:
+        _wait_state(c, "running", timeout=60, generation=1)
+        failure = next(t for t in c.machine.history() if t.trigger == "fail")
+        assert "silent" in failure.reason or "failed" in failure.reason, failure.reason
+        assert c.size == 1
+        c.wait_for_step(c.snapshot()["step"] + 5)
+        assert_consistent(c, 1)
