@@ -363,6 +363,8 @@ class Coordinator:
             op = Operation(id=f"op-{uuid.uuid4().hex[:12]}", kind="scale", target_size=ep_size,
                            from_size=self.size, generation_before=self.machine.generation,
                            idempotency_key=idempotency_key)
+            if ep_size == self.size and self.machine.state == Phase.FAILED:  # not a no-op: the group is broken
+                raise ScaleConflict(self.machine.operation_id, self.machine.state, self.machine.allowed())
             if ep_size == self.size:
                 op.status, op.phase, op.finished_at = OperationStatus.NOOP, "noop", time.time()
                 op.generation_after = self.machine.generation

@@ -286,16 +286,18 @@ class Worker:
             raise RuntimeError("rescale while the async EPLB worker runs: suppress it first")
         new_rank = cmd.mapping[self.rank] if not fresh else self.rank
         bytes_moved = 0
-        timing = {"group_seconds": 0.0, "transfer_seconds": 0.0}  # group destroy + rendezvous; redistribution
+        # group destroy + rendezvous; redistribution (wall, and this process's CPU incl. gloo threads)
+        timing = {"group_seconds": 0.0, "transfer_seconds": 0.0, "transfer_cpu_seconds": 0.0}
         if cmd.execute_on == "old":
             # scale down: every expert a leaving rank holds that the new placement needs is
             # sent out over the old group, and only then is the group replaced
             placement_before = self.eplb.placement.physical_to_logical.tolist()
-            mark = time.perf_counter()
+            mark, cpu = time.perf_counter(), time.process_time()
             new_placement = self._next_placement(cmd)
             new_weights, bytes_moved = self._redistribute(cmd, new_placement, executing_rank=self.rank)
             dist.barrier(group=self.group.eplb_group) if self.group.eplb_group is not None else dist.barrier()
             timing["transfer_seconds"] = time.perf_counter() - mark
+            timing["transfer_cpu_seconds"] = time.process_time() - cpu
             mark = time.perf_counter()
             self.group.destroy()
             if new_rank < 0:
@@ -326,10 +328,11 @@ class Worker:
             timing["group_seconds"] = time.perf_counter() - mark
             self._share_state(cmd, new_rank, fresh)
             placement_before = self.eplb.placement.physical_to_logical.tolist()
-            mark = time.perf_counter()
+            mark, cpu = time.perf_counter(), time.process_time()
             new_placement = self._next_placement(cmd)
             new_weights, bytes_moved = self._redistribute(cmd, new_placement, executing_rank=new_rank)
             timing["transfer_seconds"] = time.perf_counter() - mark
+            timing["transfer_cpu_seconds"] = time.process_time() - cpu
             self._adopt(new_rank, cmd, new_placement, new_weights)
         self.broken = False
         self.mode = "resuming"

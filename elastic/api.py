@@ -1,0 +1,473 @@
+"""The scale API: a FastAPI app over a coordinator, a background server, and ``elastic-ep serve``.
+
+What it does better than a blocking scale call behind a global 503:
+
+- ``POST /scale`` answers at once: **202** with the operation (id, target, phase) while the
+  scale runs in the background; **200** when the size is already right (a no-op operation);
+  **409** naming the operation in progress, or for a stale ``expected_generation``;
+  **422** with the reason for a bad body or size. An ``idempotency_key`` (body field or
+  ``Idempotency-Key`` header) makes retries safe: the same key returns the same operation.
+- ``GET /operations/{id}`` shows the phase, per-phase timings, effective and pending size,
+  the error (if it failed) and the ranks safe to release after a scale down.
+- The control API is never globally unavailable: ``/healthz`` and ``/state`` always answer
+  200 and say whether decoding is serving (only ``rescaling`` pauses it; ``draining`` and
+  ``suppressed`` keep decoding). After a failure ``POST /recover`` brings the group back.
+- Errors are ``{"error": code, "message": text, ...fields}`` everywhere, including 404/405/422.
+
+``create_app(controller)`` takes a :class:`~elastic.coordinator.Coordinator` (or anything with
+its methods). Every app gets its own Prometheus registry.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Header, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from elastic.autoscaler import Autoscaler, AutoscalerConfig
+from elastic.deployment import DeploymentConfig
+from elastic.errors import ElasticError, InvalidScaleRequest, InvalidTransition, StaleGeneration
+from elastic.hooks import HooksConfig, ScaleHooks
+from elastic.metrics import build_registry
+
+__all__ = ["BackgroundServer", "ServeConfig", "create_app", "load_serve_config", "register_cli", "serve"]
+
+log = logging.getLogger("elastic.api")
+
+SERVING_STATES = frozenset({"running", "draining", "suppressed", "resuming"})
+SERVING_NOTE = ("Decoding keeps running in draining, suppressed and resuming; only rescaling pauses it "
+                "(the pause of each scale is its operation's paused_seconds). The control API itself never "
+                "stops answering.")
+KEY_PATTERN = r"^[!-~]{1,200}$"  # printable ASCII, no spaces
+
+
+# -- bodies and views ---------------------------------------------------------------------------
+
+class ScaleRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"ep_size": 4}]})
+
+    ep_size: StrictInt = Field(..., ge=1, description="the EP size to scale to")
+    expected_generation: StrictInt | None = Field(
+        None, ge=0, description="refuse (409) unless the group is still at this generation (optimistic concurrency)")
+    idempotency_key: str | None = Field(
+        None, pattern=KEY_PATTERN, description="retries with the same key return the same operation")
+
+
+class ErrorBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    error: str = Field(description="a stable snake_case code")
+    message: str = Field(description="what went wrong, for a person")
+
+
+class PhaseTiming(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    started: float
+    ended: float | None = None
+    seconds: float | None = None
+
+
+class OperationView(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    kind: str = Field(description="scale | recover")
+    status: str = Field(description="pending | running | succeeded | failed | noop")
+    phase: str
+    target_size: int
+    from_size: int
+    effective_size: int = Field(description="ranks serving the model now, as far as this operation goes")
+    pending_size: int | None = Field(description="the size this operation is still moving to; null once it ended")
+    generation_before: int
+    generation_after: int | None = None
+    phases: dict[str, PhaseTiming] = Field(description="per-phase monotonic start, end and seconds")
+    error: str | None = None
+    released_ranks: list[int] = Field(default_factory=list)
+    ranks_safe_to_release: list[int] = Field(default_factory=list, description="old ranks retired by a finished scale down")
+    created_at: float
+    finished_at: float | None = None
+    idempotency_key: str | None = None
+    bytes_moved: int = 0
+    paused_seconds: float | None = None
+    hooks: list[dict[str, Any]] = Field(default_factory=list, description="before/after hook results")
+
+
+class OperationList(BaseModel):
+    operations: list[OperationView]
+
+
+class StateView(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    state: str
+    generation: int
+    ep_size: int
+    serving: bool = Field(description="decoding runs (false only in rescaling and failed)")
+    decoding_paused: bool
+    note: str
+    balancedness: float | None = None
+    in_flight_layer: int | None = None
+    operation: OperationView | None = None
+    failure_reason: str | None = None
+    history: list[dict[str, Any]] = Field(default_factory=list)
+    autoscaler: dict[str, Any] | None = None
+
+
+class Health(BaseModel):
+    status: str
+    state: str
+    serving: bool
+    generation: int
+    note: str
+
+
+class RebalanceResult(BaseModel):
+    started: bool = Field(description="every rank confirmed it started a rebalance (false: one was already in flight)")
+    confirmed: bool = Field(True, description="false when the ranks did not all confirm within timeout_s "
+                            "(the request still reaches them at their next step boundary)")
+    message: str | None = None
+
+
+ERRORS = {code: {"model": ErrorBody} for code in (404, 409, 422)}
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+def _status_for(exc: ElasticError) -> int:
+    if isinstance(exc, InvalidScaleRequest):
+        return 422
+    if isinstance(exc, (StaleGeneration, InvalidTransition)):
+        return 409
+    return 409
+
+
+def _error_body(exc: ElasticError) -> dict[str, Any]:
+    body = exc.to_dict()
+    if isinstance(exc, StaleGeneration):
+        body["message"] = (f"expected_generation={exc.expected} but the group is at generation {exc.actual}: "
+                           f"re-read GET /state and decide again")
+        body["current_generation"] = exc.actual
+    return body
+
+
+def _error(status: int, code: str, message: str, **fields: Any) -> JSONResponse:
+    return JSONResponse({"error": code, "message": message, **fields}, status_code=status)
+
+
+def _validation_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"loc": [str(part) for part in e.get("loc", ())], "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
+            for e in errors]
+
+
+# -- the app ------------------------------------------------------------------------------------
+
+def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: ScaleHooks | None = None,
+               title: str = "elastic-ep") -> FastAPI:
+    """The scale API over ``controller`` (a :class:`~elastic.coordinator.Coordinator`)."""
+    app = FastAPI(title=title, version="1", description=__doc__.split("\n\n")[1] if __doc__ else None)
+    registry = build_registry(controller, autoscaler)
+    app.state.controller, app.state.autoscaler, app.state.hooks, app.state.registry = controller, autoscaler, hooks, registry
+
+    def view(op: dict[str, Any]) -> dict[str, Any]:
+        out = dict(op)
+        out["ranks_safe_to_release"] = list(op.get("released_ranks") or []) if op.get("status") == "succeeded" else []
+        out["hooks"] = hooks.results(op["id"]) if hooks is not None else []
+        return out
+
+    def get_op(op_id: str) -> dict[str, Any] | None:
+        getter = getattr(controller, "get_operation", None)
+        if getter is not None:
+            return getter(op_id)
+        op = controller.operations.get(op_id)
+        return op.to_dict() if op is not None else None
+
+    # -- error handlers: one body shape everywhere ----------------------------------------------
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = _validation_errors(list(exc.errors()))
+        first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
+        where = ".".join(first["loc"]) or "request"
+        return _error(422, "invalid_request", f"{where}: {first['msg']}", errors=errors)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400:  # FastAPI could not parse the body (e.g. not UTF-8): an invalid body, like the rest
+            return _error(422, "invalid_request", f"body: {exc.detail}", errors=[])
+        codes = {404: "not_found", 405: "method_not_allowed"}
+        body = {"error": codes.get(exc.status_code, "http_error"),
+                "message": f"{request.method} {request.url.path}: {exc.detail}"}
+        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ElasticError)
+    async def _elastic(request: Request, exc: ElasticError) -> JSONResponse:
+        return JSONResponse(_error_body(exc), status_code=_status_for(exc))
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("%s %s failed", request.method, request.url.path)
+        return _error(500, "internal_error", f"{type(exc).__name__}: {exc}")
+
+    # -- scale --------------------------------------------------------------------------------
+    @app.post("/scale", status_code=202, response_model=OperationView, tags=["scale"],
+              responses={200: {"model": OperationView, "description": "already at that size: a no-op operation"},
+                         202: {"description": "accepted: the scale runs in the background; poll GET /operations/{id}"},
+                         409: {"model": ErrorBody, "description": "another operation is in progress (named), the "
+                               "machine is failed, or expected_generation is stale"},
+                         422: {"model": ErrorBody, "description": "invalid body or size"}})
+    def scale(body: ScaleRequest,
+              idempotency_key_header: str | None = Header(None, alias="Idempotency-Key", pattern=KEY_PATTERN,
+                                                          description="same as the body's idempotency_key")) -> Any:
+        """Start a scale to ``ep_size`` ranks and answer at once."""
+        key = body.idempotency_key
+        if idempotency_key_header is not None:
+            if key is not None and key != idempotency_key_header:
+                return _error(422, "invalid_request", "the Idempotency-Key header and the body's idempotency_key differ",
+                              field="idempotency_key")
+            key = idempotency_key_header
+        asked = time.time()
+        op = controller.scale(body.ep_size, expected_generation=body.expected_generation, idempotency_key=key, wait=False)
+        data = get_op(op.id) or op.to_dict()
+        replayed = key is not None and data["created_at"] < asked
+        if replayed and (data["kind"] != "scale" or data["target_size"] != body.ep_size):
+            return _error(422, "idempotency_key_reused",
+                          f"idempotency key {key!r} was used for operation {data['id']} (scale to {data['target_size']}); "
+                          f"use a new key for a different request", operation_id=data["id"], field="idempotency_key")
+        headers = {"Location": f"/operations/{data['id']}"}
+        if replayed:
+            headers["Idempotency-Replayed"] = "true"
+        return JSONResponse(OperationView.model_validate(view(data)).model_dump(mode="json"),
+                            status_code=200 if data["status"] == "noop" else 202, headers=headers)
+
+    @app.get("/operations/{operation_id}", response_model=OperationView, tags=["scale"], responses={404: ERRORS[404]})
+    def get_operation(operation_id: str) -> Any:
+        """One operation: phase, per-phase timings, sizes, error, ranks safe to release."""
+        data = get_op(operation_id)
+        if data is None:
+            return _error(404, "operation_not_found", f"no operation {operation_id!r}", operation_id=operation_id)
+        return view(data)
+
+    @app.get("/operations", response_model=OperationList, tags=["scale"], responses={422: ERRORS[422]})
+    def list_operations(limit: int = Query(50, ge=1, le=1000, description="newest first")) -> Any:
+        """Recent operations, newest first."""
+        lister = getattr(controller, "list_operations", None)
+        if lister is not None:
+            ops = lister(limit)
+        else:
+            ops = sorted((o.to_dict() for o in list(controller.operations.values())),
+                         key=lambda o: o["created_at"], reverse=True)[:limit]
+        return {"operations": [view(op) for op in ops]}
+
+    @app.post("/recover", status_code=202, response_model=OperationView, tags=["scale"],
+              responses={409: {"model": ErrorBody, "description": "not failed, or an operation is in progress"}})
+    def recover() -> Any:
+        """After a failure: rebuild a consistent group from the living workers (202, in the background)."""
+        op = controller.recover(wait=False)
+        data = get_op(op.id) or op.to_dict()
+        return JSONResponse(OperationView.model_validate(view(data)).model_dump(mode="json"), status_code=202,
+                            headers={"Location": f"/operations/{data['id']}"})
+
+    @app.post("/rebalance", response_model=RebalanceResult, tags=["scale"],
+              responses={202: {"model": RebalanceResult, "description": "sent, but not confirmed by every rank in time"},
+                         409: {"model": ErrorBody, "description": "not running"},
+                         422: ERRORS[422]})
+    def rebalance(timeout_s: float = Query(30.0, gt=0, le=300, description="how long to wait for the ranks")) -> Any:
+        """Start a rebalance on every rank at the next step boundary (200 once every rank confirmed)."""
+        try:
+            return {"started": bool(controller.rebalance(timeout=timeout_s)), "confirmed": True}
+        except ElasticError as exc:
+            if isinstance(exc, InvalidTransition):
+                raise
+            # the command is on its way to every rank; what is missing is their confirmation
+            return JSONResponse({"started": False, "confirmed": False, "message": str(exc)}, status_code=202)
+
+    # -- reading ------------------------------------------------------------------------------
+    def state_view() -> dict[str, Any]:
+        snap = dict(controller.snapshot())
+        snap["serving"] = snap["state"] in SERVING_STATES
+        snap["decoding_paused"] = snap["state"] == "rescaling"
+        snap["note"] = SERVING_NOTE
+        if snap.get("operation") is not None:
+            snap["operation"] = view(snap["operation"])
+        snap["autoscaler"] = autoscaler.status() if autoscaler is not None else None
+        return snap
+
+    @app.get("/state", response_model=StateView, tags=["state"])
+    def state() -> Any:
+        """State, generation, EP size, balancedness, in-flight layer, serving, history tail."""
+        return state_view()
+
+    @app.get("/healthz", response_model=Health, tags=["state"])
+    def healthz() -> Any:
+        """Always 200 while the control plane runs; ``serving`` says whether decoding runs."""
+        current = controller.machine.state.value
+        return {"status": "ok", "state": current, "serving": current in SERVING_STATES,
+                "generation": controller.machine.generation, "note": SERVING_NOTE}
+
+    @app.get("/metrics", response_class=PlainTextResponse, tags=["state"],
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text exposition"}})
+    def metrics() -> PlainTextResponse:
+        """Prometheus metrics (read from the coordinator at scrape time)."""
+        return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    # -- autoscaler ---------------------------------------------------------------------------
+    def need_autoscaler() -> Autoscaler | JSONResponse:
+        if autoscaler is None:
+            return _error(404, "no_autoscaler", "this server runs without an autoscaler (add an autoscaler: section)")
+        return autoscaler
+
+    @app.get("/autoscaler", tags=["autoscaler"], responses={404: ERRORS[404]})
+    def autoscaler_status() -> Any:
+        """The autoscaler: on/off, mode, bounds, the last decision and recent ones."""
+        found = need_autoscaler()
+        return found if isinstance(found, JSONResponse) else found.status()
+
+    @app.post("/autoscaler/enable", tags=["autoscaler"], responses={404: ERRORS[404]})
+    def autoscaler_enable() -> Any:
+        found = need_autoscaler()
+        if isinstance(found, JSONResponse):
+            return found
+        found.enable()
+        return found.status()
+
+    @app.post("/autoscaler/disable", tags=["autoscaler"], responses={404: ERRORS[404]})
+    def autoscaler_disable() -> Any:
+        found = need_autoscaler()
+        if isinstance(found, JSONResponse):
+            return found
+        found.disable()
+        return found.status()
+
+    return app
+
+
+# -- running it ---------------------------------------------------------------------------------
+
+class BackgroundServer:
+    """uvicorn on a thread (port 0: the OS picks one). For tests and for engines that embed the API."""
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        import uvicorn
+
+        self.config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
+                                     timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(self.config)
+        self._thread: threading.Thread | None = None
+
+    def start(self, timeout: float = 10.0) -> "BackgroundServer":
+        self._thread = threading.Thread(target=self.server.run, name="api-server", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the API server did not start within {timeout}s")
+            time.sleep(0.01)
+        return self
+
+    @property
+    def port(self) -> int:
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> "BackgroundServer":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+class ServeConfig(BaseModel):
+    """A serve config file: a DeploymentConfig plus optional ``autoscaler:`` and ``hooks:`` sections."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    deployment: DeploymentConfig
+    autoscaler: AutoscalerConfig | None = None
+    hooks: HooksConfig | None = None
+
+
+def load_serve_config(path: str | Path) -> ServeConfig:
+    """Read a YAML serve config; a clear ``ValueError`` (naming the file and the fields) when it is bad."""
+    import yaml
+
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"{path}: cannot read: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a mapping of DeploymentConfig fields, got {type(raw).__name__}")
+    raw = dict(raw)
+    sections = {"autoscaler": raw.pop("autoscaler", None), "hooks": raw.pop("hooks", None)}
+    try:  # one validation, so every bad field of every section is reported at once
+        return ServeConfig.model_validate({"deployment": raw, **{k: v for k, v in sections.items() if v is not None}})
+    except ValidationError as exc:
+        lines = [f"{'.'.join(str(p) for p in e['loc'] if p != 'deployment') or '(top)'}: {e['msg']}" for e in exc.errors()]
+        raise ValueError(f"{path}: invalid config:\n  " + "\n  ".join(lines)) from None
+
+
+def serve(config: DeploymentConfig, host: str = "127.0.0.1", port: int = 8000, *,
+          autoscaler: AutoscalerConfig | None = None, hooks: HooksConfig | None = None,
+          log_level: str = "info") -> None:
+    """Start the workers, the autoscaler (if configured) and the API; serve until interrupted."""
+    import uvicorn
+
+    from elastic.coordinator import Coordinator
+
+    coordinator = Coordinator(config)
+    scaler: Autoscaler | None = None
+    coordinator.start()
+    try:
+        scale_hooks = ScaleHooks.from_config(hooks).install(coordinator) if hooks is not None else None
+        if autoscaler is not None:
+            scaler = Autoscaler(coordinator, autoscaler).start()
+        app = create_app(coordinator, autoscaler=scaler, hooks=scale_hooks)
+        uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level)).run()
+    finally:
+        if scaler is not None:
+            scaler.stop()
+        coordinator.shutdown()
+
+
+def register_cli(app: Any) -> None:
+    """Add ``serve CONFIG [--host] [--port]`` to a typer app."""
+    import typer
+
+    @app.command("serve")
+    def serve_command(
+        config: Path = typer.Argument(..., help="YAML: DeploymentConfig fields, optional autoscaler: and hooks: sections"),
+        host: str = typer.Option("127.0.0.1", help="address to listen on"),
+        port: int = typer.Option(8000, min=0, max=65535, help="port to listen on"),
+        observe_only: bool = typer.Option(False, "--observe-only", help="the autoscaler only logs what it would do"),
+        log_level: str = typer.Option("info", help="uvicorn log level"),
+    ) -> None:
+        """Run a deployment with the scale API (and the autoscaler, when configured)."""
+        try:
+            loaded = load_serve_config(config)
+        except ValueError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
+        scaler = loaded.autoscaler
+        if observe_only and scaler is not None:
+            scaler = scaler.model_copy(update={"observe_only": True})
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        logging.getLogger("transitions").setLevel(logging.WARNING)  # the machine logs each transition itself
+        serve(loaded.deployment, host, port, autoscaler=scaler, hooks=loaded.hooks, log_level=log_level)

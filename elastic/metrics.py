@@ -1,0 +1,149 @@
+"""Prometheus metrics of a coordinator, for ``GET /metrics``.
+
+Two sources, one registry per app (never the process-global one, so two apps in one process
+never clash):
+
+- :class:`CoordinatorCollector` reads the coordinator's ``snapshot()``, its operations and its
+  workers' last heartbeats **on every scrape** (so a scrape can never disagree with
+  ``GET /state`` by more than the time between the two reads);
+- :class:`OperationRecorder` follows the coordinator's events (``subscribe``) and feeds a
+  histogram of phase durations, a histogram of decode pauses and a counter of transitions.
+
+Every metric is prefixed ``elastic_ep_``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from elastic.machine import Phase
+
+__all__ = ["CoordinatorCollector", "OperationRecorder", "build_registry", "PREFIX"]
+
+PREFIX = "elastic_ep_"
+OPERATION_STATUSES = ("pending", "running", "succeeded", "failed", "noop")
+PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class CoordinatorCollector(Collector):
+    """Gauges and counters read from the coordinator at scrape time."""
+
+    def __init__(self, coordinator: Any, autoscaler: Any = None):
+        self.coordinator = coordinator
+        self.autoscaler = autoscaler
+
+    def describe(self) -> Iterator[Metric]:
+        return self._families(None, [], [])
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.coordinator.snapshot()
+        list_ops = getattr(self.coordinator, "list_operations", None)
+        ops = list_ops() if list_ops is not None else [o.to_dict() for o in list(self.coordinator.operations.values())]
+        beats = [w.heartbeat for w in self.coordinator.live_workers() if getattr(w, "heartbeat", None) is not None]
+        return self._families(snap, ops, beats)
+
+    def _families(self, snap: dict[str, Any] | None, ops: list[dict[str, Any]], beats: list[Any]) -> Iterator[Metric]:
+        state = GaugeMetricFamily(PREFIX + "state", "1 for the control plane's current state, 0 for the others",
+                                  labels=["state"])
+        generation = GaugeMetricFamily(PREFIX + "generation", "generation of the current process group")
+        size = GaugeMetricFamily(PREFIX + "ep_size", "EP ranks in the current group")
+        physical = GaugeMetricFamily(PREFIX + "physical_slots", "physical expert slots over all ranks")
+        serving = GaugeMetricFamily(PREFIX + "serving", "1 while decoding runs (every state but rescaling and failed)")
+        balancedness = GaugeMetricFamily(PREFIX + "balancedness", "lowest balancedness (mean/max load) over ranks")
+        step = GaugeMetricFamily(PREFIX + "step", "decode step of the slowest rank")
+        in_flight = GaugeMetricFamily(PREFIX + "in_flight_layer", "layer of the async rebalance being transferred, -1 for none")
+        rebalances = CounterMetricFamily(PREFIX + "rebalances", "rebalances finished (most of any rank)")
+        layers = CounterMetricFamily(PREFIX + "layers_committed", "EPLB layers committed (most of any rank)")
+        eplb_bytes = CounterMetricFamily(PREFIX + "eplb_bytes_moved", "bytes moved by EPLB rebalances (sum over live ranks)")
+        stalls = CounterMetricFamily(PREFIX + "watchdog_stalls", "async EPLB handshakes flagged as stalled (sum over ranks)")
+        operations = GaugeMetricFamily(PREFIX + "operations", "operations by kind and status", labels=["kind", "status"])
+        scale_bytes = CounterMetricFamily(PREFIX + "scale_bytes_moved", "bytes moved by scale and recovery operations")
+        rank_load = GaugeMetricFamily(PREFIX + "rank_load", "tokens routed to a rank's slots in its last step", labels=["rank"])
+        rank_step = GaugeMetricFamily(PREFIX + "rank_step_seconds", "a rank's last decode step time", labels=["rank"])
+        if snap is not None:
+            for phase in Phase:
+                state.add_metric([phase.value], 1.0 if snap["state"] == phase.value else 0.0)
+            generation.add_metric([], snap["generation"])
+            size.add_metric([], snap["ep_size"])
+            physical.add_metric([], snap.get("num_physical") or 0)
+            serving.add_metric([], 1.0 if snap.get("serving") else 0.0)
+            if snap.get("balancedness") is not None:
+                balancedness.add_metric([], float(snap["balancedness"]))
+            step.add_metric([], snap.get("step") or 0)
+            layer = snap.get("in_flight_layer")
+            in_flight.add_metric([], -1 if layer is None else layer)
+            rebalances.add_metric([], snap.get("rebalances") or 0)
+            layers.add_metric([], snap.get("layers_committed") or 0)
+            eplb_bytes.add_metric([], snap.get("bytes_moved") or 0)
+            stalls.add_metric([], snap.get("watchdog_stalls") or 0)
+            counts: dict[tuple[str, str], int] = {(k, s): 0 for k in ("scale", "recover") for s in OPERATION_STATUSES}
+            for op in ops:
+                key = (op["kind"], op["status"])
+                counts[key] = counts.get(key, 0) + 1
+            for (kind, status), n in sorted(counts.items()):
+                operations.add_metric([kind, status], n)
+            scale_bytes.add_metric([], sum(op.get("bytes_moved") or 0 for op in ops))
+            for hb in sorted(beats, key=lambda b: b.rank):
+                rank_load.add_metric([str(hb.rank)], float(hb.rank_load))
+                rank_step.add_metric([str(hb.rank)], float(hb.step_seconds))
+        yield from (state, generation, size, physical, serving, balancedness, step, in_flight, rebalances, layers,
+                    eplb_bytes, stalls, operations, scale_bytes, rank_load, rank_step)
+        scaler = self.autoscaler
+        enabled = GaugeMetricFamily(PREFIX + "autoscaler_enabled", "1 when the autoscaler is on", labels=["observe_only"])
+        decisions = CounterMetricFamily(PREFIX + "autoscaler_decisions", "autoscaler decisions by what became of them",
+                                        labels=["action"])
+        if snap is not None and scaler is not None:
+            enabled.add_metric([str(scaler.config.observe_only).lower()], 1.0 if scaler.enabled else 0.0)
+            for action, n in sorted(scaler.counts.items()):
+                decisions.add_metric([action], n)
+        yield from (enabled, decisions)
+
+
+class OperationRecorder:
+    """Feeds phase durations, decode pauses and transitions from the coordinator's events."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.phase_seconds = Histogram(PREFIX + "operation_phase_seconds", "time an operation spent in each phase",
+                                       ["kind", "phase"], registry=registry, buckets=PHASE_BUCKETS)
+        self.operation_seconds = Histogram(PREFIX + "operation_seconds", "time from request to end of an operation",
+                                           ["kind", "status"], registry=registry, buckets=PHASE_BUCKETS)
+        self.paused_seconds = Histogram(PREFIX + "decode_paused_seconds",
+                                        "decoding paused by a scale (the rescaling phase, slowest rank)",
+                                        registry=registry, buckets=PHASE_BUCKETS)
+        self.transitions = Counter(PREFIX + "transitions", "state machine transitions", ["trigger", "dest"],
+                                   registry=registry)
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, kind: str, data: dict[str, Any]) -> None:
+        if kind == "transition":
+            self.transitions.labels(trigger=data["trigger"], dest=str(data["dest"])).inc()
+            return
+        if kind != "operation" or data.get("status") not in ("succeeded", "failed"):
+            return
+        with self._lock:
+            if data["id"] in self._seen:
+                return
+            self._seen.add(data["id"])
+        total = 0.0
+        for phase, timing in (data.get("phases") or {}).items():
+            seconds = timing.get("seconds")
+            if seconds is not None:
+                self.phase_seconds.labels(kind=data["kind"], phase=phase).observe(seconds)
+                total += seconds
+        self.operation_seconds.labels(kind=data["kind"], status=data["status"]).observe(total)
+        if data.get("paused_seconds") is not None:
+            self.paused_seconds.observe(data["paused_seconds"])
+
+
+def build_registry(coordinator: Any, autoscaler: Any = None) -> CollectorRegistry:
+    """A fresh registry with the collector and an event-fed recorder subscribed to ``coordinator``."""
+    registry = CollectorRegistry()
+    registry.register(CoordinatorCollector(coordinator, autoscaler))
+    coordinator.subscribe(OperationRecorder(registry))
+    return registry
