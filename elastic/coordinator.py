@@ -408,6 +408,10 @@ class Coordinator:
                 raise InvalidScaleRequest("ep_size", f"cannot recover with {len(survivors)} living workers: {problem}")
             op = Operation(id=f"op-{uuid.uuid4().hex[:12]}", kind="recover", target_size=len(survivors),
                            from_size=self.size, generation_before=self.machine.generation)
+            keep = {w.handle.pid for w in survivors}
+            for w in self.workers.values():
+                if w.handle.pid not in keep:
+                    w.expected_exit = True  # retired by this recovery: its death is no new failure
             self.machine.recover(operation_id=op.id, reason=f"recover with {len(survivors)} living workers")
             op.status, op.phase = OperationStatus.RUNNING, Phase.RESCALING.value
             self._current = op

@@ -34,7 +34,7 @@ from eplb.placement import Placement
 from eplb.plan import holders_from_mapping, plan_layer
 from eplb.state import CONTROL_WORDS, EPLBState, LoadWindow, TransferHooks
 from eplb.trace import PhasedTrace, TraceConfig
-from eplb.transfer import execute_layer, materialize
+from eplb.transfer import commit_layer, execute_layer, materialize
 from elastic import faults as f
 from elastic import protocol as p
 from elastic.groups import GroupGeneration, connect_store
@@ -127,7 +127,7 @@ class Worker:
     def _apply_phase_faults(self, command: p.Command) -> None:
         phase = {p.Drain: "draining", p.Suppress: "suppressed", p.Rescale: "rescaling", p.Resume: "resuming"}.get(type(command))
         for fault in self._faults(f.KillRank):
-            if phase is not None and fault.in_phase == phase:
+            if phase is not None and fault.in_phase == phase and fault.after_layers is None:
                 os._exit(17)
 
     def _hooks(self) -> TransferHooks:
@@ -294,8 +294,13 @@ class Worker:
             placement_before = self.eplb.placement.physical_to_logical.tolist()
             mark, cpu = time.perf_counter(), time.process_time()
             new_placement = self._next_placement(cmd)
-            new_weights, bytes_moved = self._redistribute(cmd, new_placement, executing_rank=self.rank)
-            dist.barrier(group=self.group.eplb_group) if self.group.eplb_group is not None else dist.barrier()
+            new_weights, bytes_moved, undo = self._redistribute(cmd, new_placement, executing_rank=self.rank)
+            try:
+                # every rank's transfers are done before anyone tears the group down
+                dist.barrier()
+            except BaseException:
+                self._undo(undo)
+                raise
             timing["transfer_seconds"] = time.perf_counter() - mark
             timing["transfer_cpu_seconds"] = time.process_time() - cpu
             mark = time.perf_counter()
@@ -307,8 +312,12 @@ class Worker:
                                     **timing})
                 self.stopping = True
                 return
-            self.group = GroupGeneration.join(self.store, cmd.generation, new_rank, cmd.new_size,
-                                              backend=spec.backend, timeout_s=spec.collective_timeout_s)
+            try:
+                self.group = GroupGeneration.join(self.store, cmd.generation, new_rank, cmd.new_size,
+                                                  backend=spec.backend, timeout_s=spec.collective_timeout_s)
+            except BaseException:
+                self._undo(undo)  # the weights go back to the old placement this rank still has
+                raise
             timing["group_seconds"] = time.perf_counter() - mark
             self._adopt(new_rank, cmd, new_placement, new_weights)
         else:
@@ -330,7 +339,13 @@ class Worker:
             placement_before = self.eplb.placement.physical_to_logical.tolist()
             mark, cpu = time.perf_counter(), time.process_time()
             new_placement = self._next_placement(cmd)
-            new_weights, bytes_moved = self._redistribute(cmd, new_placement, executing_rank=new_rank)
+            new_weights, bytes_moved, undo = self._redistribute(cmd, new_placement, executing_rank=new_rank)
+            try:
+                # all or nothing: nobody adopts the new generation before every rank's transfers are done
+                dist.barrier()
+            except BaseException:
+                self._undo(undo)
+                raise
             timing["transfer_seconds"] = time.perf_counter() - mark
             timing["transfer_cpu_seconds"] = time.process_time() - cpu
             self._adopt(new_rank, cmd, new_placement, new_weights)
@@ -381,7 +396,14 @@ class Worker:
                                  policy=self.spec.eplb.policy, previous=old, **opts)
 
     def _redistribute(self, cmd: p.Rescale, new_placement: Placement, executing_rank: int):
-        """Move every layer to the new placement; returns this rank's new weights and bytes received."""
+        """Move every layer to the new placement; returns ``(weights, bytes received, undo log)``.
+
+        A surviving rank keeps its weight tensors (slots per rank do not change): each layer is
+        received into a one-layer staging buffer and only the changed slots are written in
+        place, after the layer's sends are done. Their previous contents go to an undo log, so a
+        rescale that fails later is rolled back (:meth:`_undo`) and the old placement still
+        matches the weights. A fresh rank allocates its weights.
+        """
         old = self.eplb.placement
         old_size = len(cmd.mapping)
         per_rank = old.num_physical // old_size
@@ -389,23 +411,46 @@ class Worker:
         old_holder, new_holder = holders_from_mapping(list(cmd.mapping), cmd.new_size, cmd.execute_on, lost)
         my_new_rank = executing_rank if cmd.execute_on == "new" else cmd.mapping[self.rank]
         old_weights = self.model.expert_weights() if self.model.expert_weights() else None
-        new_weights = self.model.allocate(per_rank) if my_new_rank >= 0 else None
+        in_place = my_new_rank >= 0 and old_weights is not None
+        if in_place:
+            weights = old_weights
+            staging = [torch.empty_like(t) for t in old_weights[0]]
+        else:
+            weights = self.model.allocate(per_rank) if my_new_rank >= 0 else None
+        undo: list[tuple[int, int, list[torch.Tensor]]] = []
         received = 0
         timeout = timedelta(seconds=self.spec.eplb.transfer_timeout_s)
-        for layer in range(old.num_layers):
-            plan = plan_layer(old.physical_to_logical[layer], new_placement.physical_to_logical[layer],
-                              per_rank, per_rank, old_holder, new_holder)
-            rank_plan = plan.for_rank(executing_rank)
-            stats = execute_layer(
-                plan, executing_rank, None if old_weights is None else old_weights[layer],
-                [] if new_weights is None else new_weights[layer], group=None, timeout=timeout,
-                max_ops_per_batch=self.spec.eplb.max_ops_per_batch, layer=layer,
-                reload_fn=lambda expert, layer=layer: self.model.canonical_expert(layer, expert),
-            )
-            if new_weights is not None:
-                materialize(rank_plan, None if old_weights is None else old_weights[layer], new_weights[layer])
-            received += stats.bytes_received
-        return new_weights, received
+        try:
+            for layer in range(old.num_layers):
+                if any(k.after_layers == layer for k in self._faults(f.KillRank)):
+                    os._exit(17)  # fault injection: die mid-redistribution
+                plan = plan_layer(old.physical_to_logical[layer], new_placement.physical_to_logical[layer],
+                                  per_rank, per_rank, old_holder, new_holder)
+                rank_plan = plan.for_rank(executing_rank)
+                target = staging if in_place else ([] if weights is None else weights[layer])
+                stats = execute_layer(
+                    plan, executing_rank, None if old_weights is None else old_weights[layer], target,
+                    group=None, timeout=timeout, max_ops_per_batch=self.spec.eplb.max_ops_per_batch, layer=layer,
+                    reload_fn=lambda expert, layer=layer: self.model.canonical_expert(layer, expert),
+                )
+                if in_place:
+                    undo += [(layer, j, [t[j].clone() for t in weights[layer]]) for j in rank_plan.changed_slots]
+                    commit_layer(rank_plan, staging, weights[layer])
+                elif weights is not None:
+                    materialize(rank_plan, None if old_weights is None else old_weights[layer], weights[layer])
+                received += stats.bytes_received
+        except BaseException:
+            self._undo(undo)
+            raise
+        return weights, received, undo
+
+    def _undo(self, undo: list[tuple[int, int, list[torch.Tensor]]]) -> None:
+        """Put back the slot contents a failed rescale overwrote (newest first)."""
+        weights = self.model.expert_weights()
+        for layer, slot, saved in reversed(undo):
+            for tensor, value in zip(weights[layer], saved):
+                tensor[slot].copy_(value)
+        undo.clear()
 
     def _adopt(self, new_rank: int, cmd: p.Rescale, placement: Placement, weights) -> None:
         self.rank, self.size, self.generation = new_rank, cmd.new_size, cmd.generation

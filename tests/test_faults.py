@@ -71,3 +71,20 @@ def test_stalled_rank_is_treated_as_lost_after_its_deadline():
         assert c.size == 1
         c.wait_for_step(c.snapshot()["step"] + 5)
         assert_consistent(c, 1)
+
+
+@pytest.mark.timeout(120)
+def test_rank_dying_mid_redistribution_rolls_back_the_survivors_in_place_writes():
+    # scale up 2 -> 4; new rank 3 dies after two of the three layers moved, so survivors have
+    # already overwritten slots in place; they must roll back, and recovery verifies bit-exact
+    config = small_config(ep_size=2, model=dict(num_layers=3, num_experts=8), eplb=dict(num_redundant_experts=8),
+                          timeouts=dict(collective=4, heartbeat=6))
+    with running(config, faults=[KillRank(rank=3, in_phase="rescaling", after_layers=2)]) as c:
+        c.wait_for_step(20)
+        op = c.scale(4, timeout=90)
+        assert op.status == OperationStatus.FAILED and c.machine.state.value == "failed"
+        recovery = c.recover(timeout=90)
+        assert recovery.status == OperationStatus.SUCCEEDED, recovery.error
+        assert c.size == 2, "the survivors of the last consistent generation form the group"
+        c.wait_for_step(c.snapshot()["step"] + 10)
+        assert_consistent(c, 2)
