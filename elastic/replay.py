@@ -1,0 +1,504 @@
+"""Replaying a scenario on real worker processes, recording what happened, checking expectations.
+
+:func:`replay` is the Python API; ``elastic-ep replay`` (``elastic/cli.py``) wraps it with a
+progress bar and the end-of-run tables. The replayer drives the timeline through the public
+coordinator API (``scale``, ``recover``, ``rebalance``, ``verify``, ``snapshot``) and records
+everything from the coordinator's subscription: worker heartbeats become per-step samples
+(balancedness of that step's global tokens, step time), transitions and operations become the
+timeline, worker events become the rebalances. :mod:`elastic.report` turns the recording into
+``report.json``, ``report.png`` and the tables.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from elastic.errors import ElasticError
+from elastic.scenario import (AutoscalerEvent, KillEvent, RebalanceEvent, RecoverEvent, ScaleEvent, Scenario,
+                              load_scenario)
+
+__all__ = ["ReplayResult", "Recorder", "Replayer", "replay"]
+
+log = logging.getLogger("elastic.replay")
+
+
+# ---------------------------------------------------------------------------------------------
+# recording
+
+class Recorder:
+    """Subscriber of the coordinator: files heartbeats, transitions, operations and worker events.
+
+    Called on the coordinator's threads, so every method is quick and takes one lock. Times are
+    ``time.monotonic()`` (the state machine's clock), reported relative to ``t0``.
+    """
+
+    def __init__(self, t0: float, on_transition: Callable[[dict[str, Any]], None] | None = None,
+                 on_worker_error: Callable[[dict[str, Any]], None] | None = None):
+        self.t0 = t0
+        self.on_worker_error = on_worker_error
+        self.lock = threading.Lock()
+        self.coordinator: Any = None
+        self.steps: dict[int, dict[str, Any]] = {}
+        self.max_step = 0
+        self.last_balancedness: float | None = None
+        self.transitions: list[dict[str, Any]] = []
+        self.operations: dict[str, dict[str, Any]] = {}
+        self.worker_events: list[dict[str, Any]] = []
+        self.worker_errors: list[dict[str, Any]] = []
+        self.open_rebalance: set[int] = set()  # ranks with a rebalance in flight
+        self.on_transition = on_transition
+
+    def attach(self, coordinator: Any) -> None:
+        self.coordinator = coordinator
+        coordinator.subscribe(self)
+
+    def __call__(self, kind: str, data: dict[str, Any]) -> None:
+        now = time.monotonic()
+        if kind == "heartbeat":
+            self._heartbeat(now, data)
+        elif kind == "transition":
+            with self.lock:
+                entry = {**data, "t": data["at"] - self.t0, "step": self.max_step}
+                self.transitions.append(entry)
+                if data["dest"] in ("rescaling", "failed"):
+                    self.open_rebalance.clear()  # nothing from the old group's EPLB survives
+            if self.on_transition is not None:
+                self.on_transition(entry)
+        elif kind == "operation":
+            with self.lock:
+                self.operations[data["id"]] = dict(data)
+        elif kind == "worker_event":
+            with self.lock:
+                self.worker_events.append({**data, "t": now - self.t0, "at": now})
+                if data.get("kind") == "rebalance_started":
+                    self.open_rebalance.add(data["rank"])
+                elif data.get("kind") in ("rebalance_finished", "rebalance_failed"):
+                    self.open_rebalance.discard(data["rank"])
+        elif kind == "worker_error":
+            entry = {**data, "t": now - self.t0}
+            with self.lock:
+                self.worker_errors.append(entry)
+            if self.on_worker_error is not None:
+                self.on_worker_error(entry)
+
+    def _heartbeat(self, now: float, beat: dict[str, Any]) -> None:
+        step = int(beat["step"])
+        if step <= 0 or beat.get("state") == "broken":
+            return
+        coordinator = self.coordinator
+        state = coordinator.machine.state.value if coordinator is not None else "running"
+        size = coordinator.size if coordinator is not None else None
+        with self.lock:
+            sample = self.steps.get(step)
+            if sample is None:
+                self.steps[step] = {"step": step, "time": now - self.t0, "balancedness": float(beat["balancedness"]),
+                                    "step_time": float(beat["step_seconds"]), "state": state, "ep_size": size,
+                                    "ranks": 1, "generation": beat["generation"]}
+            else:
+                sample["step_time"] = max(sample["step_time"], float(beat["step_seconds"]))
+                sample["ranks"] += 1
+            self.max_step = max(self.max_step, step)
+            self.last_balancedness = float(beat["balancedness"])
+
+    # -- reads --------------------------------------------------------------------------------
+    def samples(self) -> list[dict[str, Any]]:
+        with self.lock:
+            return [dict(self.steps[k]) for k in sorted(self.steps)]
+
+    def rebalance_in_flight(self, ranks: int = 1) -> bool:
+        """Whether at least ``ranks`` ranks have a rebalance started and not finished."""
+        with self.lock:
+            return len(self.open_rebalance) >= max(1, ranks)
+
+
+# ---------------------------------------------------------------------------------------------
+# result
+
+@dataclass
+class ReplayResult:
+    scenario: Scenario
+    report: dict[str, Any]
+    report_dir: Path | None = None
+    report_path: Path | None = None
+    plot_path: Path | None = None
+    source: str | None = None
+    replayer: "Replayer | None" = field(default=None, repr=False)  # the run's coordinator, stopped, for inspection
+
+    @property
+    def expectations(self) -> list[dict[str, Any]]:
+        return self.report["expectations"]
+
+    @property
+    def passed(self) -> bool:
+        return all(e["passed"] for e in self.expectations)
+
+    @property
+    def failed(self) -> list[dict[str, Any]]:
+        return [e for e in self.expectations if not e["passed"]]
+
+    @property
+    def final(self) -> dict[str, Any]:
+        return self.report["final"]
+
+    @property
+    def duration_s(self) -> float:
+        return self.report["duration_s"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the replayer
+
+@dataclass
+class _Outcome:
+    ok: bool
+    detail: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Replayer:
+    """Runs one scenario: start the coordinator, play the timeline, verify, stop, report."""
+
+    def __init__(self, scenario: Scenario, *, on_transition: Callable[[dict[str, Any]], None] | None = None,
+                 on_event: Callable[[dict[str, Any]], None] | None = None,
+                 on_progress: Callable[[dict[str, Any]], None] | None = None,
+                 on_worker_error: Callable[[dict[str, Any]], None] | None = None):
+        self.scenario = scenario
+        self.on_event = on_event
+        self.on_progress = on_progress
+        self.t0 = time.monotonic()
+        self.recorder = Recorder(self.t0, on_transition=on_transition, on_worker_error=on_worker_error)
+        self.coordinator: Any = None
+        self.events: list[dict[str, Any]] = []
+        self.verifications: list[dict[str, Any]] = []
+        self.errors: list[str] = []
+        self.autoscaler: Any = None
+        self._deadline = self.t0 + scenario.run_timeout_s
+        self._stop_progress = threading.Event()
+        self._verified_ops: set[str] = set()
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def _snapshot(self) -> dict[str, Any]:
+        return self.coordinator.snapshot()
+
+    def _state(self) -> str:
+        return self.coordinator.machine.state.value
+
+    def _op_running(self) -> bool:
+        op = self._snapshot().get("operation")
+        return op is not None and op["status"] in ("pending", "running")
+
+    def _progress_loop(self) -> None:
+        while not self._stop_progress.wait(0.1):
+            if self.on_progress is None or self.coordinator is None:
+                continue
+            try:
+                snap = self._snapshot()
+            except Exception:  # noqa: BLE001 - a display never breaks the run
+                continue
+            self.on_progress({"step": max(snap["step"], 0), "total": self.scenario.steps, "state": snap["state"],
+                              "ep_size": snap["ep_size"], "generation": snap["generation"],
+                              "balancedness": self.recorder.last_balancedness, "rebalances": snap["rebalances"]})
+
+    def _phase_budget(self) -> float:
+        t = self.scenario.timeouts
+        return t.draining + t.suppressed + t.rescaling + t.resuming + t.worker_start + 5.0
+
+    def _wait_until(self, predicate: Callable[[], bool], timeout: float, poll: float = 0.02) -> bool:
+        deadline = min(time.monotonic() + timeout, self._deadline)
+        while time.monotonic() < deadline:
+            if predicate():
+                return True
+            time.sleep(poll)
+        return predicate()
+
+    def _verify_unplanned(self, snap: dict[str, Any]) -> None:
+        """Verify after every operation the timeline did not start (the autoscaler's, an auto-recovery)."""
+        op = snap.get("operation")
+        if op is None or op["status"] != "succeeded" or op["id"] in self._verified_ops or snap["state"] != "running":
+            return
+        self._verified_ops.add(op["id"])
+        if op["id"] not in {e.get("operation_id") for e in self.events}:
+            self._verify(after=f"{op['kind']} {op['from_size']} -> {op['target_size']} ({op['id']})")
+
+    def _wait_step(self, step: int) -> str:
+        """Until the slowest rank passed ``step``: "ok", "failed" (stuck in failed) or "timeout"."""
+        failed_since: float | None = None
+        while time.monotonic() < self._deadline:
+            snap = self._snapshot()
+            self._verify_unplanned(snap)
+            stuck = snap["state"] == "failed" and not self._op_running()
+            failed_since = (failed_since or time.monotonic()) if stuck else None
+            if stuck and (not self._recovering() or time.monotonic() - failed_since > 10.0):
+                return "failed"  # nothing is going to recover it (auto-recovery gave up or was refused)
+            if snap["step"] >= step and snap["state"] != "failed":
+                return "ok"
+            time.sleep(0.02)
+        return "timeout"
+
+    def _recovering(self) -> bool:
+        """Whether a failure will be recovered without the timeline (auto_recover)."""
+        if not self.scenario.auto_recover:
+            return False
+        if "auto_recover" in type(self.coordinator.config).model_fields:
+            return True
+        # a coordinator without auto-recovery: the replayer recovers for it
+        if self._state() == "failed" and not self._op_running():
+            self._recover_now(auto=True)
+        return True
+
+    def _verify(self, after: str) -> dict[str, Any]:
+        entry: dict[str, Any] = {"after": after, "t": self._now(), "step": self._snapshot()["step"]}
+        try:
+            ranks = self.coordinator.verify(timeout=max(30.0, self.scenario.timeouts.collective))
+        except Exception as exc:  # noqa: BLE001 - a verification that cannot run is a failed one
+            entry.update(ok=False, error=f"{type(exc).__name__}: {exc}", ranks={})
+        else:
+            ranks = {int(r): {"mismatched": [list(x) for x in v["mismatched"]], "digest": v["digest"],
+                              "replica_min": v["replica_min"], "num_physical": v["num_physical"],
+                              "size": v["size"], "generation": v["generation"], "step": v["step"]}
+                     for r, v in sorted(ranks.items())}
+            size = self.coordinator.size
+            digests = {v["digest"] for v in ranks.values()}
+            entry.update(
+                ranks=ranks, ep_size=size,
+                mismatched=sum(len(v["mismatched"]) for v in ranks.values()),
+                replica_min=min((v["replica_min"] for v in ranks.values()), default=0),
+                digests_agree=len(digests) == 1, all_ranks=sorted(ranks) == list(range(size)),
+            )
+            entry["ok"] = entry["mismatched"] == 0 and entry["digests_agree"] and entry["all_ranks"] \
+                and entry["replica_min"] >= 1
+        self.verifications.append(entry)
+        return entry
+
+    # -- events -------------------------------------------------------------------------------
+    def _record_op(self, op: Any) -> dict[str, Any]:
+        d = op.to_dict()
+        return {"operation_id": d["id"], "operation_status": d["status"], "error": d["error"],
+                "paused_seconds": d["paused_seconds"], "from_size": d["from_size"], "target_size": d["target_size"]}
+
+    def _scale(self, event: ScaleEvent) -> _Outcome:
+        extra: dict[str, Any] = {}
+        if event.wait_for_transfer:
+            # every rank of the group has the rebalance open: a layer is on its way everywhere
+            waited = self._wait_until(lambda: self.recorder.rebalance_in_flight(self.coordinator.size),
+                                      event.transfer_wait_s, poll=0.005)
+            extra["waited_for_transfer"] = waited
+        extra["transfer_in_flight"] = self.recorder.rebalance_in_flight() or self._snapshot()["in_flight_layer"] is not None
+        try:
+            op = self.coordinator.scale(event.to, wait=True, timeout=self._phase_budget())
+        except ElasticError as exc:
+            return _Outcome(False, f"refused: {exc}", extra)
+        extra.update(self._record_op(op))
+        if op.status.value == "noop":
+            return _Outcome(True, f"already at {event.to} ranks", extra)
+        if op.status.value != "succeeded":
+            return _Outcome(False, f"scale to {event.to} {op.status.value}: {op.error}", extra)
+        self._verified_ops.add(op.id)
+        self._verify(after=f"scale to {event.to} ({op.id})")
+        return _Outcome(True, f"{op.from_size} -> {op.target_size} ranks, paused {1000 * (op.paused_seconds or 0):.0f} ms", extra)
+
+    def _recover_now(self, auto: bool = False) -> _Outcome:
+        try:
+            op = self.coordinator.recover(wait=True, timeout=self._phase_budget())
+        except ElasticError as exc:
+            return _Outcome(False, f"refused: {exc}")
+        extra = self._record_op(op)
+        if op.status.value != "succeeded":
+            return _Outcome(False, f"recovery {op.status.value}: {op.error}", extra)
+        self._verified_ops.add(op.id)
+        self._verify(after=f"{'auto-' if auto else ''}recover ({op.id})")
+        return _Outcome(True, f"recovered with {op.target_size} ranks", extra)
+
+    def _failure_budget(self) -> float:
+        t = self.scenario.timeouts
+        return t.heartbeat + t.collective + 10.0
+
+    def _failures(self) -> int:
+        with self.recorder.lock:
+            return sum(1 for t in self.recorder.transitions if t["dest"] == "failed")
+
+    def _kill(self, event: KillEvent, index: int, failed_before: int) -> _Outcome:
+        def failed_now() -> bool:
+            with self.recorder.lock:
+                return sum(1 for t in self.recorder.transitions if t["dest"] == "failed") > failed_before
+
+        if not self._wait_until(failed_now, self._failure_budget()):
+            return _Outcome(False, f"rank {event.rank} was to die at step {event.at_step} "
+                            f"(generation {self.scenario.planned()[index]['generation']}) but the deployment did not fail")
+        with self.recorder.lock:
+            reason = next(t["reason"] for t in reversed(self.recorder.transitions) if t["dest"] == "failed")
+        if self.scenario.auto_recover:
+            self._recovering()
+            recovered = self._wait_until(lambda: self._state() == "running" and not self._op_running(), self._phase_budget())
+            if not recovered:
+                return _Outcome(False, f"failed ({reason}) and did not recover by itself")
+            self._verify_unplanned(self._snapshot())
+            return _Outcome(True, f"failed ({reason}); recovered by itself")
+        return _Outcome(True, f"failed: {reason}")
+
+    def _rebalance(self, event: RebalanceEvent) -> _Outcome:
+        try:
+            started = self.coordinator.rebalance()
+        except ElasticError as exc:
+            return _Outcome(False, f"refused: {exc}")
+        return _Outcome(bool(started), "started" if started else "did not start (one in flight, or draining)")
+
+    def _autoscaler(self, event: AutoscalerEvent) -> _Outcome:
+        if self.autoscaler is None:
+            return _Outcome(False, "the scenario has no autoscaler: section")
+        if event.enabled:
+            self.autoscaler.enable()
+        else:
+            self.autoscaler.disable()
+        return _Outcome(True, f"autoscaler {'on' if event.enabled else 'off'} "
+                        f"({self.autoscaler.config.metric}, {self.autoscaler.min_size}..{self.autoscaler.max_size} ranks)")
+
+    def _play(self) -> None:
+        s = self.scenario
+        plan = s.planned()
+        for index, event in enumerate(s.timeline):
+            entry = {"index": index, "action": event.action, "label": event.label(), "at_step": event.at_step,
+                     "event": event.model_dump(), "planned": plan[index]}
+            if isinstance(event, RecoverEvent):
+                reached = "ok" if self._wait_until(lambda: self._state() == "failed", self._failure_budget()) else "timeout"
+            elif isinstance(event, KillEvent):
+                failed_before = self._failures()
+                reached = self._wait_step(event.at_step)
+                reached = "ok" if reached in ("ok", "failed") else reached
+            else:
+                reached = self._wait_step(event.at_step)
+                if reached == "ok" and not self._wait_until(lambda: not self._op_running(), self._phase_budget()):
+                    reached = "timeout"
+            entry.update(t=self._now(), step=self._snapshot()["step"], state_before=self._state())
+            if reached != "ok":
+                why = {"failed": f"the deployment is failed ({self.coordinator.machine.failure_reason})",
+                       "timeout": "the run deadline passed or the state never allowed it"}[reached]
+                entry.update(status="skipped", ok=False, detail=f"not run: {why}")
+            else:
+                if isinstance(event, ScaleEvent):
+                    out = self._scale(event)
+                elif isinstance(event, KillEvent):
+                    out = self._kill(event, index, failed_before)
+                elif isinstance(event, RecoverEvent):
+                    out = self._recover_now()
+                elif isinstance(event, RebalanceEvent):
+                    out = self._rebalance(event)
+                else:
+                    out = self._autoscaler(event)
+                entry.update(status="done" if out.ok else "failed", ok=out.ok, detail=out.detail, **out.extra)
+            entry["t_end"] = self._now()
+            self.events.append(entry)
+            if self.on_event is not None:
+                self.on_event(entry)
+
+    # -- the run ------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        from elastic.coordinator import Coordinator
+        from elastic.report import build_report
+
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        s = self.scenario
+        started_wall = time.time()
+        self.coordinator = Coordinator(s.deployment(), faults=s.fault_records())
+        self.recorder.attach(self.coordinator)
+        progress = threading.Thread(target=self._progress_loop, name="replay-progress", daemon=True)
+        final: dict[str, Any] = {}
+        try:
+            self.coordinator.start()
+            if s.autoscaler is not None:
+                from elastic.autoscaler import Autoscaler
+
+                self.autoscaler = Autoscaler(self.coordinator, s.autoscaler).start()
+            progress.start()
+            self._play()
+            end = self._wait_step(s.steps)
+            if end == "timeout":
+                self.errors.append(f"the run did not reach step {s.steps} within run_timeout_s={s.run_timeout_s}")
+            self._wait_until(lambda: not self._op_running(), self._phase_budget())
+            if self._state() != "failed":
+                self._verify(after="end of run")
+            final = self._final()
+            if self.on_progress is not None:
+                self.on_progress({"step": final["step"], "total": s.steps, "state": final["state"],
+                                  "ep_size": final["ep_size"], "generation": final["generation"],
+                                  "balancedness": self.recorder.last_balancedness, "rebalances": final["rebalances"]})
+        except Exception as exc:  # noqa: BLE001 - a crashed replay still reports what it saw
+            log.exception("replay crashed")
+            self.errors.append(f"{type(exc).__name__}: {exc}")
+            if self.coordinator is not None and not final:
+                try:
+                    final = self._final()
+                except Exception:  # noqa: BLE001
+                    final = {}
+        finally:
+            self._stop_progress.set()
+            if self.autoscaler is not None:
+                self.autoscaler.stop()
+            if self.coordinator is not None:
+                self.coordinator.shutdown()
+        return build_report(self, final=final, started_wall=started_wall, duration_s=time.monotonic() - self.t0)
+
+    def _final(self) -> dict[str, Any]:
+        snap = self._snapshot()
+        return {"state": snap["state"], "ep_size": snap["ep_size"], "generation": snap["generation"],
+                "step": snap["step"], "num_physical": snap["num_physical"], "failure_reason": snap["failure_reason"],
+                "rebalances": snap["rebalances"], "layers_committed": snap["layers_committed"],
+                "bytes_moved": snap["bytes_moved"], "watchdog_stalls": snap["watchdog_stalls"],
+                "history": [t.to_dict() for t in self.coordinator.machine.history()]}
+
+
+# ---------------------------------------------------------------------------------------------
+# the API
+
+def replay(scenario_path_or_model: str | Path | Scenario, report_dir: str | Path | None = None, progress: bool = False,
+           *, source: str | None = None, on_transition: Callable[[dict[str, Any]], None] | None = None,
+           on_event: Callable[[dict[str, Any]], None] | None = None,
+           on_progress: Callable[[dict[str, Any]], None] | None = None,
+           on_worker_error: Callable[[dict[str, Any]], None] | None = None) -> ReplayResult:
+    """Replay a scenario on real worker processes; returns the report and whether every expectation held.
+
+    ``scenario_path_or_model`` is a YAML file or a :class:`~elastic.scenario.Scenario`; an invalid
+    file raises :class:`~elastic.scenario.ScenarioError` before anything starts. With
+    ``report_dir`` the JSON report and the PNG plot are written there. ``progress=True`` prints
+    the transitions and a progress bar to the terminal (the command's display); the ``on_*``
+    callbacks receive the same information for a caller's own display; ``source`` names the
+    file a given :class:`Scenario` came from, for the report.
+    """
+    from elastic.report import plot_report, write_report
+
+    if isinstance(scenario_path_or_model, Scenario):
+        scenario = scenario_path_or_model
+    else:
+        source = str(scenario_path_or_model)
+        scenario = load_scenario(scenario_path_or_model)
+    display = None
+    if progress and on_transition is None and on_progress is None:
+        from elastic.report import LiveDisplay
+
+        display = LiveDisplay(scenario)
+        on_transition, on_event, on_progress = display.transition, display.event, display.progress
+        on_worker_error = display.worker_error
+    replayer = Replayer(scenario, on_transition=on_transition, on_event=on_event, on_progress=on_progress,
+                        on_worker_error=on_worker_error)
+    if display is not None:
+        with display:
+            report = replayer.run()
+    else:
+        report = replayer.run()
+    report["scenario"]["file"] = source
+    result = ReplayResult(scenario=scenario, report=report, source=source, replayer=replayer)
+    if report_dir is not None:
+        result.report_dir = Path(report_dir)
+        result.report_dir.mkdir(parents=True, exist_ok=True)
+        result.report_path = write_report(report, result.report_dir / "report.json")
+        result.plot_path = plot_report(report, result.report_dir / "report.png")
+    return result

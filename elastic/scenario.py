@@ -1,0 +1,550 @@
+"""Scenario files (``scenarios/*.yaml``): schema, loading and one clear message per error.
+
+A scenario is a model shape, an EPLB configuration, a load trace, a timeline of events and
+the expectations a replay checks (see ``docs/scenarios.md`` for the reference). Loading is
+two passes, and both run before anything starts:
+
+1. the schema (pydantic, ``extra="forbid"``): unknown keys, wrong types, values out of range;
+2. the plan: the timeline is walked in order with the EP size, the generation and whether the
+   deployment is failed, so a scale to a size the model cannot use, a kill of a rank that does
+   not exist, a recover without a failure or an event while failed with nothing to recover it
+   are refused up front.
+
+Every problem becomes one line ``FILE: key.path[i].key: what was expected, got what`` and all
+of a file's problems are raised together as one :class:`ScenarioError`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+
+from elastic.autoscaler import AutoscalerConfig
+from elastic.config import TimeoutsConfig
+from elastic.deployment import DeploymentConfig, TracePhase
+from elastic.faults import DelayTransfer, Fault, KillRank
+from eplb.config import EPLBConfig
+from eplb.model import ModelShape
+from eplb.trace import TraceConfig
+
+__all__ = [
+    "Scenario", "ScenarioError", "ScenarioProblem", "load_scenario", "parse_scenario", "EVENT_ACTIONS",
+    "ScaleEvent", "KillEvent", "RecoverEvent", "RebalanceEvent", "AutoscalerEvent", "Expectations",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# errors
+
+class ScenarioProblem(BaseModel):
+    """One thing wrong with a scenario: where (a key path) and what was expected."""
+
+    model_config = ConfigDict(frozen=True)
+
+    path: str
+    message: str
+
+    def line(self, source: str) -> str:
+        return f"{source}: {self.path}: {self.message}" if self.path else f"{source}: {self.message}"
+
+
+class ScenarioError(ValueError):
+    """A scenario file that cannot be run; ``problems`` lists every error found."""
+
+    def __init__(self, source: str, problems: list[ScenarioProblem]):
+        self.source = source
+        self.problems = list(problems)
+        lines = [p.line(source) for p in self.problems]
+        super().__init__("\n".join(lines))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"file": self.source, "problems": [p.model_dump() for p in self.problems]}
+
+
+# ---------------------------------------------------------------------------------------------
+# schema
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Strict):
+    """The MoE model: its shape decides how much a transfer moves."""
+
+    layers: int = Field(4, ge=1, description="MoE layers")
+    experts: int = Field(16, ge=1, description="logical experts per layer")
+    redundant_slots: int = Field(0, ge=0, description="physical slots beyond one per expert, at the initial EP size")
+    groups: int = Field(1, ge=1, description="expert groups (hierarchical policy)")
+    hidden: int = Field(64, ge=1, description="hidden size; an expert is hidden x intermediate (w1) + intermediate x hidden (w2)")
+    intermediate: int = Field(128, ge=1, description="intermediate size of an expert")
+    dtype: str = "float32"
+
+    def shape(self) -> ModelShape:
+        return ModelShape(num_layers=self.layers, num_experts=self.experts, num_expert_groups=self.groups,
+                          hidden_size=self.hidden, intermediate_size=self.intermediate, dtype=self.dtype)
+
+
+class EPLBSpec(_Strict):
+    enabled: bool = True
+    mode: Literal["async", "sync"] = Field("async", description="async: background transfer, one layer committed per step")
+    policy: str = Field("default", description="a policy of eplb.algorithm.POLICIES")
+    policy_options: dict[str, Any] = Field(default_factory=dict)
+    window: int = Field(100, ge=1, description="steps of load in the sliding window")
+    interval: int = Field(50, ge=1, description="steps between rebalances")
+    verify_transfers: bool = False
+    transfer_timeout_s: float = Field(30.0, gt=0)
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        from eplb.algorithm import POLICIES
+
+        if value not in POLICIES:
+            raise ValueError(f"expected one of {', '.join(repr(p) for p in sorted(POLICIES))}, got {value!r}")
+        return value
+
+    def config(self, redundant: int) -> EPLBConfig:
+        return EPLBConfig(enabled=self.enabled, num_redundant_experts=redundant, window_size=self.window,
+                          step_interval=self.interval, use_async=self.mode == "async", policy=self.policy,
+                          policy_options=dict(self.policy_options), verify_transfers=self.verify_transfers,
+                          transfer_timeout_s=self.transfer_timeout_s)
+
+
+class TraceSpec(TraceConfig):
+    """One load regime (``eplb.trace.TraceConfig``) and the step it starts at."""
+
+    at_step: int = Field(0, ge=0, description="the step this regime starts at (the first one at 0)")
+
+    def phase(self) -> TracePhase:
+        fields = self.model_dump(exclude={"at_step"})
+        return TracePhase(start_step=self.at_step, trace=TraceConfig(**fields))
+
+
+class _Event(_Strict):
+    at_step: int = Field(ge=0, description="the step (of the slowest rank) the event fires at")
+
+    def label(self) -> str:
+        raise NotImplementedError
+
+
+class ScaleEvent(_Event):
+    """Scale the EP group to ``to`` ranks."""
+
+    action: Literal["scale"]
+    to: int = Field(ge=1, description="the new EP size")
+    wait_for_transfer: bool = Field(False, description="also wait (up to transfer_wait_s) until an async layer transfer is in flight")
+    transfer_wait_s: float = Field(10.0, gt=0)
+
+    def label(self) -> str:
+        return f"scale to {self.to}"
+
+
+class KillEvent(_Event):
+    """Rank ``rank`` dies at ``at_step`` (``faults.KillRank``); the coordinator should go ``failed``."""
+
+    action: Literal["kill"]
+    rank: int = Field(ge=0)
+    generation: int | None = Field(None, ge=0, description="the generation it dies in (default: the one the timeline predicts)")
+
+    def label(self) -> str:
+        return f"kill rank {self.rank}"
+
+
+class RecoverEvent(_Event):
+    """Recover from ``failed`` with the living workers (fires once the failure is seen: a failed group decodes no steps)."""
+
+    action: Literal["recover"]
+    at_step: int = Field(0, ge=0)
+
+    def label(self) -> str:
+        return "recover"
+
+
+class RebalanceEvent(_Event):
+    """Ask every rank to start a rebalance now."""
+
+    action: Literal["rebalance"]
+
+    def label(self) -> str:
+        return "rebalance"
+
+
+class AutoscalerEvent(_Event):
+    """Turn the autoscaler (the scenario's ``autoscaler:`` section) on or off at a step."""
+
+    action: Literal["autoscaler"]
+    enabled: bool
+
+    def label(self) -> str:
+        return f"autoscaler {'on' if self.enabled else 'off'}"
+
+
+Event = Annotated[Union[ScaleEvent, KillEvent, RecoverEvent, RebalanceEvent, AutoscalerEvent], Field(discriminator="action")]
+EVENT_ACTIONS = ("scale", "kill", "recover", "rebalance", "autoscaler")
+#: a replay's deadlines unless the scenario overrides them: a dead peer is noticed in seconds
+REPLAY_TIMEOUTS: dict[str, float] = {"collective": 10.0, "heartbeat": 15.0, "worker_start": 60.0}
+STATES = ("running", "draining", "suppressed", "rescaling", "resuming", "failed")
+
+
+class Expectations(_Strict):
+    """What must hold at the end of the replay; a key left out (or null) is not checked."""
+
+    final_ep_size: int | None = Field(None, ge=1)
+    final_state: Literal["running", "draining", "suppressed", "rescaling", "resuming", "failed"] | None = "running"
+    min_balancedness_after_rebalance: float | None = Field(
+        None, gt=0, le=1, description="every completed rebalance: mean balancedness of the steps after it")
+    no_lost_expert: bool = Field(True, description="every verification: every logical expert has a replica")
+    all_slots_verified: bool = Field(True, description="every verification: no mismatched slot on any rank, digests agree")
+    max_pause_s: float | None = Field(None, gt=0, description="longest decoding pause of any scale or recovery")
+    min_rebalances: int | None = Field(None, ge=0, description="EPLB rebalances finished during the run")
+    drain_committed_in_flight: bool = Field(
+        False, description="a scale began with a layer transfer in flight and the drain committed it on every rank")
+    events_ok: bool = Field(True, description="every timeline event did what it asked (scales succeeded, kills fired...)")
+    min_steps: int | None = Field(None, ge=0, description="steps decoded by the end (default: the scenario's steps)")
+    min_autoscaler_operations: int | None = Field(None, ge=0, description="scale operations the autoscaler started")
+
+
+class Scenario(_Strict):
+    name: str = Field(min_length=1)
+    description: str = ""
+    model: ModelSpec = ModelSpec()
+    eplb: EPLBSpec = EPLBSpec()
+    initial_ep_size: int = Field(2, ge=1)
+    max_ep_size: int = Field(4, ge=1, description="the launcher's capacity")
+    trace: list[TraceSpec] = Field(default_factory=lambda: [TraceSpec()], min_length=1)
+    steps: int = Field(ge=1, description="decode steps to run")
+    seed: int = 0
+    pace_s: float = Field(0.01, ge=0, description="sleep after each decode step, so events land near their step")
+    heartbeat_s: float = Field(0.01, gt=0, description="how often each worker reports (the sampling period)")
+    auto_recover: bool = Field(False, description="recover by itself as soon as a failure is seen")
+    autoscaler: AutoscalerConfig | None = Field(
+        None, description="run elastic.autoscaler with this config (its 'enabled' is the state at step 0)")
+    faults: list[Fault] = Field(default_factory=list, description="extra fault injections (elastic.faults records)")
+    timeline: list[Event] = Field(default_factory=list)
+    expect: Expectations = Expectations()
+    timeouts: TimeoutsConfig = Field(TimeoutsConfig(**REPLAY_TIMEOUTS),
+                                     description="overrides of the replay's deadlines (elastic.config.TimeoutsConfig)")
+    run_timeout_s: float = Field(300.0, gt=0, description="the whole replay's deadline")
+    slow: bool = Field(False, description="the test suite marks this replay slow")
+
+    @field_validator("timeouts", mode="before")
+    @classmethod
+    def _over_replay_defaults(cls, value: Any) -> Any:
+        return {**REPLAY_TIMEOUTS, **value} if isinstance(value, dict) else value
+
+    # -- what it runs ---------------------------------------------------------------------------
+    def deployment(self) -> DeploymentConfig:
+        extra: dict[str, Any] = {}
+        if "auto_recover" in DeploymentConfig.model_fields:
+            extra["auto_recover"] = self.auto_recover
+        return DeploymentConfig(
+            model=self.model.shape(), eplb=self.eplb.config(self.model.redundant_slots),
+            trace=[phase.phase() for phase in self.trace], ep_size=self.initial_ep_size,
+            max_ep_size=self.max_ep_size, seed=self.seed, timeouts=self.timeouts,
+            heartbeat_s=self.heartbeat_s, step_delay_s=self.pace_s, **extra)
+
+    def planned(self) -> list[dict[str, Any]]:
+        """The timeline walked in order: per event, the size and generation it finds and leaves."""
+        return _plan(self)[0]
+
+    def fault_records(self) -> tuple[Any, ...]:
+        """The scenario's faults plus a ``KillRank`` per kill event (pinned to its generation)."""
+        plan = self.planned()
+        kills = [KillRank(rank=e.rank, at_step=e.at_step, generation=step["generation"] if e.generation is None else e.generation)
+                 for e, step in zip(self.timeline, plan) if isinstance(e, KillEvent)]
+        return tuple(self.faults) + tuple(kills)
+
+    def has_delay(self) -> bool:
+        return any(isinstance(f, DelayTransfer) for f in self.faults)
+
+
+# ---------------------------------------------------------------------------------------------
+# the plan pass
+
+def _plan(s: Scenario) -> tuple[list[dict[str, Any]], list[ScenarioProblem]]:
+    problems: list[ScenarioProblem] = []
+    plan: list[dict[str, Any]] = []
+
+    def problem(path: str, message: str) -> None:
+        problems.append(ScenarioProblem(path=path, message=message))
+
+    physical = s.model.experts + s.model.redundant_slots
+    if s.initial_ep_size > s.max_ep_size:
+        problem("initial_ep_size", f"expected at most max_ep_size={s.max_ep_size}, got {s.initial_ep_size}")
+    if physical % s.initial_ep_size:
+        problem("initial_ep_size", f"expected a size that divides the {physical} physical slots "
+                f"(experts {s.model.experts} + redundant_slots {s.model.redundant_slots}), got {s.initial_ep_size}")
+    if s.model.experts % s.model.groups:
+        problem("model.groups", f"expected a divisor of experts={s.model.experts}, got {s.model.groups}")
+    starts = [t.at_step for t in s.trace]
+    if starts[0] != 0:
+        problem("trace[0].at_step", f"expected 0 (the first regime starts the run), got {starts[0]}")
+    for i in range(1, len(starts)):
+        if starts[i] <= starts[i - 1]:
+            problem(f"trace[{i}].at_step", f"expected a step after trace[{i - 1}].at_step={starts[i - 1]}, got {starts[i]}")
+        elif starts[i] >= s.steps:
+            problem(f"trace[{i}].at_step", f"expected a step before the end of the run (steps={s.steps}), got {starts[i]}")
+    for i, t in enumerate(s.trace):
+        if t.top_k > s.model.experts:
+            problem(f"trace[{i}].top_k", f"expected at most experts={s.model.experts}, got {t.top_k}")
+    if problems:
+        return plan, problems
+
+    per_rank = physical // s.initial_ep_size
+    size, generation, failed, failed_by = s.initial_ep_size, 0, False, None
+    autoscaler = s.autoscaler is not None and s.autoscaler.enabled
+    scaled_by_autoscaler = autoscaler  # from then on size and generation are decided at run time
+    previous_step = 0
+    if s.autoscaler is not None:
+        hi = s.autoscaler.max_size if s.autoscaler.max_size is not None else s.max_ep_size
+        if hi > s.max_ep_size:
+            problem("autoscaler.max_size", f"expected at most max_ep_size={s.max_ep_size}, got {hi}")
+        if "min_size" in s.autoscaler.model_fields_set and per_rank * s.autoscaler.min_size < s.model.experts:
+            problem("autoscaler.min_size", f"expected a size whose {per_rank} slots per rank hold the "
+                    f"{s.model.experts} experts, got {s.autoscaler.min_size}")
+
+    def size_problem(n: int) -> str | None:
+        if n > s.max_ep_size:
+            return f"expected at most max_ep_size={s.max_ep_size}, got {n}"
+        if per_rank * n < s.model.experts:
+            return (f"expected a size whose {per_rank} slots per rank hold the {s.model.experts} experts "
+                    f"(at least {-(-s.model.experts // per_rank)}), got {n}")
+        return None
+
+    for i, event in enumerate(s.timeline):
+        where = f"timeline[{i}]"
+        entry = {"index": i, "action": event.action, "size_before": size, "generation": generation}
+        if event.at_step > s.steps:
+            problem(f"{where}.at_step", f"expected a step within the run (steps={s.steps}), got {event.at_step}")
+        if isinstance(event, RecoverEvent) and "at_step" not in event.model_fields_set:
+            pass  # a recover without a step fires as soon as the failure is seen
+        elif event.at_step < previous_step:
+            problem(f"{where}.at_step", f"expected events in step order (>= {previous_step}), got {event.at_step}")
+        elif event.at_step <= s.steps:  # (one out of range is reported once, not for every event after it)
+            previous_step = event.at_step
+        if failed and not isinstance(event, RecoverEvent):
+            problem(where, f"expected a recover event first: the deployment is failed after {failed_by} "
+                    f"(or set auto_recover: true), got a {event.action} event")
+        elif isinstance(event, ScaleEvent):
+            why = size_problem(event.to)
+            if why:
+                problem(f"{where}.to", why)
+            elif event.to != size or scaled_by_autoscaler:
+                size, generation = event.to, generation + 1
+        elif isinstance(event, KillEvent):
+            if scaled_by_autoscaler and event.generation is None:
+                problem(f"{where}.generation", "expected an explicit generation: the autoscaler may have scaled "
+                        "before this kill, so the timeline cannot tell which generation the rank dies in")
+            elif scaled_by_autoscaler:
+                failed, failed_by = (False, None) if s.auto_recover else (True, where)
+            elif event.rank >= size:
+                problem(f"{where}.rank", f"expected a rank of the group of {size} at that point (0..{size - 1}), got {event.rank}")
+            elif s.auto_recover and (size - 1 < 1 or size_problem(size - 1)):
+                problem(where, f"expected a kill the survivors can recover from (auto_recover): {size - 1} rank(s) "
+                        "cannot hold the model")
+            else:
+                if event.generation is not None:
+                    generation = event.generation
+                entry["generation"] = generation
+                if s.auto_recover:
+                    size, generation = size - 1, generation + 1
+                else:
+                    failed, failed_by = True, where
+        elif isinstance(event, RecoverEvent):
+            if not failed:
+                problem(where, "expected a failure to recover from (a kill event before it, without auto_recover), got none")
+            elif size - 1 < 1 or size_problem(size - 1):
+                problem(where, f"expected survivors that can hold the model: {size - 1} rank(s) cannot")
+                failed = False
+            else:
+                size, generation, failed = size - 1, generation + 1, False
+        elif isinstance(event, AutoscalerEvent):
+            if s.autoscaler is None:
+                problem(where, "expected an autoscaler: section in the scenario for this event to turn on or off, got none")
+            autoscaler = event.enabled
+            scaled_by_autoscaler = scaled_by_autoscaler or autoscaler
+        entry.update(size_after=size, autoscaler=autoscaler, predicted=not scaled_by_autoscaler)
+        plan.append(entry)
+    if failed and s.expect.final_state not in (None, "failed"):
+        problem("expect.final_state", f"expected 'failed' or null: {failed_by} leaves the deployment failed "
+                f"(add a recover event or auto_recover: true), got {s.expect.final_state!r}")
+    try:
+        s.deployment()
+    except ValidationError as exc:  # anything the deployment still refuses
+        for err in exc.errors():
+            text = err["msg"].removeprefix("Value error, ")
+            path = _path(tuple(err["loc"])) or next((k for k in ("timeouts", "trace", "model", "eplb")
+                                                     if text.startswith(k) or f" {k}." in text), "")
+            problem(path, f"the deployment built from this scenario is invalid: {text}")
+    return plan, problems
+
+
+# ---------------------------------------------------------------------------------------------
+# loading and error formatting
+
+def _path(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The pydantic model a location points into (for the list of allowed keys)."""
+    import typing
+
+    current: Any = Scenario
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if isinstance(current, type) and issubclass(current, BaseModel):
+            field = current.model_fields.get(str(part))
+            if field is None:
+                return None
+            current = field.annotation
+        else:
+            return None
+        # unwrap list[...] / Optional / Annotated / discriminated unions we cannot resolve
+        for _ in range(4):
+            origin = typing.get_origin(current)
+            if origin in (list, tuple):
+                current = typing.get_args(current)[0]
+            elif origin is Annotated:
+                current = typing.get_args(current)[0]
+            elif origin is Union or str(origin) == "types.UnionType":
+                members = [a for a in typing.get_args(current) if a is not type(None)]
+                current = members[0] if len(members) == 1 else None
+            else:
+                break
+    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+
+
+_TAGS = {"timeline": {"scale": ScaleEvent, "kill": KillEvent, "recover": RecoverEvent, "rebalance": RebalanceEvent,
+                      "autoscaler": AutoscalerEvent}}
+
+
+def _clean_loc(loc: tuple[Any, ...]) -> tuple[tuple[Any, ...], type[BaseModel] | None]:
+    """Drop the union member names pydantic puts in a location; return the member model too."""
+    out: list[Any] = []
+    member = None
+    parts = list(loc)
+    i = 0
+    while i < len(parts):
+        part = parts[i]
+        out.append(part)
+        if part == "timeline" and i + 2 < len(parts) and isinstance(parts[i + 1], int) and parts[i + 2] in _TAGS["timeline"]:
+            out.append(parts[i + 1])
+            member = _TAGS["timeline"][parts[i + 2]]
+            i += 3
+            continue
+        if part == "faults" and i + 2 < len(parts) and isinstance(parts[i + 1], int) and isinstance(parts[i + 2], str) \
+                and parts[i + 2] in ("kill", "stall", "delay_transfer", "drop_heartbeats", "corrupt_buffer"):
+            out.append(parts[i + 1])
+            i += 3
+            continue
+        i += 1
+    return tuple(out), member
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _message(err: dict[str, Any], loc: tuple[Any, ...], member: type[BaseModel] | None) -> str:
+    kind = err["type"]
+    ctx = err.get("ctx") or {}
+    given = err.get("input")
+    if kind == "extra_forbidden":
+        owner = _model_at(loc[:-1]) if member is None else member
+        allowed = sorted(owner.model_fields) if owner is not None else []
+        hint = f" (allowed here: {', '.join(allowed)})" if allowed else ""
+        return f"unknown key{hint}"
+    if kind == "missing":
+        return "expected a value: this key is required"
+    if kind == "union_tag_invalid":
+        return f"expected action to be one of {ctx.get('expected_tags', '')}, got {_describe(ctx.get('tag'))}"
+    if kind == "union_tag_not_found":
+        return f"expected a mapping with the key {ctx.get('discriminator', 'action')!s} naming its kind"
+    if kind in ("value_error", "assertion_error"):
+        text = str(ctx.get("error", err["msg"]))
+        return text if text.startswith("expected") else f"{text}"
+    simple = {
+        "int_parsing": "expected an integer", "int_type": "expected an integer", "int_from_float": "expected an integer",
+        "float_parsing": "expected a number", "float_type": "expected a number",
+        "bool_parsing": "expected true or false", "bool_type": "expected true or false",
+        "string_type": "expected a string", "list_type": "expected a list", "tuple_type": "expected a list",
+        "dict_type": "expected a mapping", "model_type": "expected a mapping", "model_attributes_type": "expected a mapping",
+        "finite_number": "expected a finite number",
+    }
+    bounds = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"),
+              "less_than_equal": ("<=", "le"), "less_than": ("<", "lt")}
+    if kind in simple:
+        return f"{simple[kind]}, got {_describe(given)}"
+    if kind in bounds:
+        op, key = bounds[kind]
+        return f"expected a value {op} {ctx.get(key)}, got {_describe(given)}"
+    if kind == "too_short":
+        return f"expected at least {ctx.get('min_length')} item(s), got {ctx.get('actual_length')}"
+    text = err["msg"]
+    for prefix in ("Input should be ", "Input should have "):
+        if text.startswith(prefix):
+            text = "expected " + ("" if prefix == "Input should be " else "to have ") + text[len(prefix):]
+            break
+    return f"{text}, got {_describe(given)}"
+
+
+def _problems_from(exc: ValidationError) -> list[ScenarioProblem]:
+    problems = []
+    seen = set()
+    for err in exc.errors():
+        loc, member = _clean_loc(tuple(err["loc"]))
+        path = _path(loc)
+        message = _message(err, loc, member)
+        if (path, message) in seen:
+            continue
+        seen.add((path, message))
+        problems.append(ScenarioProblem(path=path, message=message))
+    return problems
+
+
+def parse_scenario(data: Any, source: str = "<scenario>") -> Scenario:
+    """Validate a mapping (already parsed YAML) into a :class:`Scenario`; raise :class:`ScenarioError`."""
+    if not isinstance(data, dict):
+        raise ScenarioError(source, [ScenarioProblem(path="", message=f"expected a mapping of keys at the top level, got {type(data).__name__}")])
+    try:
+        scenario = Scenario.model_validate(data)
+    except ValidationError as exc:
+        raise ScenarioError(source, _problems_from(exc)) from None
+    _, problems = _plan(scenario)
+    if problems:
+        raise ScenarioError(source, problems)
+    return scenario
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    """Read and validate a scenario file; every error names the file and the key path."""
+    path = Path(path)
+    source = str(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ScenarioError(source, [ScenarioProblem(path="", message=f"cannot read the file: {exc.strerror or exc}")]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        what = getattr(exc, "problem", None) or str(exc)
+        raise ScenarioError(source, [ScenarioProblem(path="", message=f"not valid YAML: {where}{what}")]) from None
+    return parse_scenario(data, source)
+
+
+# a TypeAdapter is cheap to keep for callers that validate single events (the HTTP API, tests)
+event_adapter: TypeAdapter[Any] = TypeAdapter(Event)

@@ -1,0 +1,271 @@
+"""Scenario files: the schema's errors, and every shipped scenario replayed on real workers.
+
+The replays check the report too: the figures in ``report.json`` are the ones the run measured
+(the final EP size is the coordinator's, the samples are the workers' steps, the verifications
+are the workers' answers), and ``report.png`` is a real PNG.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from elastic.scenario import Scenario, ScenarioError, load_scenario, parse_scenario
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = sorted((ROOT / "scenarios").glob("*.yaml"))
+REQUIRED = {"quickstart", "scale_up_under_skew", "scale_down_under_drift", "scale_during_async_transfer",
+            "long_mixed_day"}
+
+GOOD = """\
+name: tiny
+model: {layers: 2, experts: 8, redundant_slots: 4, hidden: 16, intermediate: 32}
+eplb: {mode: async, window: 10, interval: 10}
+initial_ep_size: 2
+max_ep_size: 3
+trace:
+  - {at_step: 0, kind: zipf, tokens_per_step: 16}
+steps: 60
+timeline:
+  - {at_step: 20, action: scale, to: 3}
+  - {at_step: 40, action: rebalance}
+expect: {final_ep_size: 3}
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "scenario.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def problems_of(path: Path) -> ScenarioError:
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(path)
+    return info.value
+
+
+# -- the files we ship ---------------------------------------------------------------------------
+
+def test_the_required_scenarios_ship_and_validate():
+    names = {load_scenario(path).name for path in SHIPPED}
+    assert REQUIRED <= names, f"missing scenarios: {REQUIRED - names}"
+    for path in SHIPPED:
+        assert load_scenario(path).name == path.stem, f"{path.name}: name should match the file name"
+
+
+def test_a_good_scenario_parses_into_a_deployment(tmp_path):
+    scenario = load_scenario(write(tmp_path, GOOD))
+    deployment = scenario.deployment()
+    assert deployment.ep_size == 2 and deployment.num_physical == 12
+    assert deployment.eplb.use_async and deployment.eplb.step_interval == 10
+    assert [e["size_after"] for e in scenario.planned()] == [3, 3]
+
+
+# -- malformed files: one clear message per error, naming the file and the key path ----------------
+
+@pytest.mark.parametrize(
+    "change, path, expected",
+    [
+        ({"model": {"layers": 2, "experts": 8, "colour": "red"}}, "model.colour", "unknown key (allowed here: "),
+        ({"stepz": 10}, "stepz", "unknown key"),
+        ({"eplb": {"mode": "fast"}}, "eplb.mode", "expected 'async' or 'sync', got 'fast'"),
+        ({"eplb": {"window": 0}}, "eplb.window", "expected a value >= 1, got 0"),
+        ({"steps": "many"}, "steps", "expected an integer, got 'many'"),
+        ({"expect": {"final_ep_size": "two"}}, "expect.final_ep_size", "expected an integer, got 'two'"),
+        ({"timeouts": {"rescaling": -1}}, "timeouts.rescaling", "expected a value > 0"),
+        ({"trace": [{"at_step": 0, "kind": "zipf", "top_k": "x"}]}, "trace[0].top_k", "expected an integer"),
+        ({"faults": [{"kind": "delay_transfer", "rank": 0}]}, "faults[0].seconds", "this key is required"),
+    ],
+)
+def test_schema_errors_name_the_file_the_key_path_and_the_expectation(tmp_path, change, path, expected):
+    import yaml
+
+    data = yaml.safe_load(GOOD)
+    for key, value in change.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    file = write(tmp_path, yaml.safe_dump(data))
+    error = problems_of(file)
+    lines = str(error).splitlines()
+    match = [line for line in lines if line.startswith(f"{file}: {path}: ")]
+    assert match, f"no error for {path} in:\n{error}"
+    assert expected in match[0], match[0]
+
+
+def test_timeline_errors_point_at_the_event_and_its_key(tmp_path):
+    file = write(tmp_path, GOOD.replace("timeline:\n", """timeline:
+  - {at_step: 5, action: scale, to: 2, extra: 1}
+  - {at_step: soon, action: rebalance}
+  - {at_step: 30, action: teleport}
+  - {at_step: 30}
+"""))
+    error = problems_of(file)
+    text = str(error)
+    assert f"{file}: timeline[0].extra: unknown key (allowed here: action, at_step, to, " in text
+    assert f"{file}: timeline[1].at_step: expected an integer, got 'soon'" in text
+    assert f"{file}: timeline[2]: expected action to be one of 'scale', 'kill', 'recover', 'rebalance', 'autoscaler', got 'teleport'" in text
+    assert f"{file}: timeline[3]: expected a mapping with the key 'action'" in text
+    assert len(error.problems) == 4  # every error at once, one line each
+
+
+def test_the_plan_pass_refuses_what_cannot_run(tmp_path):
+    file = write(tmp_path, GOOD.replace("timeline:\n", """timeline:
+  - {at_step: 10, action: scale, to: 8}
+  - {at_step: 12, action: kill, rank: 5}
+  - {at_step: 14, action: recover}
+  - {at_step: 11, action: rebalance}
+  - {at_step: 900, action: rebalance}
+  - {at_step: 16, action: autoscaler, enabled: true}
+"""))
+    text = str(problems_of(file))
+    assert f"{file}: timeline[0].to: expected at most max_ep_size=3, got 8" in text
+    assert f"{file}: timeline[1].rank: expected a rank of the group of 2 at that point (0..1), got 5" in text
+    assert f"{file}: timeline[2]: expected a failure to recover from" in text
+    assert f"{file}: timeline[3].at_step: expected events in step order (>= 14), got 11" in text
+    assert f"{file}: timeline[4].at_step: expected a step within the run (steps=60), got 900" in text
+    assert f"{file}: timeline[5]: expected an autoscaler: section" in text
+    assert "timeline[6]" not in text and "timeline[7]" not in text  # the step out of range is reported once
+
+
+def test_a_kill_without_recovery_must_expect_failed(tmp_path):
+    text = GOOD.replace("timeline:\n", "timeline:\n  - {at_step: 10, action: kill, rank: 1}\n")
+    text = text.replace("  - {at_step: 20, action: scale, to: 3}\n  - {at_step: 40, action: rebalance}\n", "")
+    error = problems_of(write(tmp_path, text.replace("expect: {final_ep_size: 3}", "expect: {final_ep_size: 1}")))
+    assert "expect.final_state: expected 'failed' or null" in str(error)
+    ok = load_scenario(write(tmp_path, text.replace("expect: {final_ep_size: 3}", "expect: {final_state: failed}"), "ok.yaml"))
+    assert ok.fault_records()[-1].generation == 0  # the kill is pinned to the generation it was planned in
+
+
+def test_a_size_that_cannot_hold_the_model_is_refused(tmp_path):
+    text = GOOD.replace("max_ep_size: 3", "max_ep_size: 4").replace("initial_ep_size: 2", "initial_ep_size: 4")
+    text = text.replace("redundant_slots: 4", "redundant_slots: 0").replace("to: 3", "to: 1")
+    text = text.replace("expect: {final_ep_size: 3}", "expect: {final_ep_size: 1}")
+    error = problems_of(write(tmp_path, text))
+    assert "timeline[0].to: expected a size whose 2 slots per rank hold the 8 experts (at least 4), got 1" in str(error)
+
+
+def test_yaml_syntax_and_missing_files_are_scenario_errors(tmp_path):
+    broken = write(tmp_path, "name: x\nsteps: [1,\n")
+    assert f"{broken}: not valid YAML: line 3" in str(problems_of(broken))
+    missing = tmp_path / "nope.yaml"
+    assert f"{missing}: cannot read the file" in str(problems_of(missing))
+    top = write(tmp_path, "- just\n- a list\n", "list.yaml")
+    assert "expected a mapping of keys at the top level" in str(problems_of(top))
+
+
+def test_an_invalid_scenario_runs_nothing(tmp_path, monkeypatch):
+    import elastic.coordinator
+    from elastic.replay import replay
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a coordinator was started for an invalid scenario")
+
+    monkeypatch.setattr(elastic.coordinator.Coordinator, "__init__", refuse)
+    bad = write(tmp_path, GOOD.replace("steps: 60", "steps: -3"))
+    with pytest.raises(ScenarioError, match=r"steps: expected a value >= 1, got -3"):
+        replay(bad, report_dir=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_parse_scenario_takes_a_mapping():
+    scenario = parse_scenario({"name": "x", "steps": 10})
+    assert isinstance(scenario, Scenario) and scenario.initial_ep_size == 2
+    with pytest.raises(ScenarioError, match="<scenario>: steps: expected a value: this key is required"):
+        parse_scenario({"name": "x"})
+
+
+# -- replays on real worker processes -------------------------------------------------------------
+
+def check_report(result, out: Path) -> dict:
+    """The files exist and hold what the run measured."""
+    coordinator = result.replayer.coordinator
+    data = json.loads((out / "report.json").read_text())
+    final = data["final"]
+    # the final figures are the coordinator's
+    assert final["ep_size"] == coordinator.size
+    assert final["generation"] == coordinator.machine.generation
+    assert final["state"] == coordinator.machine.state.value
+    assert [t["seq"] for t in data["transitions"]] == [t.seq for t in coordinator.machine.history()]
+    # per-step samples: the workers' steps, in order, with real measurements
+    samples = data["samples"]
+    assert samples, "no samples recorded"
+    steps = [s["step"] for s in samples]
+    assert steps == sorted(set(steps))
+    assert steps[-1] >= result.scenario.steps if final["state"] == "running" else True
+    assert len(steps) >= 0.8 * steps[-1], "most steps should have a sample"
+    assert all(0 < s["balancedness"] <= 1 and s["step_time"] > 0 for s in samples)
+    assert {s["state"] for s in samples} <= {"running", "draining", "suppressed", "rescaling", "resuming", "failed"}
+    if final["state"] == "running":
+        assert samples[-1]["ep_size"] == coordinator.size
+        last = data["verifications"][-1]
+        assert last["after"] == "end of run" and sorted(map(int, last["ranks"])) == list(range(coordinator.size))
+    # operations carry their phase timings and pauses, as the coordinator recorded them
+    for op in data["operations"]:
+        record = coordinator.operations[op["id"]]
+        assert op["paused_seconds"] == record.paused_seconds and op["status"] == record.status.value
+        if op["status"] == "succeeded" and op["kind"] == "scale":
+            assert set(op["phase_seconds"]) == {"draining", "suppressed", "rescaling", "resuming"}
+            assert all(v is not None and v >= 0 for v in op["phase_seconds"].values())
+    # every expectation is there with a verdict and a measured value, as the result says
+    assert [e["name"] for e in data["expectations"]] == [e["name"] for e in result.expectations]
+    assert data["passed"] == result.passed
+    # the plot is a real PNG
+    png = out / "report.png"
+    raw = png.read_bytes()
+    assert len(raw) > 10_000 and raw[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    height, width = matplotlib.image.imread(png).shape[:2]
+    assert width > 800 and height > 500
+    return data
+
+
+def _params():
+    for path in SHIPPED:
+        slow = load_scenario(path).slow
+        yield pytest.param(path, id=path.stem, marks=[pytest.mark.slow] if slow else [])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("path", list(_params()))
+def test_shipped_scenario_replays_green(path, tmp_path):
+    from elastic.replay import replay
+
+    result = replay(path, report_dir=tmp_path)
+    failed = "\n".join(f"{e['name']}: expected {e['expected']}, measured {e['measured']} ({e['detail']})"
+                       for e in result.failed)
+    assert result.passed, f"{path.name}:\n{failed}\nerrors: {result.report['errors']}"
+    data = check_report(result, tmp_path)
+    expected = result.scenario.expect
+    if expected.final_ep_size is not None:
+        assert data["final"]["ep_size"] == expected.final_ep_size
+    # every verification passed on every rank
+    assert data["verifications"] and all(v["ok"] for v in data["verifications"])
+    if result.scenario.expect.drain_committed_in_flight:
+        scales = [e for e in data["events"] if e["action"] == "scale"]
+        assert scales and all(e["transfer_in_flight"] for e in scales)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_a_kill_without_recovery_ends_failed_and_reports_it(tmp_path):
+    """The replay stops waiting once the group is failed with nothing to recover it, and says so."""
+    from elastic.replay import replay
+
+    text = GOOD.replace("timeline:\n  - {at_step: 20, action: scale, to: 3}\n  - {at_step: 40, action: rebalance}\n",
+                        "timeline:\n  - {at_step: 25, action: kill, rank: 1}\n")
+    text = text.replace("expect: {final_ep_size: 3}", "expect: {final_state: failed, final_ep_size: 2}")
+    result = replay(write(tmp_path, text), report_dir=tmp_path / "out")
+    assert result.passed, result.failed
+    data = check_report(result, tmp_path / "out")
+    assert data["final"]["state"] == "failed" and "rank 1" in data["final"]["failure_reason"]
+    assert data["events"][0]["ok"] and data["samples"][-1]["step"] <= 26  # nothing decoded after the kill
+    assert [t["dest"] for t in data["transitions"]] == ["failed"]
+    assert result.duration_s < 60
