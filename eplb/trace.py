@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["TraceConfig", "LoadTrace", "seed_for"]
+__all__ = ["TraceConfig", "LoadTrace", "PhasedTrace", "seed_for"]
 
 
 def seed_for(*parts: int | str) -> int:
@@ -119,11 +119,15 @@ class LoadTrace:
 
     def window_load(self, start_step: int, num_steps: int, num_ranks: int = 1) -> torch.Tensor:
         """``[layers, L]`` int64: tokens over ``num_steps`` steps and ``num_ranks`` ranks."""
-        total = torch.zeros(self.num_layers, self.num_logical, dtype=torch.int64)
-        for step in range(start_step, start_step + num_steps):
-            for rank in range(num_ranks):
-                total += self.token_counts(step, rank)
-        return total
+        return _window_load(self, start_step, num_steps, num_ranks)
+
+
+def _window_load(trace: "LoadTrace | PhasedTrace", start_step: int, num_steps: int, num_ranks: int) -> torch.Tensor:
+    total = torch.zeros(trace.num_layers, trace.num_logical, dtype=torch.int64)
+    for step in range(start_step, start_step + num_steps):
+        for rank in range(num_ranks):
+            total += trace.token_counts(step, rank)
+    return total
 
 
 class PhasedTrace:
@@ -156,8 +160,4 @@ class PhasedTrace:
         return self._at(step).token_counts(step, rank, tokens)
 
     def window_load(self, start_step: int, num_steps: int, num_ranks: int = 1) -> torch.Tensor:
-        total = torch.zeros(self.num_layers, self.num_logical, dtype=torch.int64)
-        for step in range(start_step, start_step + num_steps):
-            for rank in range(num_ranks):
-                total += self.token_counts(step, rank)
-        return total
+        return _window_load(self, start_step, num_steps, num_ranks)
