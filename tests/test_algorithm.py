@@ -1,0 +1,475 @@
+"""eplb.algorithm: the reference example, drop-in shapes, properties of every policy, typed errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from eplb import algorithm as alg
+from eplb.algorithm import (
+    POLICIES,
+    AlgorithmError,
+    InvalidLoadError,
+    InvalidOptionError,
+    InvalidPreviousError,
+    InvalidShapeError,
+    UnknownPolicyError,
+    compute_placement,
+    cross_gpu_copies,
+    home_node_share,
+    rebalance_experts,
+    register_policy,
+)
+from eplb.placement import Placement, build_logical_to_physical, validate_physical_to_logical
+
+BUILTIN = ("default", "hierarchical", "hierarchical_spill", "migration_aware")
+
+# The DeepSeek EPLB README example: 2 layers, 12 experts, 16 replicas, 4 groups, 2 nodes, 8 GPUs.
+README_WEIGHT = torch.tensor(
+    [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86], [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]]
+)
+README_PHY2LOG = [[5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1], [7, 10, 6, 8, 6, 6, 8, 9, 1, 2, 4, 5, 3, 0, 11, 2]]
+# What the reference code (deepseek-ai/EPLB eplb.py) returns for it. Layer 0 is the README's;
+# the README's layer 1 is stale: it puts expert 11 on node 1 and experts 9, 10 of its group on
+# node 0, which the hierarchical routine never does, and it balances worse (0.669 vs 0.805).
+REFERENCE_PHY2LOG = [[5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1], [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1]]
+
+
+def _balance(p2l: torch.Tensor, load: torch.Tensor, gpus: int) -> torch.Tensor:
+    return Placement.from_physical_to_logical(p2l, load.shape[1]).balancedness(load, gpus)
+
+
+def _zipf_load(layers: int, experts: int, seed: int = 0, lo: float = 0.6, hi: float = 1.4, total: int = 32768) -> torch.Tensor:
+    """Expected top-k-like counts: per layer a random ranking with Zipf weights."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for s in torch.linspace(lo, hi, layers).tolist():
+        w = torch.arange(1, experts + 1, dtype=torch.float64) ** -s
+        w = w[torch.randperm(experts, generator=g)]
+        rows.append(torch.round(w / w.sum() * total))
+    return torch.stack(rows).to(torch.int64)
+
+
+# ---------------------------------------------------------------------------------------------
+# hierarchical: the reference, bit for bit
+# ---------------------------------------------------------------------------------------------
+
+
+def test_hierarchical_reproduces_the_reference_on_the_readme_example():
+    p2l, l2p, counts = rebalance_experts(README_WEIGHT, 16, 4, 2, 8, policy="hierarchical")
+    assert p2l.tolist() == REFERENCE_PHY2LOG
+    assert p2l[0].tolist() == README_PHY2LOG[0]
+    assert counts.tolist() == [[1, 2, 1, 1, 2, 2, 1, 1, 1, 1, 2, 1], [1, 2, 1, 1, 1, 2, 2, 1, 2, 1, 1, 1]]
+    ref_l2p, ref_counts = build_logical_to_physical(p2l, 12, 5)
+    assert torch.equal(l2p, ref_l2p) and torch.equal(counts, ref_counts)
+    # same balance as the reference's output; better than the README's stale layer 1
+    bal = _balance(p2l, README_WEIGHT, 8)
+    readme = _balance(torch.tensor(README_PHY2LOG), README_WEIGHT, 8)
+    assert bal[0] == pytest.approx(readme[0].item())
+    assert bal[1] > readme[1]
+    # every group of 3 experts, with all its replicas, on one node (slots 0-7 | 8-15)
+    node_of_slot = torch.arange(16) // 8
+    for layer in range(2):
+        for group in range(4):
+            nodes = {int(node_of_slot[s]) for s in range(16) if int(p2l[layer, s]) // 3 == group}
+            assert len(nodes) == 1
+
+
+def test_hierarchical_falls_back_to_global_like_the_reference():
+    # num_groups % num_nodes != 0: the reference runs its routine with one group and one node
+    w = _zipf_load(3, 12, seed=3)
+    fallback = rebalance_experts(w, 16, 3, 2, 8, policy="hierarchical")[0]
+    global_ = rebalance_experts(w, 16, 1, 1, 8, policy="hierarchical")[0]
+    assert torch.equal(fallback, global_)
+
+
+def test_default_balances_the_readme_example_better_than_the_reference():
+    ref = _balance(rebalance_experts(README_WEIGHT, 16, 4, 2, 8, policy="hierarchical")[0], README_WEIGHT, 8)
+    ours = _balance(rebalance_experts(README_WEIGHT, 16, 4, 2, 8)[0], README_WEIGHT, 8)
+    assert (ours >= ref - 1e-12).all() and ours.mean() > ref.mean()
+
+
+# ---------------------------------------------------------------------------------------------
+# drop-in: shapes and dtypes of the reference
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", BUILTIN)
+@pytest.mark.parametrize("shape", [(2, 12, 16, 4, 2, 8), (3, 8, 8, 1, 1, 2), (1, 16, 24, 4, 2, 4), (4, 6, 12, 2, 1, 3)])
+def test_drop_in_shapes_and_dtypes(policy, shape):
+    layers, experts, replicas, groups, nodes, gpus = shape
+    w = _zipf_load(layers, experts, seed=layers)
+    p2l, l2p, counts = rebalance_experts(w, replicas, groups, nodes, gpus, policy=policy)
+    assert p2l.shape == (layers, replicas) and p2l.dtype == torch.int64
+    assert l2p.shape == (layers, experts, replicas - experts + 1) and l2p.dtype == torch.int64
+    assert counts.shape == (layers, experts) and counts.dtype == torch.int64
+    validate_physical_to_logical(p2l, experts)
+    ref_l2p, ref_counts = build_logical_to_physical(p2l, experts, replicas - experts + 1)
+    assert torch.equal(l2p, ref_l2p) and torch.equal(counts, ref_counts)
+    pl = compute_placement(w, replicas, gpus, num_groups=groups, num_nodes=nodes, policy=policy)
+    assert isinstance(pl, Placement) and torch.equal(pl.physical_to_logical, p2l)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.int64, torch.int32, torch.uint8, torch.float16, torch.bfloat16, torch.float32, torch.float64]
+)
+def test_any_real_or_integer_dtype(dtype):
+    w = (_zipf_load(2, 8, total=200)).to(dtype)
+    for policy in BUILTIN:
+        p2l = rebalance_experts(w, 12, 2, 2, 4, policy=policy)[0]
+        validate_physical_to_logical(p2l, 8)
+
+
+def test_integer_and_float_loads_give_the_same_default_placement():
+    w = _zipf_load(4, 16)
+    assert torch.equal(rebalance_experts(w, 24, 1, 1, 4)[0], rebalance_experts(w.double(), 24, 1, 1, 4)[0])
+
+
+@pytest.mark.parametrize("policy", BUILTIN)
+def test_all_zero_load_is_valid(policy):
+    p2l = rebalance_experts(torch.zeros(3, 8, dtype=torch.int64), 12, 4, 2, 4, policy=policy)[0]
+    validate_physical_to_logical(p2l, 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# properties of every policy
+# ---------------------------------------------------------------------------------------------
+
+
+@st.composite
+def problems(draw, skewed: bool = False):
+    layers = draw(st.integers(1, 3))
+    gpus = draw(st.integers(1, 6))
+    nodes = draw(st.sampled_from([n for n in (1, 2, 3) if gpus % n == 0]))
+    groups = draw(st.sampled_from([1, 2, 4]))
+    experts = groups * draw(st.integers(1, 6))
+    per_gpu = draw(st.integers(-(-experts // gpus), -(-experts // gpus) + 3))
+    replicas = per_gpu * gpus
+    if skewed:
+        s = draw(st.floats(0.8, 2.0))
+        base = torch.arange(1, experts + 1, dtype=torch.float64) ** -s
+        perm = torch.tensor(draw(st.permutations(range(experts))))
+        load = torch.round(base[perm] * 1000).to(torch.int64).unsqueeze(0).repeat(layers, 1)
+    else:
+        values = draw(st.lists(st.integers(0, 1000), min_size=layers * experts, max_size=layers * experts))
+        load = torch.tensor(values, dtype=torch.int64).view(layers, experts)
+    return load, replicas, groups, nodes, gpus
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), st.sampled_from(BUILTIN))
+def test_every_output_is_a_valid_placement(problem, policy):
+    load, replicas, groups, nodes, gpus = problem
+    layers, experts = load.shape
+    p2l, l2p, counts = rebalance_experts(load, replicas, groups, nodes, gpus, policy=policy)
+    validate_physical_to_logical(p2l, experts)  # every slot an expert, every expert a replica
+    assert (counts >= 1).all() and (counts.sum(dim=1) == replicas).all()
+    assert p2l.shape == (layers, replicas)  # so every GPU has exactly replicas / gpus slots
+    assert torch.equal(build_logical_to_physical(p2l, experts, replicas - experts + 1)[0], l2p)
+    # same input, same output
+    again = rebalance_experts(load.clone(), replicas, groups, nodes, gpus, policy=policy)[0]
+    assert torch.equal(p2l, again)
+
+
+@settings(max_examples=40, deadline=None)
+@given(problems(skewed=True))
+def test_default_never_below_static_on_skewed_loads(problem):
+    load, replicas, groups, nodes, gpus = problem
+    layers, experts = load.shape
+    p2l = rebalance_experts(load, replicas, groups, nodes, gpus)[0]
+    static = Placement.static(layers, experts, replicas).balancedness(load, gpus)
+    assert (_balance(p2l, load, gpus) >= static - 1e-12).all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(problems())
+def test_hierarchical_keeps_each_group_on_one_node(problem):
+    load, replicas, groups, nodes, gpus = problem
+    experts = load.shape[1]
+    p2l = rebalance_experts(load, replicas, groups, nodes, gpus, policy="hierarchical")[0]
+    if groups % nodes:
+        return  # global fallback, like the reference
+    node_of_slot = torch.arange(replicas) // (replicas // nodes)
+    group_of = p2l // (experts // groups)
+    for layer in range(p2l.shape[0]):
+        for group in range(groups):
+            assert node_of_slot[group_of[layer] == group].unique().numel() == 1
+
+
+@settings(max_examples=30, deadline=None)
+@given(problems())
+def test_hierarchical_spill_keeps_a_full_copy_of_each_group_on_one_node(problem):
+    load, replicas, groups, nodes, gpus = problem
+    experts = load.shape[1]
+    p2l = rebalance_experts(load, replicas, groups, nodes, gpus, policy="hierarchical_spill")[0]
+    if groups % nodes or nodes == 1:
+        return
+    per_node = replicas // nodes
+    size = experts // groups
+    for layer in range(p2l.shape[0]):
+        for group in range(groups):
+            members = set(range(group * size, (group + 1) * size))
+            assert any(members <= set(p2l[layer, n * per_node : (n + 1) * per_node].tolist()) for n in range(nodes))
+
+
+# ---------------------------------------------------------------------------------------------
+# default: quality on DeepSeek-like loads (the bench measures the real traces)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gpus,need", [(32, 0.99), (64, 0.97)])
+def test_default_balances_deepseek_shapes(gpus, need):
+    from eplb.trace import LoadTrace, TraceConfig
+
+    load = LoadTrace(TraceConfig(kind="zipf", top_k=8, tokens_per_step=4096, seed=1), 8, 256).token_counts(0)
+    bal = _balance(rebalance_experts(load, 256 + gpus, 8, gpus // 8, gpus)[0], load, gpus)
+    assert bal.mean() >= need and bal.min() >= 0.9
+    static = Placement.static(8, 256, 256 + gpus).balancedness(load, gpus)
+    assert (bal > static).all()
+
+
+def test_default_caps_replicas_at_one_per_gpu_when_it_can():
+    # 2 GPUs, 2 slots each, one hot expert: two replicas of each expert beat three of the hot one
+    load = torch.tensor([[10, 1]])
+    p2l = rebalance_experts(load, 4, 1, 1, 2)[0]
+    assert _balance(p2l, load, 2).item() == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# migration_aware
+# ---------------------------------------------------------------------------------------------
+
+
+def test_migration_aware_keeps_a_placement_that_is_already_good():
+    load = _zipf_load(4, 32, seed=2)
+    prev = rebalance_experts(load, 40, 1, 1, 8)[0]
+    new = rebalance_experts(load, 40, 1, 1, 8, policy="migration_aware", previous=prev)[0]
+    assert torch.equal(new, prev)
+    # a Placement is accepted as previous as well
+    pl = Placement.from_physical_to_logical(prev, 32)
+    assert torch.equal(rebalance_experts(load, 40, 1, 1, 8, policy="migration_aware", previous=pl)[0], prev)
+
+
+def test_migration_aware_without_previous_is_default():
+    load = _zipf_load(3, 16)
+    assert torch.equal(
+        rebalance_experts(load, 20, 1, 1, 4, policy="migration_aware")[0], rebalance_experts(load, 20, 1, 1, 4)[0]
+    )
+
+
+def test_migration_aware_moves_little_after_a_shift():
+    old_load = _zipf_load(8, 64, seed=4)
+    prev = rebalance_experts(old_load, 80, 1, 1, 8)[0]
+    new_load = old_load.clone()
+    new_load[:, :4] *= 6  # a few experts turn hot
+    fresh = rebalance_experts(new_load, 80, 1, 1, 8)[0]
+    moved = rebalance_experts(new_load, 80, 1, 1, 8, policy="migration_aware", previous=prev, noise="none")[0]
+    assert (_balance(moved, new_load, 8) >= _balance(fresh, new_load, 8) - 0.01 - 1e-9).all()
+    assert cross_gpu_copies(prev, moved, 8).sum() * 4 < cross_gpu_copies(prev, fresh, 8).sum()
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), st.integers(0, 10_000), st.sampled_from([0.0, 0.01, 0.05]))
+def test_migration_aware_never_worse_than_staying_and_within_tolerance(problem, seed, tol):
+    load, replicas, groups, nodes, gpus = problem
+    layers, experts = load.shape
+    g = torch.Generator().manual_seed(seed)
+    prev = torch.stack([torch.randperm(replicas, generator=g) % experts for _ in range(layers)])
+    w = load.double()  # float loads: no noise model, the target is default's balance - tol
+    new = rebalance_experts(w, replicas, groups, nodes, gpus, policy="migration_aware", previous=prev, tolerance=tol)[0]
+    validate_physical_to_logical(new, experts)
+    stay, moved = _balance(prev, w, gpus), _balance(new, w, gpus)
+    fresh = _balance(rebalance_experts(w, replicas, groups, nodes, gpus)[0], w, gpus)
+    assert (moved >= stay - 1e-9).all()  # never worse than its no-move baseline
+    assert (moved >= torch.minimum(stay, fresh - tol) - 1e-9).all()  # and within tolerance of default
+    unchanged = stay >= fresh - tol
+    assert torch.equal(new[unchanged], prev[unchanged])  # good layers are not touched
+
+
+@settings(max_examples=25, deadline=None)
+@given(problems(), st.integers(0, 10_000), st.integers(0, 3))
+def test_migration_aware_respects_max_copies(problem, seed, cap):
+    load, replicas, groups, nodes, gpus = problem
+    layers, experts = load.shape
+    g = torch.Generator().manual_seed(seed)
+    prev = torch.stack([torch.randperm(replicas, generator=g) % experts for _ in range(layers)])
+    new = rebalance_experts(load, replicas, groups, nodes, gpus, policy="migration_aware", previous=prev, max_copies=cap)[0]
+    assert (cross_gpu_copies(prev, new, gpus) <= cap).all()
+    assert (_balance(new, load, gpus) >= _balance(prev, load, gpus) - 1e-9).all()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 3), st.integers(2, 12), st.integers(1, 4), st.integers(1, 6), st.integers(1, 6), st.integers(0, 10_000))
+def test_migration_aware_across_a_scale_is_valid_and_keeps_what_it_can(layers, experts, per_gpu, old_gpus, new_gpus, seed):
+    if per_gpu * min(old_gpus, new_gpus) < experts:
+        return  # a size that cannot hold the experts is refused before any policy runs
+    g = torch.Generator().manual_seed(seed)
+    load = torch.randint(0, 100, (layers, experts), generator=g)
+    prev = torch.stack([torch.randperm(per_gpu * old_gpus, generator=g) % experts for _ in range(layers)])
+    new = rebalance_experts(load, per_gpu * new_gpus, 1, 1, new_gpus, policy="migration_aware", previous=prev)[0]
+    validate_physical_to_logical(new, experts)
+    again = rebalance_experts(load, per_gpu * new_gpus, 1, 1, new_gpus, policy="migration_aware", previous=prev)[0]
+    assert torch.equal(new, again)
+    # with no load nothing is worth moving: surviving GPUs change only to take in lost experts
+    zero = torch.zeros_like(load)
+    kept = rebalance_experts(zero, per_gpu * new_gpus, 1, 1, new_gpus, policy="migration_aware", previous=prev)[0]
+    validate_physical_to_logical(kept, experts)
+    common = per_gpu * min(old_gpus, new_gpus)
+    lost = [len(set(range(experts)) - set(prev[layer, :common].tolist())) for layer in range(layers)]
+    changed = (kept[:, :common] != prev[:, :common]).sum(dim=1)
+    assert (changed <= torch.tensor(lost)).all()
+
+
+def test_migration_aware_after_scale_down_keeps_experts_on_surviving_gpus():
+    load = _zipf_load(4, 64, seed=5, hi=1.0)
+    prev = rebalance_experts(load, 96, 1, 1, 8)[0]  # 8 GPUs x 12 slots
+    new = rebalance_experts(load, 72, 1, 1, 6, policy="migration_aware", previous=prev)[0]  # 6 GPUs x 12
+    fresh = rebalance_experts(load, 72, 1, 1, 6)[0]
+    validate_physical_to_logical(new, 64)
+    copies = cross_gpu_copies(prev, new, 6, old_num_gpus=8)
+    old_hold = alg._holds(prev.numpy(), 8, 64)[:, :6]
+    new_hold = alg._holds(new.numpy(), 6, 64)
+    assert copies.tolist() == (new_hold & ~old_hold).sum(axis=(1, 2)).tolist()
+    assert copies.sum() * 2 <= cross_gpu_copies(prev, fresh, 6, old_num_gpus=8).sum()
+    assert (_balance(new, load, 6) >= _balance(fresh, load, 6) - 0.01 - 1e-9).all()
+
+
+def test_migration_aware_after_scale_up_fills_new_gpus_and_keeps_old_ones():
+    load = torch.ones(2, 8, dtype=torch.int64) * 100  # uniform: nothing on the old GPUs must move
+    prev = Placement.static(2, 8, 8).physical_to_logical  # 2 GPUs x 4 slots
+    new = rebalance_experts(load, 16, 1, 1, 4, policy="migration_aware", previous=prev, noise="none", tolerance=0.2)[0]
+    validate_physical_to_logical(new, 8)
+    assert torch.equal(new[:, :8], prev)  # GPUs 0 and 1 untouched
+    assert _balance(new, load, 4).min() >= 0.99
+
+
+def test_migration_aware_follows_the_rank_mapping():
+    load = torch.ones(1, 4, dtype=torch.int64)
+    prev = torch.tensor([[0, 1, 2, 3]])  # 4 GPUs x 1 slot
+    # old rank 1 leaves; 2 -> 1, 3 -> 2 (and old 0 stays 0): 3 GPUs x 1 slot cannot hold 4 experts
+    with pytest.raises(InvalidShapeError):
+        rebalance_experts(load, 3, 1, 1, 3, policy="migration_aware", previous=prev, rank_mapping=[0, -1, 1, 2])
+    prev = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])  # 4 GPUs x 2 slots
+    new = rebalance_experts(load, 6, 1, 1, 3, policy="migration_aware", previous=prev, rank_mapping=[0, -1, 1, 2], noise="none", tolerance=0.5)[0]
+    assert new[0].tolist() == [0, 1, 0, 1, 2, 3]  # new GPU 1 holds what old GPU 2 held, GPU 2 old GPU 3's
+    swapped = rebalance_experts(load, 6, 1, 1, 3, policy="migration_aware", previous=prev, rank_mapping={1: 0, 0: 1, 3: 2}, noise="none", tolerance=0.5)[0]
+    assert swapped[0].tolist() == [2, 3, 0, 1, 2, 3]
+
+
+# ---------------------------------------------------------------------------------------------
+# typed errors that name what is wrong
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "weight,args,error,words",
+    [
+        (torch.ones(12), (16, 4, 2, 8), InvalidLoadError, "2-D"),
+        (torch.ones(2, 3, 4), (16, 4, 2, 8), InvalidLoadError, "2-D"),
+        (torch.ones(0, 12), (16, 4, 2, 8), InvalidLoadError, "at least one"),
+        (torch.ones(2, 12, dtype=torch.complex64), (16, 4, 2, 8), InvalidLoadError, "real"),
+        (torch.tensor([[1.0, float("nan")] * 6] * 2), (16, 4, 2, 8), InvalidLoadError, "finite: layer 0, expert 1"),
+        (torch.tensor([[1.0] * 12, [1.0] * 11 + [float("inf")]]), (16, 4, 2, 8), InvalidLoadError, "layer 1, expert 11"),
+        (torch.tensor([[1] * 12, [1, -3] + [1] * 10]), (16, 4, 2, 8), InvalidLoadError, ">= 0: layer 1, expert 1"),
+        (torch.ones(2, 12), (8, 4, 2, 8), InvalidShapeError, "num_replicas=8"),
+        (torch.ones(2, 12), (18, 4, 2, 8), InvalidShapeError, "multiple of num_gpus"),
+        (torch.ones(2, 12), (16, 4, 3, 8), InvalidShapeError, "num_nodes=3"),
+        (torch.ones(2, 12), (16, 5, 1, 8), InvalidShapeError, "num_groups=5"),
+        (torch.ones(2, 12), (16, 4, 2, 0), InvalidShapeError, "num_gpus"),
+        (torch.ones(2, 12), (16, 4, 0, 8), InvalidShapeError, "num_nodes"),
+        (torch.ones(2, 12), (16.0, 4, 2, 8), InvalidShapeError, "num_replicas"),
+        (torch.ones(2, 12), (16, True, 2, 8), InvalidShapeError, "num_groups"),
+    ],
+)
+def test_bad_input_raises_a_typed_error(weight, args, error, words):
+    for policy in BUILTIN:
+        with pytest.raises(error) as err:
+            rebalance_experts(weight, *args, policy=policy)
+        assert words in str(err.value)
+        assert isinstance(err.value, AlgorithmError) and isinstance(err.value, ValueError)
+
+
+def test_unknown_policy_lists_the_known_ones():
+    with pytest.raises(UnknownPolicyError) as err:
+        rebalance_experts(README_WEIGHT, 16, 4, 2, 8, policy="nope")
+    for name in BUILTIN:
+        assert name in str(err.value)
+
+
+def test_unknown_or_bad_option_is_refused():
+    with pytest.raises(InvalidOptionError, match="tolerance"):
+        rebalance_experts(README_WEIGHT, 16, 4, 2, 8, policy="default", tolerance=0.1)
+    with pytest.raises(InvalidOptionError, match="tolerance"):
+        rebalance_experts(README_WEIGHT, 16, 4, 2, 8, policy="migration_aware", tolerance=2.0)
+    with pytest.raises(InvalidOptionError, match="max_copies"):
+        rebalance_experts(README_WEIGHT, 16, 4, 2, 8, policy="migration_aware", max_copies=-1)
+    with pytest.raises(InvalidOptionError, match="noise"):
+        rebalance_experts(README_WEIGHT, 16, 4, 2, 8, policy="migration_aware", noise="loud")
+    with pytest.raises(InvalidOptionError, match="rank_mapping"):
+        prev = rebalance_experts(README_WEIGHT, 16, 4, 2, 8)[0]
+        rebalance_experts(README_WEIGHT, 16, 4, 2, 8, policy="migration_aware", previous=prev, rank_mapping=[0, 0, 1, 2, 3, 4, 5, 6])
+
+
+@pytest.mark.parametrize(
+    "previous,words",
+    [
+        (torch.zeros(3, 16, dtype=torch.int64), "layers=2"),  # wrong layer count
+        (torch.zeros(16, dtype=torch.int64), "layers=2"),  # not 2-D
+        (torch.tensor([list(range(12)) + [12, 0, 0, 0]] * 2), "layer 0, slot 12"),  # expert out of range
+        (torch.tensor([[0] * 16] * 2), "no replica"),  # experts missing
+        (torch.tensor([list(range(12)) + [0, 1, 2]] * 2), "pass previous_num_gpus"),  # 15 slots, 2 per GPU
+    ],
+)
+def test_bad_previous_raises_a_typed_error(previous, words):
+    with pytest.raises(InvalidPreviousError) as err:
+        rebalance_experts(README_WEIGHT, 16, 4, 2, 8, policy="migration_aware", previous=previous)
+    assert words in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# the registry and helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def test_register_a_policy_and_refuse_a_duplicate():
+    @register_policy("test_round_robin")
+    def _round_robin(problem, *, offset: int = 0):
+        row = (np.arange(problem.num_replicas) + offset) % problem.num_logical
+        return np.broadcast_to(row, (problem.num_layers, problem.num_replicas)).copy()
+
+    try:
+        p2l = rebalance_experts(README_WEIGHT, 16, 4, 2, 8, policy="test_round_robin", offset=1)[0]
+        assert p2l[0, :3].tolist() == [1, 2, 3]
+        with pytest.raises(InvalidOptionError):
+            rebalance_experts(README_WEIGHT, 16, 4, 2, 8, policy="test_round_robin", other=1)
+        with pytest.raises(AlgorithmError):
+            register_policy("test_round_robin")(_round_robin)
+    finally:
+        POLICIES.pop("test_round_robin", None)
+
+
+def test_a_policy_that_returns_an_invalid_map_is_caught():
+    @register_policy("test_broken")
+    def _broken(problem):
+        return np.zeros((problem.num_layers, problem.num_replicas), dtype=np.int64)
+
+    try:
+        with pytest.raises(ValueError, match="no replica"):
+            rebalance_experts(README_WEIGHT, 16, 4, 2, 8, policy="test_broken")
+    finally:
+        POLICIES.pop("test_broken", None)
+
+
+def test_cross_gpu_copies_counts_new_gpu_expert_pairs():
+    old = torch.tensor([[0, 1, 2, 3]])  # 2 GPUs x 2 slots
+    assert cross_gpu_copies(old, torch.tensor([[1, 0, 3, 2]]), 2).tolist() == [0]  # moves within a GPU
+    assert cross_gpu_copies(old, torch.tensor([[2, 1, 0, 3]]), 2).tolist() == [2]  # a swap across GPUs
+    assert cross_gpu_copies(old, torch.tensor([[0, 1, 2, 3, 0, 2]]), 3, old_num_gpus=2).tolist() == [2]  # new GPU
+
+
+def test_home_node_share():
+    p2l, _, _ = rebalance_experts(README_WEIGHT, 16, 4, 2, 8, policy="hierarchical")
+    assert home_node_share(p2l, README_WEIGHT, 4, 2, 8).tolist() == [1.0, 1.0]
