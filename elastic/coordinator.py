@@ -28,7 +28,8 @@ import torch.distributed as dist
 from elastic import protocol as p
 from elastic.deployment import DeploymentConfig
 from elastic.errors import ElasticError, InvalidTransition, InvalidScaleRequest, ScaleConflict, StaleGeneration
-from elastic.launcher import Launcher, LocalLauncher, WorkerHandle
+from elastic.groups import open_store
+from elastic.launcher import Launcher, WorkerHandle, make_launcher, plan_mapping
 from elastic.machine import Phase, ScaleMachine, Transition
 from elastic.mapping import RankMapping
 from elastic.worker import WorkerSpec
@@ -112,7 +113,7 @@ class Coordinator:
     def __init__(self, config: DeploymentConfig, *, launcher: Launcher | None = None,
                  clock: Callable[[], float] = time.monotonic, faults: tuple[Any, ...] = ()):
         self.config = config
-        self.launcher = launcher or LocalLauncher(capacity=config.max_ep_size)
+        self.launcher = launcher or make_launcher(config)  # config.launcher: local, command or ray
         self.clock = clock
         self.faults = faults
         self.machine = ScaleMachine(timeouts=config.timeouts, clock=clock)
@@ -141,8 +142,7 @@ class Coordinator:
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> "Coordinator":
-        self._store = dist.TCPStore(self.config.store_host, 0, is_master=True, wait_for_workers=False,
-                                    use_libuv=True)
+        self._store = open_store(self.config.store_bind_host, self.config.launcher.store_port)
         for rank in range(self.size):
             self._launch(rank, self.size, generation=0)
         self._threads = [threading.Thread(target=self._read_reports, name="coordinator-reports", daemon=True),
@@ -191,7 +191,7 @@ class Coordinator:
         assert self._store is not None
         cfg = self.config
         spec = WorkerSpec(
-            rank=rank, size=size, generation=generation, store_host=cfg.store_host, store_port=self._store.port,
+            rank=rank, size=size, generation=generation, store_host=cfg.store_advertise_host, store_port=self._store.port,
             shape=cfg.model, eplb=cfg.eplb, trace=tuple((ph.start_step, ph.trace) for ph in cfg.trace),
             seed=cfg.seed, num_physical=self.num_physical, backend=cfg.backend,
             collective_timeout_s=cfg.timeouts.collective, join_timeout_s=cfg.timeouts.worker_start,
@@ -480,7 +480,7 @@ class Coordinator:
             self._enter(op, Phase.SUPPRESSED.value)
             seq = self._broadcast(p.Suppress, operation_id=op.id)
             self._await(seq, pids, "suppressed", timeouts.suppressed, operation=op)
-            mapping = RankMapping.for_resize(self.size, op.target_size)
+            mapping = plan_mapping(self.launcher, [w.handle for w in old], self.size, op.target_size)  # hosts contiguous
             self.machine.suppressed(reason=f"EPLB threads joined; mapping {mapping}")
             # 3. rescaling: move experts, replace the group (decoding paused)
             self._enter(op, Phase.RESCALING.value)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from elastic.config import TimeoutsConfig
@@ -15,6 +17,88 @@ class TracePhase(BaseModel):
 
     start_step: int = Field(0, ge=0)
     trace: TraceConfig = TraceConfig()
+
+
+class CommandHost(BaseModel):
+    """One host of a ``command`` launcher."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, description="what {host} in the command template becomes (an ssh host, a netns...)")
+    slots: int | None = Field(None, ge=1, description="most workers on this host (default: no limit)")
+    env: dict[str, str] = Field(default_factory=dict, description="environment of the workers on this host "
+                                "(e.g. GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME), on top of the launcher's env")
+
+
+_RAY_ONLY = ("address", "namespace", "num_cpus_per_worker", "num_gpus_per_worker")
+_COMMAND_ONLY = ("template", "hosts")
+
+
+class LauncherConfig(BaseModel):
+    """How workers are started, and where the coordinator's ``TCPStore`` listens and is reached.
+
+    ``local``: processes on this machine. ``ray``: Ray actors, placed by Ray. ``command``: a
+    process per worker from a command template (``ssh {host} ... python -m elastic.remote_worker
+    --store {store} --worker-id {worker_id}``), hosts filled evenly, ranks of a host contiguous.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["local", "ray", "command"] = "local"
+    store_port: int = Field(0, ge=0, le=65535, description="port of the coordinator's TCPStore (0: any free port)")
+    bind_host: str | None = Field(None, description="address the TCPStore listens on; '0.0.0.0' or '::' for every "
+                                  "address (default: store_host)")
+    advertise_host: str | None = Field(None, description="address the workers reach the TCPStore at (default: store_host)")
+    env: dict[str, str] = Field(default_factory=dict, description="environment variables of every worker (ray, command)")
+    # ray
+    address: str | None = Field(None, description="ray: the cluster to join ('auto', 'ray://...', None: the "
+                                "initialized one, or a new local one)")
+    namespace: str = Field("elastic-ep", min_length=1, description="ray: namespace of the worker actors")
+    num_cpus_per_worker: float = Field(1.0, ge=0, description="ray: CPUs each worker actor reserves")
+    num_gpus_per_worker: float = Field(0.0, ge=0, description="ray: GPUs each worker actor reserves (1 with nccl)")
+    # command
+    template: list[str] = Field(default_factory=list, description="command: argv of one worker, with {host}, "
+                                "{store}, {store_host}, {store_port}, {worker_id}, {python}")
+    hosts: list[CommandHost] = Field(default_factory=list, description="command: the hosts, in rank order")
+
+    @model_validator(mode="after")
+    def _check(self) -> "LauncherConfig":
+        set_fields = self.model_fields_set
+        if self.kind != "ray":
+            wrong = [name for name in _RAY_ONLY if name in set_fields]
+            if wrong:
+                raise ValueError(f"{', '.join(wrong)}: only for kind 'ray' (this launcher is {self.kind!r})")
+        if self.kind != "command":
+            wrong = [name for name in _COMMAND_ONLY if name in set_fields]
+            if wrong:
+                raise ValueError(f"{', '.join(wrong)}: only for kind 'command' (this launcher is {self.kind!r})")
+        if self.kind == "local" and "env" in set_fields:
+            raise ValueError("env applies to kinds 'ray' and 'command'; local workers inherit this process's environment")
+        if self.kind == "command":
+            if not self.template:
+                raise ValueError("kind 'command' needs a template (argv of one worker)")
+            if not self.hosts:
+                raise ValueError("kind 'command' needs at least one host")
+            text = " ".join(self.template)
+            for needed in ("{store}", "{worker_id}"):
+                if needed not in text and not (needed == "{store}" and "{store_host}" in text and "{store_port}" in text):
+                    raise ValueError(f"the command template must pass {needed} to elastic.remote_worker, got {self.template}")
+            names = [h.name for h in self.hosts]
+            if len(set(names)) != len(names):
+                raise ValueError(f"host names must be distinct, got {names}")
+            try:
+                for arg in self.template:
+                    arg.format(host="h", store="s:1", store_host="s", store_port=1, worker_id=1, python="python")
+            except (KeyError, IndexError, ValueError) as exc:
+                raise ValueError(f"the command template has an unknown or malformed placeholder: {exc}") from None
+        return self
+
+    @property
+    def capacity(self) -> int | None:
+        """Most workers the hosts hold (command launcher with slots on every host), else None."""
+        if self.kind == "command" and self.hosts and all(h.slots for h in self.hosts):
+            return sum(h.slots for h in self.hosts)
+        return None
 
 
 class DeploymentConfig(BaseModel):
@@ -31,8 +115,10 @@ class DeploymentConfig(BaseModel):
     step_delay_s: float = Field(0.0, ge=0, description="sleep after each decode step (pacing a replay)")
     auto_recover: bool = Field(False, description="after a failure, recover with the living workers without waiting for an operator")
     max_auto_recoveries: int = Field(3, ge=0, description="give up auto-recovery after this many attempts")
-    store_host: str = "127.0.0.1"
-    backend: str = Field("gloo", pattern="^(gloo|nccl)$")
+    store_host: str = Field("127.0.0.1", description="the coordinator's address for its TCPStore (default bind and "
+                            "advertise address; see launcher)")
+    backend: str = Field("gloo", pattern="^(gloo|nccl)$", description="gloo on CPU hosts, nccl on GPU hosts")
+    launcher: LauncherConfig = LauncherConfig()
 
     @model_validator(mode="after")
     def _check(self) -> "DeploymentConfig":
@@ -48,6 +134,9 @@ class DeploymentConfig(BaseModel):
                 f"timeouts.heartbeat ({self.timeouts.heartbeat}s) must exceed timeouts.collective "
                 f"({self.timeouts.collective}s): a rank blocked on a dead peer reports the failure within the "
                 "collective timeout, and only a rank silent beyond that is declared lost")
+        capacity = self.launcher.capacity
+        if capacity is not None and self.max_ep_size > capacity:
+            raise ValueError(f"max_ep_size={self.max_ep_size} exceeds the {capacity} slots of the launcher's hosts")
         starts = [phase.start_step for phase in self.trace]
         if not starts or starts[0] != 0 or starts != sorted(set(starts)):
             raise ValueError(f"trace phases must start at step 0 and increase strictly, got starts {starts}")
@@ -55,6 +144,14 @@ class DeploymentConfig(BaseModel):
             if phase.trace.top_k > self.model.num_experts:
                 raise ValueError(f"trace top_k={phase.trace.top_k} exceeds num_experts={self.model.num_experts}")
         return self
+
+    @property
+    def store_bind_host(self) -> str:
+        return self.launcher.bind_host or self.store_host
+
+    @property
+    def store_advertise_host(self) -> str:
+        return self.launcher.advertise_host or self.store_host
 
     @property
     def num_physical(self) -> int:

@@ -5,12 +5,21 @@ Every generation of the EP group has its own key prefix in the shared ``TCPStore
 default (decode) group of a generation carries the step's collectives; the EPLB group, made
 with ``new_group`` over the same ranks, carries the async worker's point-to-point traffic so
 it never interleaves with the decode loop's collectives.
+
+Every rank also publishes its host (:func:`host_identity`) under the generation's prefix, so
+every rank knows the host of every rank of the generation. :func:`num_nodes_of` derives the node
+count the hierarchical EPLB policy is given: the distinct hosts, when every host's ranks are a
+contiguous block of equal size (the policy's node ``n`` is ranks ``[n*G/N, (n+1)*G/N)``);
+otherwise 1 (flat balancing), since a node count that does not match the rank layout would
+place "node-local" replicas on other hosts.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import os
+import socket
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -21,6 +30,51 @@ log = logging.getLogger("elastic.groups")
 
 def backend_for(device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
+
+
+def host_identity() -> str:
+    """The name of the host this process runs on: ``ELASTIC_EP_HOST`` (launchers set it), else the hostname."""
+    return os.environ.get("ELASTIC_EP_HOST") or socket.gethostname()
+
+
+def num_nodes_of(hosts: list[str] | tuple[str, ...]) -> int:
+    """Node count for the hierarchical policy from the host of each rank (1 if the layout does not fit)."""
+    if not hosts:
+        return 1
+    blocks: list[tuple[str, int]] = []
+    for host in hosts:
+        if blocks and blocks[-1][0] == host:
+            blocks[-1] = (host, blocks[-1][1] + 1)
+        else:
+            blocks.append((host, 1))
+    names = [name for name, _ in blocks]
+    if len(set(names)) != len(names) or len({count for _, count in blocks}) != 1:
+        return 1  # a host's ranks are not contiguous, or hosts hold different numbers of ranks
+    return len(blocks)
+
+
+def open_store(bind_host: str, port: int) -> dist.TCPStore:
+    """Host the coordinator's ``TCPStore`` on ``bind_host:port`` (port 0: any free port).
+
+    ``0.0.0.0`` or ``::`` listen on every address (the store's own default); any other address
+    is bound first and the listening socket handed to the store, so the store is reachable on
+    that address only.
+    """
+    if bind_host in ("", "0.0.0.0", "::", "*"):
+        return dist.TCPStore(bind_host or "0.0.0.0", port, is_master=True, wait_for_workers=False, use_libuv=True)
+    family, kind, proto, _, address = socket.getaddrinfo(bind_host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(1024)
+        bound_port = sock.getsockname()[1]
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {bind_host}:{port} for the TCPStore: {exc}") from exc
+    fd = sock.detach()  # the store owns the socket from here on
+    return dist.TCPStore(bind_host, bound_port, is_master=True, wait_for_workers=False, use_libuv=True,
+                         master_listen_fd=fd)
 
 
 def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
@@ -37,6 +91,11 @@ class GroupGeneration:
     backend: str
     timeout_s: float
     eplb_group: Any = None
+    hosts: tuple[str, ...] = field(default_factory=tuple)  # host of every rank of this generation
+
+    @property
+    def num_nodes(self) -> int:
+        return num_nodes_of(self.hosts)
 
     @classmethod
     def join(cls, store: dist.Store, generation: int, rank: int, size: int, *, backend: str = "gloo",
@@ -45,10 +104,13 @@ class GroupGeneration:
         if dist.is_initialized():
             raise RuntimeError("a process group is still alive: destroy the old generation first")
         prefix = dist.PrefixStore(f"elastic/gen{generation}/", store)
+        prefix.set(f"elastic-host/{rank}", host_identity())
         dist.init_process_group(backend, store=prefix, rank=rank, world_size=size,
                                 timeout=timedelta(seconds=timeout_s))
-        log.debug("rank %d joined generation %d of size %d", rank, generation, size)
-        return cls(generation, rank, size, backend, timeout_s)
+        # every rank wrote its host before the rendezvous completed: these reads do not wait
+        hosts = tuple(prefix.get(f"elastic-host/{r}").decode() for r in range(size))
+        log.debug("rank %d joined generation %d of size %d on hosts %s", rank, generation, size, hosts)
+        return cls(generation, rank, size, backend, timeout_s, hosts=hosts)
 
     def build_eplb_group(self) -> Any:
         """A dedicated group over every rank for the EPLB's point-to-point traffic (collective call)."""

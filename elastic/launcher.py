@@ -3,22 +3,52 @@
 :class:`LocalLauncher` runs workers as local processes from a ``forkserver`` that has
 imported torch and the worker module once, so a new worker starts in well under a second
 instead of paying the torch import each time.
+
+:class:`CommandLauncher` starts each worker as a process from a command template (``ssh {host}
+python -m elastic.remote_worker ...``, ``ip netns exec {host} ...``) on a list of hosts, and
+:class:`elastic.launcher_ray.RayLauncher` as a Ray actor. Their workers share no pipe with the
+coordinator: commands and reports travel through the coordinator's ``TCPStore``
+(:mod:`elastic.channel`), and a worker's ``pid`` in its reports is the launcher's worker id.
+
+Hosts and ranks: a handle knows its ``host``. Before a scale, :func:`plan_mapping` asks the
+launcher for the rank mapping: a launcher that chooses hosts (``command``) lays the new group
+out evenly over its hosts with the ranks of a host contiguous, keeps every surviving worker on
+its host (renumbering it if needed) and starts fresh workers where the layout has a gap; one
+that does not choose (Ray places actors) keeps survivors' order on scale-up and, on scale-down,
+retires ranks from the most loaded hosts and renumbers the survivors host by host. The group
+then counts the nodes itself (:func:`elastic.groups.num_nodes_of`).
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 import multiprocessing as mp
 import os
+import queue
 import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from elastic.errors import InvalidRankMapping
+from elastic.mapping import RankMapping
 from elastic.worker import WorkerSpec, worker_main
+
+if TYPE_CHECKING:
+    from elastic.deployment import DeploymentConfig, LauncherConfig
+
+log = logging.getLogger("elastic.launcher")
 
 
 class WorkerHandle(Protocol):
     rank: int
     inbox: Any
+    host: str | None  # where it runs (None: not known yet)
 
     @property
     def pid(self) -> int | None: ...
@@ -42,12 +72,15 @@ class Launcher(Protocol):
 
     def shutdown(self) -> None: ...
 
+    # optional: ``plan_resize(hosts, new_size) -> RankMapping`` (see plan_mapping)
+
 
 @dataclass
 class LocalWorker:
     rank: int
     inbox: Any
     process: mp.process.BaseProcess
+    host: str = "localhost"
 
     @property
     def pid(self) -> int | None:
@@ -96,3 +129,239 @@ class LocalLauncher:
         for worker in self._workers:
             worker.kill()
         self._workers.clear()
+
+
+# -- hosts and rank mappings ---------------------------------------------------------------------
+
+def balanced_layout(hosts: Sequence[tuple[str, int | None]], size: int) -> list[str]:
+    """The host of each rank of a group of ``size``: hosts filled evenly (within their slots),
+    in host order, the ranks of a host contiguous. ``hosts`` are ``(name, slots or None)``."""
+    counts = [0] * len(hosts)
+    for _ in range(size):
+        free = [i for i, (_, slots) in enumerate(hosts) if slots is None or counts[i] < slots]
+        if not free:
+            raise ValueError(f"{size} workers do not fit the hosts' slots {[s for _, s in hosts]}")
+        counts[min(free, key=lambda i: (counts[i], i))] += 1
+    return [name for (name, _), count in zip(hosts, counts) for _ in range(count)]
+
+
+def plan_resize(hosts: Sequence[str], new_size: int, layout: Sequence[str] | None = None
+                ) -> tuple[RankMapping, dict[int, str]]:
+    """The rank mapping from a group whose rank ``r`` runs on ``hosts[r]`` to one of ``new_size``.
+
+    With ``layout`` (the host of each new rank), every host keeps its surviving workers in rank
+    order, the rest of that host's new ranks are fresh workers there, and workers beyond a host's
+    share retire (highest first). Without it, scale-up adds fresh ranks on top and scale-down
+    retires the highest ranks of the most loaded hosts; survivors are renumbered host by host.
+    Returns the mapping and the host of every joining new rank (where ``layout`` says).
+    """
+    old_size = len(hosts)
+    if layout is not None:
+        by_host: dict[str, list[int]] = {}
+        for old, host in enumerate(hosts):
+            by_host.setdefault(host, []).append(old)
+        old_to_new, joining = [-1] * old_size, {}
+        taken: dict[str, int] = {}
+        for new, host in enumerate(layout):
+            olds = by_host.get(host, [])
+            k = taken.get(host, 0)
+            taken[host] = k + 1
+            if k < len(olds):
+                old_to_new[olds[k]] = new
+            else:
+                joining[new] = host
+        try:
+            return RankMapping(tuple(old_to_new), new_size), joining
+        except InvalidRankMapping:  # no worker survives on the layout's hosts: keep the ones we have
+            pass
+    if new_size >= old_size:
+        return RankMapping.for_resize(old_size, new_size), {}
+    order = list(dict.fromkeys(hosts))
+    ranks = {host: [r for r in range(old_size) if hosts[r] == host] for host in order}
+    for _ in range(old_size - new_size):
+        host = max(reversed(order), key=lambda h: len(ranks[h]))  # ties: the later host gives up a rank
+        ranks[host].pop()
+    survivors = [r for host in order for r in ranks[host]]
+    old_to_new = [-1] * old_size
+    for new, old in enumerate(survivors):
+        old_to_new[old] = new
+    return RankMapping(tuple(old_to_new), new_size), {}
+
+
+def plan_mapping(launcher: Any, handles: Sequence[Any], old_size: int, new_size: int) -> RankMapping:
+    """The mapping for a scale ``old_size -> new_size``; ``handles`` are the live workers by rank.
+
+    Launchers without ``plan_resize`` (and groups whose hosts are not all known) get
+    :meth:`RankMapping.for_resize`.
+    """
+    plan = getattr(launcher, "plan_resize", None)
+    hosts = [getattr(h, "host", None) for h in handles]
+    if plan is None or len(hosts) != old_size or any(h is None for h in hosts):
+        return RankMapping.for_resize(old_size, new_size)
+    return plan(hosts, new_size)
+
+
+# -- launchers whose workers talk through the store ---------------------------------------------
+
+class _LazyReports:
+    """The reports queue of a store-channel launcher; empty until the first worker was launched."""
+
+    def __init__(self) -> None:
+        self.queue: Any = None
+        self.ready = threading.Event()
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        if self.queue is None:
+            if not block or not self.ready.wait(timeout):
+                raise queue.Empty
+        try:
+            return self.queue.get(block=block, timeout=timeout)
+        except queue.Empty:
+            raise
+        except RuntimeError as exc:  # the store connection failed: the watchdog sees the silence
+            log.warning("reading reports from the store failed: %s", exc)
+            time.sleep(timeout or 0.1)
+            raise queue.Empty from exc
+
+
+class StoreChannelLauncher:
+    """Shared by the command and Ray launchers: launch records, inboxes and reports in the store."""
+
+    def __init__(self, options: "LauncherConfig", capacity: int):
+        self.options = options
+        self.capacity = capacity
+        self._ids = itertools.count(1)
+        self._store: Any = None
+        self._address: tuple[str, int] | None = None
+        self._reports = _LazyReports()
+        self._lock = threading.Lock()
+        self._workers: list[Any] = []
+
+    def reports(self) -> Any:
+        return self._reports
+
+    def _attach(self, host: str, port: int) -> None:
+        from elastic.channel import StoreQueue, connect
+        from elastic.remote_worker import REPORTS_PREFIX
+
+        with self._lock:
+            if self._store is not None:
+                if self._address != (host, port):
+                    raise RuntimeError(f"this launcher serves the store at {self._address}, not {(host, port)}")
+                return
+            self._store = connect(host, port)
+            self._address = (host, port)
+            self._reports.queue = StoreQueue(connect(host, port), REPORTS_PREFIX)
+            self._reports.ready.set()
+
+    def _prepare(self, spec: WorkerSpec, host: str | None, env: dict[str, str]) -> tuple[int, Any]:
+        """Write the launch record of a new worker; returns its id and its inbox."""
+        from elastic.channel import StoreQueue
+        from elastic.remote_worker import inbox_prefix, launch_key, launch_record
+
+        self._attach(spec.store_host, spec.store_port)
+        worker_id = next(self._ids)
+        self._store.set(launch_key(worker_id), launch_record(spec, env, host))
+        return worker_id, StoreQueue(self._store, inbox_prefix(worker_id))
+
+    def _retire(self, worker_id: int) -> None:
+        """Ask a remote worker to exit (its watcher polls this key)."""
+        from elastic.remote_worker import kill_key
+
+        try:
+            if self._store is not None:
+                self._store.set(kill_key(worker_id), "1")
+        except Exception:  # noqa: BLE001 - the store is gone: so is the worker's reason to live
+            pass
+
+    def shutdown(self) -> None:
+        for worker in self._workers:
+            worker.kill()
+        self._workers.clear()
+
+
+def _store_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@dataclass
+class CommandWorker:
+    rank: int
+    inbox: Any
+    host: str
+    worker_id: int
+    process: subprocess.Popen
+    launcher: "CommandLauncher"
+
+    @property
+    def pid(self) -> int:
+        return self.worker_id  # reports carry it (elastic.channel.TaggedOutbox)
+
+    def is_alive(self) -> bool:
+        return self.process.poll() is None
+
+    def join(self, timeout: float) -> bool:
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.launcher._retire(self.worker_id)
+            self.process.kill()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+class CommandLauncher(StoreChannelLauncher):
+    """Each worker a process from ``options.template``, on ``options.hosts`` (filled evenly)."""
+
+    def __init__(self, options: "LauncherConfig", capacity: int):
+        super().__init__(options, capacity)
+        self._planned: dict[int, str] = {}
+
+    def layout(self, size: int) -> list[str]:
+        return balanced_layout([(h.name, h.slots) for h in self.options.hosts], size)
+
+    def plan_resize(self, hosts: Sequence[str], new_size: int) -> RankMapping:
+        mapping, joining = plan_resize(hosts, new_size, self.layout(new_size))
+        self._planned = dict(joining)
+        return mapping
+
+    def launch(self, spec: WorkerSpec) -> CommandWorker:
+        host_name = self._planned.pop(spec.rank, None) if spec.first_command is not None else None
+        if host_name is None:
+            host_name = self.layout(spec.size)[spec.rank]
+        host = next(h for h in self.options.hosts if h.name == host_name)
+        env = {**self.options.env, **host.env}
+        worker_id, inbox = self._prepare(spec, host.name, env)
+        fields = dict(host=host.name, store=_store_address(spec.store_host, spec.store_port),
+                      store_host=spec.store_host, store_port=spec.store_port, worker_id=worker_id,
+                      python=sys.executable)
+        argv = [arg.format(**fields) for arg in self.options.template]
+        log.info("starting worker %d (rank %d, generation %d) on %s: %s", worker_id, spec.rank, spec.generation,
+                 host.name, " ".join(argv))
+        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True)
+        worker = CommandWorker(spec.rank, inbox, host.name, worker_id, process, self)
+        self._workers.append(worker)
+        return worker
+
+
+def make_launcher(config: "DeploymentConfig") -> Any:
+    """The launcher ``config.launcher`` names, with capacity ``max_ep_size``."""
+    options = config.launcher
+    if options.kind == "local":
+        return LocalLauncher(capacity=config.max_ep_size)
+    if options.kind == "command":
+        return CommandLauncher(options, capacity=config.max_ep_size)
+    if options.kind == "ray":
+        try:
+            from elastic.launcher_ray import RayLauncher
+        except ImportError as exc:
+            raise RuntimeError(f"launcher kind 'ray' needs Ray: pip install 'elastic-ep[ray]' ({exc})") from exc
+        return RayLauncher(options, capacity=config.max_ep_size)
+    raise ValueError(f"unknown launcher kind {options.kind!r}")

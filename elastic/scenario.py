@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from elastic.autoscaler import AutoscalerConfig
 from elastic.config import TimeoutsConfig
-from elastic.deployment import DeploymentConfig, TracePhase
+from elastic.deployment import DeploymentConfig, LauncherConfig, TracePhase
 from elastic.faults import DelayTransfer, Fault, KillRank
 from eplb.config import EPLBConfig
 from eplb.model import ModelShape
@@ -228,6 +228,8 @@ class Scenario(_Strict):
     timeouts: TimeoutsConfig = Field(TimeoutsConfig(**REPLAY_TIMEOUTS),
                                      description="overrides of the replay's deadlines (elastic.config.TimeoutsConfig)")
     run_timeout_s: float = Field(300.0, gt=0, description="the whole replay's deadline")
+    launcher: LauncherConfig = Field(LauncherConfig(), description="how workers start: local, command or ray "
+                                     "(elastic.deployment.LauncherConfig)")
     slow: bool = Field(False, description="the test suite marks this replay slow")
 
     @field_validator("timeouts", mode="before")
@@ -244,7 +246,7 @@ class Scenario(_Strict):
             model=self.model.shape(), eplb=self.eplb.config(self.model.redundant_slots),
             trace=[phase.phase() for phase in self.trace], ep_size=self.initial_ep_size,
             max_ep_size=self.max_ep_size, seed=self.seed, timeouts=self.timeouts,
-            heartbeat_s=self.heartbeat_s, step_delay_s=self.pace_s, **extra)
+            heartbeat_s=self.heartbeat_s, step_delay_s=self.pace_s, launcher=self.launcher, **extra)
 
     def planned(self) -> list[dict[str, Any]]:
         """The timeline walked in order: per event, the size and generation it finds and leaves."""

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from eplb.algorithm import compute_placement
+from eplb.communicator import make_communicator
 from eplb.config import EPLBConfig
 from eplb.model import ModelShape, ReferenceMoE
 from eplb.placement import Placement
@@ -37,7 +38,7 @@ from eplb.trace import PhasedTrace, TraceConfig
 from eplb.transfer import commit_layer, execute_layer, materialize
 from elastic import faults as f
 from elastic import protocol as p
-from elastic.groups import GroupGeneration, connect_store
+from elastic.groups import GroupGeneration, connect_store, num_nodes_of
 
 log = logging.getLogger("elastic.worker")
 
@@ -94,6 +95,7 @@ class Worker:
         self._control_seconds = (0.0, 0.0)
         self.trace = PhasedTrace(list(spec.trace), spec.shape.num_layers, spec.shape.num_experts)
         self.store = connect_store(spec.store_host, spec.store_port, spec.join_timeout_s)
+        self.comm = make_communicator(spec.eplb.communicator, spec.backend)  # moves expert weights
         self.group: GroupGeneration | None = None
         self.model: ReferenceMoE | None = None
         self.eplb: EPLBState | None = None
@@ -164,6 +166,8 @@ class Worker:
         self.report(p.PhaseDone, seq=0, phase="Started", step=self.step, detail={"num_physical": placement.num_physical})
 
     def _resume_eplb(self) -> None:
+        self._attach_comm(self.group.generation)
+        self.eplb.config = self._eplb_config(self.group.hosts)  # num_nodes of this generation's hosts
         self.eplb.group = self.group.build_eplb_group()
         self.eplb.start_worker(self.eplb.group)
         self.eplb.resume()
@@ -252,6 +256,9 @@ class Worker:
             "replica_min": int(placement.replica_count.min()),
             "num_physical": placement.num_physical,
             "size": self.size,
+            "communicator": self.comm.stats(),
+            "hosts": list(self.group.hosts) if self.group is not None else [],
+            "num_nodes": self.eplb.config.policy_options.get("num_nodes", 1),
         }
 
     # -- rescale ---------------------------------------------------------------------------
@@ -390,7 +397,12 @@ class Worker:
         """The placement for the new group: same slots per rank, a policy run on the carried window."""
         old = self.eplb.placement
         per_rank = old.num_physical // len(cmd.mapping)
-        opts = dict(self.spec.eplb.policy_options)
+        hosts = self.group.hosts
+        if cmd.execute_on == "old":  # computed on the old group: the hosts of the survivors, in new rank order
+            hosts = tuple(hosts[old] for _, old in sorted((new, old) for old, new in enumerate(cmd.mapping) if new >= 0))
+        opts = dict(self._eplb_config(hosts).policy_options)
+        if self.spec.eplb.policy == "migration_aware":
+            opts.setdefault("rank_mapping", list(cmd.mapping))  # experts stay with the worker that holds them
         return compute_placement(self.eplb.window.total(), per_rank * cmd.new_size, cmd.new_size,
                                  num_groups=opts.pop("num_groups", 1), num_nodes=opts.pop("num_nodes", 1),
                                  policy=self.spec.eplb.policy, previous=old, **opts)
@@ -418,6 +430,7 @@ class Worker:
         else:
             weights = self.model.allocate(per_rank) if my_new_rank >= 0 else None
         undo: list[tuple[int, int, list[torch.Tensor]]] = []
+        self._comm_for_rescale(cmd, None if in_place else weights, staging if in_place else None)
         received = 0
         timeout = timedelta(seconds=self.spec.eplb.transfer_timeout_s)
         try:
@@ -432,6 +445,7 @@ class Worker:
                     plan, executing_rank, None if old_weights is None else old_weights[layer], target,
                     group=None, timeout=timeout, max_ops_per_batch=self.spec.eplb.max_ops_per_batch, layer=layer,
                     reload_fn=lambda expert, layer=layer: self.model.canonical_expert(layer, expert),
+                    communicator=self.comm,
                 )
                 if in_place:
                     undo += [(layer, j, [t[j].clone() for t in weights[layer]]) for j in rank_plan.changed_slots]
@@ -444,6 +458,24 @@ class Worker:
             raise
         return weights, received, undo
 
+    def _attach_comm(self, generation: int) -> None:
+        """The communicator follows the group generation: NIXL forgets the peers of the previous
+        one and exchanges metadata through this one's store at its first transfer."""
+        self.comm.bind(generation, dist.PrefixStore(f"elastic/gen{generation}/", self.store))
+        self.comm.set_weights(self.model.expert_weights())  # registrations follow the tensors
+        self.eplb.communicator = self.comm
+
+    def _comm_for_rescale(self, cmd: p.Rescale, incoming, staging) -> None:
+        """Before a rescale's first transfer: bind the executing generation; register the weights a
+        fresh rank fills (``incoming``, published with the metadata) or a survivor's staging."""
+        executing = cmd.generation if cmd.execute_on == "new" else self.generation
+        self.comm.bind(executing, dist.PrefixStore(f"elastic/gen{executing}/", self.store))
+        if self.model.expert_weights():
+            self.comm.set_weights(self.model.expert_weights())
+        self.comm.set_incoming(incoming)
+        if staging is not None:
+            self.comm.add_buffer(staging, transient=True)
+
     def _undo(self, undo: list[tuple[int, int, list[torch.Tensor]]]) -> None:
         """Put back the slot contents a failed rescale overwrote (newest first)."""
         weights = self.model.expert_weights()
@@ -452,9 +484,17 @@ class Worker:
                 tensor[slot].copy_(value)
         undo.clear()
 
+    def _eplb_config(self, hosts: tuple[str, ...]) -> EPLBConfig:
+        """The EPLB config with ``num_nodes`` derived from the group's hosts, unless the config pins it."""
+        options = self.spec.eplb.policy_options
+        if options.get("num_nodes", "auto") != "auto":
+            return self.spec.eplb
+        return self.spec.eplb.model_copy(update={"policy_options": {**options, "num_nodes": num_nodes_of(hosts)}})
+
     def _adopt(self, new_rank: int, cmd: p.Rescale, placement: Placement, weights) -> None:
         self.rank, self.size, self.generation = new_rank, cmd.new_size, cmd.generation
         self.model.install_placement(placement, new_rank, cmd.new_size)
+        self.comm.adopt_incoming()  # registrations follow the tensors (old ones deregistered first)
         self.model.replace_weights(weights)
         self.eplb.placement = placement
         self.eplb.rank, self.eplb.num_ranks = new_rank, cmd.new_size
@@ -589,6 +629,7 @@ class Worker:
             self.eplb.stop_worker(timeout=self.spec.collective_timeout_s)
         if self.group is not None:
             self.group.destroy()
+        self.comm.close()  # deregisters every tensor it still holds
 
 
 def _thread_names() -> list[str]:

@@ -181,9 +181,10 @@ class AsyncEPLBWorker:
 
     def __init__(self, *, config: EPLBConfig, weights: Callable[[], list[list[torch.Tensor]]],
                  staging: list[torch.Tensor], group: Any, rank: int, name: str = "eplb-async",
-                 hooks: TransferHooks | None = None):
+                 hooks: TransferHooks | None = None, communicator: Any = None):
         self.config = config
         self.hooks = hooks or TransferHooks()
+        self.communicator = communicator  # eplb.communicator.Communicator; None: the group's backend
         self._weights = weights
         self.staging = staging
         self.group = group
@@ -261,6 +262,7 @@ class AsyncEPLBWorker:
                 stats = execute_layer(
                     plan, self.rank, self._weights()[layer], self.staging, group=self.group,
                     timeout=timeout, max_ops_per_batch=self.config.max_ops_per_batch, layer=layer,
+                    communicator=self.communicator,
                 )
                 if self.hooks.after_fill is not None:
                     self.hooks.after_fill(layer, rank_plan, self.staging)
@@ -331,6 +333,8 @@ class EPLBState:
         self.stats = EPLBStats()
         self.on_event = on_event or (lambda kind, data: None)
         self.worker: AsyncEPLBWorker | None = None
+        #: moves the weights (eplb.communicator); None: the group's own backend (gloo / NCCL)
+        self.communicator: Any = None
         self.staging: list[torch.Tensor] = []
         self.draining = False
         self.in_flight: int | None = None  # rebalance id being transferred, if any
@@ -351,8 +355,11 @@ class EPLBState:
         weights = self.model.expert_weights()
         # one layer of local experts, allocated once per group generation, never per layer
         self.staging = [torch.empty_like(t) for t in weights[0]]
+        if self.communicator is not None:
+            self.communicator.add_buffer(self.staging)  # NIXL reads land here: registered once per start
         self.worker = AsyncEPLBWorker(config=self.config, weights=self.model.expert_weights, staging=self.staging,
-                                      group=self.group, rank=self.rank, hooks=self.hooks)
+                                      group=self.group, rank=self.rank, hooks=self.hooks,
+                                      communicator=self.communicator)
         self.worker.start()
         self.draining = False
 
@@ -367,6 +374,8 @@ class EPLBState:
         gone = self.worker.stop(timeout)
         if gone:
             self.worker = None
+            if self.communicator is not None:
+                self.communicator.remove_buffer(self.staging)  # deregistered before it is freed
             self.staging = []
             # a rebalance still in flight (the group broke before a drain) dies with its
             # thread: its uncommitted layers are dropped, the committed ones stay
@@ -511,6 +520,8 @@ class EPLBState:
         weights = self.model.expert_weights()
         if not self.staging:
             self.staging = [torch.empty_like(t) for t in weights[0]]
+            if self.communicator is not None:
+                self.communicator.add_buffer(self.staging)
         timeout = timedelta(seconds=self.config.transfer_timeout_s)
         for layer in range(self.placement.num_layers):
             old_row, new_row = self.placement.physical_to_logical[layer], new.physical_to_logical[layer]
@@ -519,7 +530,8 @@ class EPLBState:
             plan = plan_layer(old_row, new_row, slots, slots, identity, identity)
             rank_plan = plan.for_rank(self.rank)
             stats = execute_layer(plan, self.rank, weights[layer], self.staging, group=self.group,
-                                  timeout=timeout, max_ops_per_batch=self.config.max_ops_per_batch, layer=layer)
+                                  timeout=timeout, max_ops_per_batch=self.config.max_ops_per_batch, layer=layer,
+                                  communicator=self.communicator)
             commit_layer(rank_plan, self.staging, weights[layer])
             self.stats.layers_committed += 1
             self.stats.bytes_moved += stats.bytes_received

@@ -13,7 +13,15 @@ Weights are a sequence of tensors per layer (e.g. ``[w13, w2]``), each ``[slots,
 old local slots; empty or ``None`` for a fresh worker), ``staging`` has ``S_new`` (empty or
 ``None`` for a leaving worker), with the same number of tensors, dtypes and trailing shapes.
 
-Network protocol (deadlock free, no collective needed):
+The network phase is delegated to a communicator (:mod:`eplb.communicator`): this module
+expands the rank's part of the plan into :class:`TransferOp` records (one per weight tensor of
+each transfer) and hands one :class:`LayerExchange` per layer to ``communicator.exchange``.
+The default is :class:`~eplb.communicator.TorchCommunicator` on the group's own backend (gloo
+or NCCL), whose protocol is described below; :class:`~eplb.communicator.NixlCommunicator` has
+receivers read remote experts one-sided and ends the layer with a small all-reduce (every
+rank of the group must then call :func:`execute_layer` for every layer, idle or not).
+
+Two-sided protocol (gloo / NCCL; deadlock free, no collective needed):
 
 - The global transfer list of the plan (identical on every rank) expands into a global op
   list, one op per weight tensor per transfer: op ``k = transfer.index * T + w``.
@@ -51,15 +59,20 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from eplb.plan import LayerPlan, RankPlan, Transfer
 
+if TYPE_CHECKING:
+    from eplb.communicator import Communicator
+
 __all__ = [
+    "LayerExchange",
     "TransferError",
+    "TransferOp",
     "TransferStats",
     "TransferTimeout",
     "commit_layer",
@@ -137,14 +150,47 @@ class TransferStats:
     seconds: float = 0.0
 
 
-@dataclass
-class _Op:
-    index: int  # global op index
+@dataclass(frozen=True)
+class TransferOp:
+    """One weight tensor of one :class:`~eplb.plan.Transfer`, as one rank sees it.
+
+    ``index`` is the op's position in the layer's global op list (``transfer.index * T + weight``),
+    identical on every rank; ``peer`` is the other side (group rank); ``tensor`` is the local
+    side: the source slot for a send, the destination slot for a receive (a view of the
+    caller's buffer, possibly non-contiguous).
+    """
+
+    index: int
     is_send: bool
-    peer: int  # group rank
+    peer: int
     transfer: Transfer
-    tensor: torch.Tensor  # what is sent / received into (contiguous)
-    target: torch.Tensor | None  # for a recv into a non-contiguous slot: where to copy after
+    weight: int
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True)
+class LayerExchange:
+    """The network phase of one layer on one rank, handed to a :class:`~eplb.communicator.Communicator`.
+
+    ``sends``/``recvs`` are this rank's ops in global op order. ``num_ops`` is the size of the
+    global op list (the same on every rank), ``max_ops_per_batch`` the chunk size two-sided
+    communicators cut it into. ``deadline`` (``time.monotonic()``) bounds every wait; ``timeout``
+    is the layer's limit in seconds, for messages.
+    """
+
+    layer: int | None
+    rank: int
+    group: Any
+    sends: tuple[TransferOp, ...]
+    recvs: tuple[TransferOp, ...]
+    num_ops: int
+    max_ops_per_batch: int
+    timeout: float
+    deadline: float
+
+    @property
+    def is_idle(self) -> bool:
+        return not (self.sends or self.recvs)
 
 
 def _tensors(ts: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
@@ -196,13 +242,15 @@ def _check_args(rp: RankPlan, old: list[torch.Tensor], staging: list[torch.Tenso
     return len(staging) if (needs_new and staging) else len(old)
 
 
-def _global_rank(group, group_rank: int) -> int:
+def global_rank(group, group_rank: int) -> int:
+    """``group_rank`` of ``group`` as a rank of the default group (what ``P2POp`` takes)."""
     if group is None or group is dist.GroupMember.WORLD:
         return group_rank
     return dist.get_global_rank(group, group_rank)
 
 
-def _describe_ops(ops: Sequence[_Op]) -> str:
+def describe_ops(ops: Sequence[TransferOp]) -> str:
+    """A short text naming the first ops (for error messages)."""
     parts = []
     for op in ops[:6]:
         t = op.transfer
@@ -215,7 +263,8 @@ def _describe_ops(ops: Sequence[_Op]) -> str:
     return ", ".join(dict.fromkeys(parts))
 
 
-def _pending(ops: list[_Op], works: list) -> list[_Op]:
+def pending_ops(ops: list[TransferOp], works: list) -> list[TransferOp]:
+    """The ops whose work has not completed (all of them for a coalesced backend)."""
     if len(works) != len(ops):  # a coalesced backend: one work for the whole chunk
         return list(ops)
     out = []
@@ -229,6 +278,12 @@ def _pending(ops: list[_Op], works: list) -> list[_Op]:
     return out or list(ops)
 
 
+def _default_communicator() -> "Communicator":
+    from eplb.communicator import TorchCommunicator  # eplb.communicator imports this module
+
+    return TorchCommunicator()
+
+
 def execute_layer(
     plan: RankPlan | LayerPlan,
     my_group_rank: int | None = None,
@@ -240,6 +295,7 @@ def execute_layer(
     max_ops_per_batch: int = 64,
     reload_fn: Callable[[int], Sequence[torch.Tensor]] | None = None,
     layer: int | None = None,
+    communicator: "Communicator | None" = None,
 ) -> TransferStats:
     """Fill ``staging`` with every slot this rank's part changes; return what was done.
 
@@ -247,7 +303,9 @@ def execute_layer(
     ``dist.get_rank(group)``) or this rank's :class:`RankPlan`. ``timeout`` (seconds or a
     timedelta) bounds the network phase; ``max_ops_per_batch`` must be equal on every rank.
     ``reload_fn(expert)`` returns one tensor per weight tensor (trailing shape of a slot) for
-    experts no live worker holds. Raises :class:`TransferTimeout` / :class:`TransferError`
+    experts no live worker holds. ``communicator`` moves the bytes (default: the group's own
+    ``torch.distributed`` backend, gloo or NCCL, with ``batch_isend_irecv``; see
+    :mod:`eplb.communicator` for NIXL). Raises :class:`TransferTimeout` / :class:`TransferError`
     on a stuck or broken peer, ``ValueError`` on buffers that do not fit the plan.
     """
     started = time.monotonic()
@@ -267,62 +325,24 @@ def execute_layer(
     new = _tensors(staging)
     num_tensors = _check_args(rp, old, new, reload_fn)
 
-    # ---- network phase: chunks of the global op list --------------------------------------
-    chunks: dict[int, list[_Op]] = {}
-    if rp.sends or rp.recvs:
-        if num_tensors < 1:
-            raise ValueError("experts have no weight tensors")
-        for t in rp.sends:
-            for w in range(num_tensors):
-                k = t.index * num_tensors + w
-                src = old[w][t.src_slot]
-                chunks.setdefault(k // max_ops_per_batch, []).append(
-                    _Op(k, True, t.dst, t, src if src.is_contiguous() else src.contiguous(), None)
-                )
-        for t in rp.recvs:
-            for w in range(num_tensors):
-                k = t.index * num_tensors + w
-                dst = new[w][t.dst_slots[0]]
-                buf, target = (dst, None) if dst.is_contiguous() else (torch.empty_like(dst), dst)
-                chunks.setdefault(k // max_ops_per_batch, []).append(_Op(k, False, t.src, t, buf, target))
-    num_chunks = -(-rp.num_transfers * num_tensors // max_ops_per_batch) if num_tensors else 0
-    deadline = started + limit
-    for c in sorted(chunks):
-        ops = sorted(chunks[c], key=lambda op: op.index)
-        p2p = [
-            dist.P2POp(dist.isend if op.is_send else dist.irecv, op.tensor, _global_rank(group, op.peer), group)
-            for op in ops
-        ]
-        try:
-            works = dist.batch_isend_irecv(p2p)
-        except RuntimeError as exc:
-            raise TransferError(
-                f"posting chunk {c + 1}/{num_chunks} failed", layer=layer, rank=me,
-                peers=[op.peer for op in ops], timeout=limit, waiting=_describe_ops(ops), cause=str(exc),
-            ) from exc
-        for work in works:
-            remaining = deadline - time.monotonic()
-            try:
-                # timedelta(0) would mean "no timeout": never pass less than a millisecond.
-                ok = work.wait(timeout=timedelta(seconds=max(remaining, 1e-3)))
-            except RuntimeError as exc:
-                pending = _pending(ops, works)
-                kwargs = dict(layer=layer, rank=me, peers=[op.peer for op in pending], timeout=limit,
-                              waiting=_describe_ops(pending), cause=str(exc).splitlines()[0][:300])
-                if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
-                    raise TransferTimeout(
-                        f"transfer chunk {c + 1}/{num_chunks} not done within {limit:g}s", **kwargs
-                    ) from exc
-                raise TransferError(f"transfer chunk {c + 1}/{num_chunks} failed", **kwargs) from exc
-            if ok is False:
-                pending = _pending(ops, works)
-                raise TransferTimeout(
-                    f"transfer chunk {c + 1}/{num_chunks} not done within {limit:g}s", layer=layer, rank=me,
-                    peers=[op.peer for op in pending], timeout=limit, waiting=_describe_ops(pending),
-                )
-        for op in ops:
-            if op.target is not None:
-                op.target.copy_(op.tensor)
+    # ---- network phase: the communicator moves the transfers ------------------------------
+    comm = communicator if communicator is not None else _default_communicator()
+    sends: list[TransferOp] = []
+    recvs: list[TransferOp] = []
+    if (rp.sends or rp.recvs) and num_tensors < 1:
+        raise ValueError("experts have no weight tensors")
+    for t in rp.sends:
+        for w in range(num_tensors):
+            sends.append(TransferOp(t.index * num_tensors + w, True, t.dst, t, w, old[w][t.src_slot]))
+    for t in rp.recvs:
+        for w in range(num_tensors):
+            recvs.append(TransferOp(t.index * num_tensors + w, False, t.src, t, w, new[w][t.dst_slots[0]]))
+    if sends or recvs or comm.collective_per_layer:
+        comm.exchange(LayerExchange(
+            layer=layer, rank=me, group=group, sends=tuple(sorted(sends, key=lambda op: op.index)),
+            recvs=tuple(sorted(recvs, key=lambda op: op.index)), num_ops=rp.num_transfers * max(num_tensors, 0),
+            max_ops_per_batch=max_ops_per_batch, timeout=limit, deadline=started + limit,
+        ))
 
     # ---- local phase: fan out received experts, local copies, reloads ---------------------
     for t in rp.recvs:

@@ -1,0 +1,225 @@
+"""Expert transfers over gloo and over NIXL on the same plan, in one run (issue 9).
+
+    python -m bench.bench_transfer [--ranks 4] [--layers 8] [--json bench-transfer.json]
+
+``--ranks`` processes (spawned, one intra-op thread each) hold ``--layers`` layers of
+``--slots`` expert slots each, ``[w13 [S, 2I, H], w2 [S, H, I]]`` in bf16. One seeded
+rebalance moves every layer (a random permutation of the slots, so most experts change rank).
+For each communicator, on the same weights and the same plans:
+
+- **one layer**: ``execute_layer`` of layer 0 into the staging buffer, ``--repeats`` times
+  (the median is reported; NIXL's first call, which creates the agent, registers the weights
+  and exchanges the metadata, is reported apart as ``first_seconds``);
+- **full rebalance**: every layer transferred and committed in place, then every slot checked.
+
+``--progress-thread`` adds a run of NIXL with its own UCX progress thread (the communicator's
+default drives progress from the layer's waits instead; see :mod:`eplb.communicator`).
+
+A time is the slowest rank's (a layer is done when every rank is); bytes are summed over the
+receiving ranks; effective bandwidth = bytes / time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from bench.common import MiB, fmt_bytes, fmt_s, machine_info, percentile, write_json
+
+
+def _rows(num_layers: int, num_experts: int, num_slots: int, seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Old and new placement rows per layer: every expert once, the rest random replicas, shuffled."""
+    rng = random.Random(seed)
+    old, new = [], []
+    for _ in range(num_layers):
+        base = list(range(num_experts)) + [rng.randrange(num_experts) for _ in range(num_slots - num_experts)]
+        a, b = base[:], base[:]
+        rng.shuffle(a)
+        rng.shuffle(b)
+        old.append(a)
+        new.append(b)
+    return old, new
+
+
+def _rank_main(rank: int, args: dict[str, Any], port: int, results: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from eplb.communicator import NixlCommunicator, TorchCommunicator, nixl_available
+    from eplb.plan import plan_layer
+    from eplb.transfer import commit_layer, execute_layer
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    world, S, L = args["ranks"], args["slots"], args["layers"]
+    H, I = args["hidden"], args["intermediate"]
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120), use_libuv=True)
+    dist.init_process_group("gloo", store=dist.PrefixStore("bench-transfer/", store), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=120))
+    old_rows, new_rows = _rows(L, args["experts"], world * S, args["seed"])
+    weights = [[torch.empty(S, 2 * I, H, dtype=torch.bfloat16), torch.empty(S, H, I, dtype=torch.bfloat16)]
+               for _ in range(L)]
+    staging = [torch.empty_like(t) for t in weights[0]]
+    plans = [plan_layer(old_rows[layer], new_rows[layer], S) for layer in range(L)]
+
+    def reset() -> None:  # the old placement's contents: slot j of layer l holds expert id (+ layer)
+        for layer in range(L):
+            for j in range(S):
+                value = float(old_rows[layer][rank * S + j] + layer)
+                for t in weights[layer]:
+                    t[j].fill_(value)
+
+    def check() -> int:
+        wrong = 0
+        for layer in range(L):
+            for j in range(S):
+                value = float(new_rows[layer][rank * S + j] + layer)
+                wrong += sum(int(not bool((t[j] == value).all())) for t in weights[layer])
+        return wrong
+
+    candidates = ["gloo"] + (["nixl"] if nixl_available() and not args["gloo_only"] else [])
+    if args["progress_thread"] and "nixl" in candidates:
+        candidates.append("nixl+thread")  # NIXL with its own (polling) UCX progress thread
+    # warm the gloo connections (lazy pair set-up) so neither side pays it in the timings
+    dist.all_reduce(torch.zeros(1))
+    out: dict[str, Any] = {}
+    for name in candidates:
+        comm = (TorchCommunicator("gloo") if name == "gloo"
+                else NixlCommunicator(progress_thread=name == "nixl+thread"))
+        comm.bind(0, dist.PrefixStore(f"bench-{name}/", store))
+        comm.set_weights(weights)
+        comm.add_buffer(staging)
+        reset()
+        times, first, received = [], None, 0
+        for repeat in range(args["repeats"] + (1 if name != "gloo" else 0)):
+            dist.barrier()
+            start = time.perf_counter()
+            stats = execute_layer(plans[0], rank, weights[0], staging, timeout=120.0, layer=0, communicator=comm,
+                                  max_ops_per_batch=args["max_ops"])
+            elapsed = time.perf_counter() - start
+            received = stats.bytes_received
+            if name != "gloo" and repeat == 0:
+                first = elapsed  # agent, registrations, metadata exchange, then the reads
+            else:
+                times.append(elapsed)
+        dist.barrier()
+        start = time.perf_counter()
+        total = 0
+        for layer in range(L):
+            stats = execute_layer(plans[layer], rank, weights[layer], staging, timeout=120.0, layer=layer,
+                                  communicator=comm, max_ops_per_batch=args["max_ops"])
+            commit_layer(plans[layer].for_rank(rank), staging, weights[layer])
+            total += stats.bytes_received
+        full = time.perf_counter() - start
+        dist.barrier()
+        out[name] = {"layer_times": times, "layer_first": first, "layer_bytes": received, "full_seconds": full,
+                     "full_bytes": total, "wrong_slots": check(), "comm": comm.stats()}
+        comm.close()
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, out)
+    if rank == 0:
+        results.put(gathered)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import multiprocessing as mp
+
+    import torch.distributed as dist
+
+    settings = {k: getattr(args, k) for k in ("ranks", "layers", "slots", "experts", "hidden", "intermediate",
+                                              "repeats", "seed", "max_ops", "gloo_only", "progress_thread")}
+    ctx = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, settings, store.port, results), daemon=True)
+             for r in range(args.ranks)]
+    for proc in procs:
+        proc.start()
+    try:
+        per_rank = results.get(timeout=args.timeout)
+    finally:
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+    expert_bytes = 3 * args.hidden * args.intermediate * 2
+    out: dict[str, Any] = {"settings": settings, "machine": machine_info(), "expert_bytes": expert_bytes,
+                           "ucx_tls": os.environ.get("UCX_TLS", "(auto)"), "communicators": {}}
+    for name in per_rank[0]:
+        ranks = [r[name] for r in per_rank]
+        # the layer is done when the slowest rank is: per repeat, the max over ranks
+        layer = [max(r["layer_times"][i] for r in ranks) for i in range(len(ranks[0]["layer_times"]))]
+        layer_bytes = sum(r["layer_bytes"] for r in ranks)
+        full = max(r["full_seconds"] for r in ranks)
+        full_bytes = sum(r["full_bytes"] for r in ranks)
+        median = percentile(layer, 50)
+        first = [r["layer_first"] for r in ranks if r["layer_first"] is not None]
+        out["communicators"][name] = {
+            "layer_seconds": median, "layer_best_seconds": min(layer), "layer_bytes": layer_bytes,
+            "layer_bytes_per_second": layer_bytes / median if median else None,
+            "first_seconds": max(first) if first else None,
+            "full_seconds": full, "full_bytes": full_bytes, "full_bytes_per_second": full_bytes / full if full else None,
+            "wrong_slots": sum(r["wrong_slots"] for r in ranks),
+            "comm": ranks[0]["comm"],
+        }
+    comms = out["communicators"]
+    if "gloo" in comms and "nixl" in comms:
+        out["nixl_speedup_layer"] = comms["gloo"]["layer_seconds"] / comms["nixl"]["layer_seconds"]
+        out["nixl_speedup_full"] = comms["gloo"]["full_seconds"] / comms["nixl"]["full_seconds"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--slots", type=int, default=8, help="expert slots per rank")
+    parser.add_argument("--experts", type=int, default=24, help="logical experts (<= ranks * slots)")
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--max-ops", dest="max_ops", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gloo-only", dest="gloo_only", action="store_true")
+    parser.add_argument("--progress-thread", dest="progress_thread", action="store_true",
+                        help="also run NIXL with its own UCX progress thread (polls all the time)")
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if args.experts > args.ranks * args.slots:
+        parser.error("--experts must be <= ranks * slots")
+    console = Console()
+    console.print(f"{args.ranks} ranks, {args.layers} layers x {args.slots} slots per rank, expert "
+                  f"{fmt_bytes(3 * args.hidden * args.intermediate * 2)} (bf16), same seeded plan per communicator")
+    result = run(args)
+    table = Table(title="expert transfers: gloo vs NIXL (CPU, one host)")
+    for column in ("communicator", "one layer", "bytes", "bandwidth", "NIXL first layer", "full rebalance",
+                   "bytes", "bandwidth", "wrong slots"):
+        table.add_column(column, justify="right")
+    for name, r in result["communicators"].items():
+        table.add_row(name, fmt_s(r["layer_seconds"]), fmt_bytes(r["layer_bytes"]),
+                      f"{r['layer_bytes_per_second'] / MiB:.0f} MiB/s", fmt_s(r["first_seconds"]),
+                      fmt_s(r["full_seconds"]), fmt_bytes(r["full_bytes"]),
+                      f"{r['full_bytes_per_second'] / MiB:.0f} MiB/s", str(r["wrong_slots"]))
+    console.print(table)
+    if "nixl_speedup_full" in result:
+        console.print(f"NIXL vs gloo: one layer x{result['nixl_speedup_layer']:.2f}, "
+                      f"full rebalance x{result['nixl_speedup_full']:.2f} (> 1: NIXL faster)")
+    else:
+        console.print("NIXL is not installed: gloo only (pip install '.[nixl]')")
+    write_json(args.json, result)
+    return 0 if all(r["wrong_slots"] == 0 for r in result["communicators"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

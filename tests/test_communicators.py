@@ -1,0 +1,321 @@
+"""Transfer communicators (eplb.communicator): gloo and NIXL on CPU, through the executor and the workers.
+
+- The transfer suite of ``test_transfer`` (random plans over 4 ranks, every slot bit-exact)
+  runs once per communicator; NIXL reads into registered staging buffers.
+- Async EPLB and a 2 -> 4 -> 2 scale cycle run on real workers with NIXL selected: weights
+  verified, one metadata exchange per generation, nothing left registered after scale-down.
+- A NIXL peer that stops answering gives a typed timeout, never a hang; a rank that refuses
+  its part fails the layer on every rank at once (the end-of-layer all-reduce).
+
+NCCL shares :class:`TorchCommunicator` with gloo; it needs GPUs and is not tested here.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from eplb.communicator import (
+    CommunicatorUnavailable,
+    NixlCommunicator,
+    TorchCommunicator,
+    make_communicator,
+    nixl_available,
+    resolve_communicator,
+)
+from eplb.config import EPLBConfig
+from eplb.plan import plan_layer
+from eplb.transfer import TransferError, TransferTimeout, commit_layer, execute_layer, materialize
+from tests.distributed import run_distributed
+from tests.test_transfer import (
+    GARBAGE,
+    STUCK_NEW,
+    STUCK_OLD,
+    WORLD,
+    assert_slots,
+    expert_weights,
+    garbage,
+    make_case,
+    slot_weights,
+)
+
+needs_nixl = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed (pip install '.[nixl]')")
+COMMUNICATORS = ["gloo", pytest.param("nixl", marks=needs_nixl)]
+
+
+def _communicator(name: str):
+    return NixlCommunicator() if name == "nixl" else TorchCommunicator(name)
+
+
+def _test_store(tag: str):
+    """A store for the test's metadata (workers of ``run_distributed`` share the default group's)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return dist.PrefixStore(f"comm-test/{tag}/", _get_default_store())
+
+
+# ---------------------------------------------------------------------------------------------
+# choosing a communicator (in process)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_resolve_and_config():
+    assert resolve_communicator("gloo", "gloo") == "gloo"
+    assert resolve_communicator("auto", "gloo") == ("nixl" if nixl_available() else "gloo")
+    assert resolve_communicator("auto", "nccl") == ("nixl" if nixl_available() else "nccl")
+    with pytest.raises(CommunicatorUnavailable, match="backend is 'gloo'"):
+        resolve_communicator("nccl", "gloo")
+    with pytest.raises(ValueError, match="unknown communicator"):
+        resolve_communicator("mpi", "gloo")
+    assert isinstance(make_communicator("gloo"), TorchCommunicator)
+    assert EPLBConfig(communicator="nixl").communicator == "nixl"
+    with pytest.raises(ValueError):
+        EPLBConfig(communicator="ucx")
+
+
+@needs_nixl
+def test_nixl_registrations_follow_the_tensors():
+    """Lazy registration, adopt of incoming weights, deregistration before release (one process)."""
+    comm = NixlCommunicator()
+    old = [slot_weights(0, [0, 1])]
+    new = [garbage(2)]
+    staging = garbage(2)
+    comm.set_weights(old)
+    comm.add_buffer(staging)
+    nbytes = sum(t.numel() * t.element_size() for t in old[0])
+    assert comm.stats()["registered_bytes"] == 2 * nbytes and comm.stats()["registered_regions"] == 2
+    comm.set_weights([list(old[0])])  # the same tensors: not registered again
+    assert comm.stats()["registrations"] == 2
+    comm.set_incoming(new)
+    assert comm.stats()["registered_regions"] == 3
+    comm.adopt_incoming()  # the old weights are deregistered, the new ones are the weights now
+    stats = comm.stats()
+    assert stats["registered_regions"] == 2 and stats["deregistrations"] == 1
+    assert comm._weights.tensors[0] is new[0][0]
+    comm.remove_buffer(staging)
+    assert comm.stats()["registered_regions"] == 1
+    comm.close()
+    assert comm.stats()["registered_regions"] == 0 and comm.stats()["deregistrations"] == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-process: the random-plan transfer suite, per communicator
+# ---------------------------------------------------------------------------------------------
+
+
+def body_random_layers(rank: int, world_size: int, name: str, seed: int, num_layers: int) -> dict:
+    """Every layer of make_case on one group; weights registered once, every slot verified."""
+    comm = _communicator(name)
+    comm.bind(0, _test_store(f"{name}-{seed}"))
+    cases = [make_case(layer, seed) for layer in range(num_layers)]
+    olds, stagings, plans = [], [], []
+    for layer, (kind, old_row, new_row, s_old, s_new, old_holder, new_holder, _) in enumerate(cases):
+        plan = plan_layer(old_row, new_row, s_old, s_new, old_holder, new_holder)
+        rp = plan.for_rank(rank)
+        plans.append(plan)
+        olds.append(slot_weights(layer, old_row[rp.old_rank * s_old:(rp.old_rank + 1) * s_old])
+                    if rp.old_rank is not None else None)
+        stagings.append(garbage(s_new) if rp.new_rank is not None else None)
+    comm.set_weights(olds)  # like a model's expert weights: every layer, once
+    for staging in stagings:
+        if staging is not None:
+            comm.add_buffer(staging)
+    out = {"sends": 0, "recvs": 0, "bytes_received": 0, "kinds": set()}
+    for layer, case in enumerate(cases):
+        kind, old_row, new_row, s_old, s_new, _, _, max_ops = case
+        plan, old, staging = plans[layer], olds[layer], stagings[layer]
+        rp = plan.for_rank(rank)
+        old_copy = [t.clone() for t in old] if old is not None else None
+        stats = execute_layer(plan, rank, old, staging, timeout=20.0, max_ops_per_batch=max_ops, layer=layer,
+                              reload_fn=lambda e, layer=layer: expert_weights(layer, e), communicator=comm)
+        assert stats.num_sends == len(rp.sends) and stats.num_recvs == len(rp.recvs)
+        if old is not None:
+            assert all(torch.equal(a, b) for a, b in zip(old, old_copy)), "old weights were modified"
+        if rp.new_rank is not None:
+            want = new_row[rp.new_rank * s_new:(rp.new_rank + 1) * s_new]
+            assert_slots(staging, layer, want, rp.changed_slots, f"{name} staging")
+            for t in staging:
+                assert bool((t[list(rp.keeps)].float() == GARBAGE).all()), "a kept staging slot was written"
+            final = [s.clone() for s in staging]
+            if old is not None and s_old == s_new:
+                weights = [t.clone() for t in old]
+                commit_layer(rp, final, weights)
+            else:
+                weights = materialize(rp, old, final)
+            assert_slots(weights, layer, want, range(s_new), f"{name} committed")
+        out["sends"] += stats.num_sends
+        out["recvs"] += stats.num_recvs
+        out["bytes_received"] += stats.bytes_received
+        out["kinds"].add(kind)
+    out["comm"] = comm.stats()
+    comm.close()
+    out["closed"] = comm.stats()
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", COMMUNICATORS)
+def test_random_layers_bit_exact(name):
+    results = run_distributed(body_random_layers, WORLD, args=(name, 4321, 24), timeout=50)
+    assert set().union(*(r["kinds"] for r in results)) == {"rebalance", "failure", "scale_down_old", "scale_up_new"}
+    assert sum(r["sends"] for r in results) == sum(r["recvs"] for r in results) > 0
+    if name == "nixl":
+        for r in results:
+            c = r["comm"]
+            assert c["exchanges_by_generation"] == {0: 1}, c  # once, at the first transfer
+            assert c["peers"] == [x for x in range(WORLD) if x != results.index(r)]
+            assert c["bytes_read"] == r["bytes_received"] and c["reads"] == r["recvs"] * 2
+            assert c["layers"] == 24 and c["leaked_handles"] == 0
+            assert r["closed"]["registered_regions"] == 0 and r["closed"]["peers"] == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-process: a NIXL peer that stops answering
+# ---------------------------------------------------------------------------------------------
+
+
+def body_nixl_peer_gone(rank: int, world_size: int, mode: str, timeout: float):
+    """``late``: rank 3 never reaches its first transfer (so never publishes its metadata);
+    ``stopped``: after a good first layer, rank 3 is frozen (SIGSTOP: no thread of it runs,
+    UCX's included) during the second, and rank 0 thaws it once it has its answer."""
+    store = _test_store(f"gone-{mode}")
+    comm = NixlCommunicator()
+    comm.bind(0, store)
+    old = {layer: slot_weights(layer, STUCK_OLD[2 * rank:2 * rank + 2]) for layer in (4, 5)}
+    staging = garbage(2)
+    comm.set_weights([None, None, None, None, old[4], old[5]])
+    comm.add_buffer(staging)
+    plan = plan_layer(STUCK_OLD, STUCK_NEW, 2)
+    if mode == "stopped":
+        execute_layer(plan, rank, old[4], staging, timeout=20.0, layer=4, communicator=comm)
+        assert_slots(staging, 4, STUCK_NEW[2 * rank:2 * rank + 2], plan.for_rank(rank).changed_slots, "layer 4")
+        if rank == 3:
+            store.set("pid3", str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return "thawed"
+        store.wait(["pid3"])
+        time.sleep(0.2)  # rank 3 is stopped by now
+    elif mode == "late" and rank == 3:
+        time.sleep(timeout + 1.5)
+        return "slept"
+    # "refused": rank 3 sends from a copy it never registered; it refuses the layer and the
+    # end-of-layer all-reduce tells every rank at once
+    sources = [t.clone() for t in old[5]] if mode == "refused" and rank == 3 else old[5]
+    started = time.monotonic()
+    try:
+        execute_layer(plan, rank, sources, staging, timeout=timeout, layer=5, communicator=comm)
+        result = {"type": None, "elapsed": time.monotonic() - started}
+    except TransferError as exc:
+        result = {"type": type(exc).__name__, "elapsed": time.monotonic() - started, "error": exc}
+    if mode == "stopped" and rank == 0:
+        time.sleep(0.5)  # let ranks 1 and 2 reach their own deadline first
+        os.kill(int(store.get("pid3")), signal.SIGCONT)
+    return result
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+@needs_nixl
+@pytest.mark.parametrize("mode", ["late", "stopped"])
+def test_nixl_peer_that_stops_answering_times_out(mode):
+    timeout = 2.0
+    results = run_distributed(body_nixl_peer_gone, WORLD, args=(mode, timeout), timeout=40)
+    assert results[3] == ("slept" if mode == "late" else "thawed")
+    for rank in range(3):
+        r = results[rank]
+        assert r["type"] == "TransferTimeout", r
+        assert timeout - 0.1 <= r["elapsed"] < timeout + 1.5, r
+        err = r["error"]
+        assert isinstance(err, TransferTimeout) and err.layer == 5 and err.rank == rank and 3 in err.peers
+        assert err.timeout == timeout
+        if mode == "late":
+            assert "metadata of ranks [3]" in err.waiting and err.peers == (3,)
+        else:
+            assert "expert 4 from rank 3" in err.waiting or "all-reduce" in err.waiting  # reads need rank 3 to progress
+
+
+# ---------------------------------------------------------------------------------------------
+# Real workers with NIXL selected: async EPLB and a 2 -> 4 -> 2 scale cycle
+# ---------------------------------------------------------------------------------------------
+
+
+def _wait_for_commits(c, more_than: int, timeout: float = 30.0) -> None:
+    """Until the async EPLB committed more than ``more_than`` layers (the first NIXL transfer of a
+    process also starts its agent, so the first rebalance takes a moment)."""
+    deadline = time.monotonic() + timeout
+    while c.snapshot()["layers_committed"] <= more_than:
+        assert time.monotonic() < deadline, f"no layer committed over NIXL within {timeout}s"
+        time.sleep(0.1)
+
+
+def _nixl_verdict(c, size: int, generation: int) -> dict:
+    """Every slot exact; every rank's communicator is NIXL, knows exactly its current peers, has
+    exchanged metadata at most once per generation and holds exactly its weights and staging."""
+    from tests.helpers import assert_consistent
+
+    verdict = assert_consistent(c, size)
+    for rank, v in verdict.items():
+        comm = v["communicator"]
+        assert comm["name"] == "nixl", comm
+        assert all(n == 1 for n in comm["exchanges_by_generation"].values()), comm
+        assert comm["generation"] == generation, comm
+        if generation in comm["exchanges_by_generation"]:
+            assert comm["peers"] == [r for r in range(size) if r != rank], comm  # retired peers forgotten
+        else:
+            assert comm["peers"] == [], comm
+        # registrations follow the tensors: exactly the expert weights and the staging buffer
+        assert comm["registered_bytes"] == v["expert_weight_bytes"] + v["staging_bytes"], (rank, comm, v)
+        assert comm["registered_regions"] == 2 and comm["pending_bytes"] == 0, comm
+        assert comm["leaked_handles"] == 0
+    return verdict
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(100)
+@needs_nixl
+def test_nixl_async_eplb_and_scale_cycle_2_4_2():
+    from elastic.coordinator import OperationStatus
+    from tests.conftest import running, small_config
+
+    config = small_config(model=dict(num_layers=4, num_experts=8),
+                          eplb=dict(communicator="nixl", step_interval=5, window_size=5))
+    with running(config) as c:
+        _wait_for_commits(c, 0)
+        verdict = _nixl_verdict(c, 2, 0)
+        assert all(v["communicator"]["exchanges_by_generation"] == {0: 1} for v in verdict.values())
+        assert all(v["communicator"]["bytes_read"] > 0 for v in verdict.values())
+        generation = 0
+        for size in (4, 2):
+            before = c.snapshot()["layers_committed"]
+            op = c.scale(size, timeout=90)
+            assert op.status == OperationStatus.SUCCEEDED, f"scale to {size} failed: {op.error}"
+            generation += 1
+            assert op.bytes_moved > 0
+            _wait_for_commits(c, before)
+            verdict = _nixl_verdict(c, size, generation)
+            # the async EPLB of this generation transferred, so its metadata was exchanged: once
+            assert all(v["communicator"]["exchanges_by_generation"].get(generation) == 1 for v in verdict.values())
+        # the two survivors went through generations 0 (exchange), 1 (scale up: exchange at the
+        # rescale's first transfer, reused by the async EPLB) and 2 (after the scale down)
+        for v in verdict.values():
+            assert v["communicator"]["exchanges"] == sum(v["communicator"]["exchanges_by_generation"].values())
+            assert v["communicator"]["peers_forgotten"] >= 3  # gen 0's peer, gen 1's three
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+@needs_nixl
+def test_nixl_rank_that_refuses_its_part_fails_the_layer_everywhere():
+    results = run_distributed(body_nixl_peer_gone, WORLD, args=("refused", 10.0), timeout=40)
+    for rank in range(WORLD):
+        r = results[rank]
+        assert r["type"] == "TransferError" and r["elapsed"] < 5.0, r
+        assert 3 in r["error"].peers or rank == 3
+    assert "not inside the registered weights" in str(results[3]["error"])
+    assert "ranks [3] failed" in str(results[0]["error"])
