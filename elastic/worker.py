@@ -302,22 +302,14 @@ class Worker:
             mark, cpu = time.perf_counter(), time.process_time()
             new_placement = self._next_placement(cmd)
             new_weights, bytes_moved, undo = self._redistribute(cmd, new_placement, executing_rank=self.rank)
-            try:
-                # every rank's transfers are done before anyone tears the group down
-                dist.barrier()
-            except BaseException:
-                self._undo(undo)
-                raise
+            self._barrier_or_undo(undo)  # every rank's transfers are done before anyone tears the group down
             timing["transfer_seconds"] = time.perf_counter() - mark
             timing["transfer_cpu_seconds"] = time.process_time() - cpu
             mark = time.perf_counter()
             self.group.destroy()
             if new_rank < 0:
                 timing["group_seconds"] = time.perf_counter() - mark
-                self.report(p.PhaseDone, seq=cmd.seq, operation_id=cmd.operation_id, phase="Rescale", step=self.step,
-                            detail={"retired": True, "bytes_received": bytes_moved, "seconds": time.perf_counter() - started,
-                                    **timing})
-                self.stopping = True
+                self._retire(cmd, started, bytes_moved, timing)
                 return
             try:
                 self.group = GroupGeneration.join(self.store, cmd.generation, new_rank, cmd.new_size,
@@ -334,10 +326,7 @@ class Worker:
                 self.group.destroy()
             if new_rank < 0:
                 timing["group_seconds"] = time.perf_counter() - mark
-                self.report(p.PhaseDone, seq=cmd.seq, operation_id=cmd.operation_id, phase="Rescale", step=self.step,
-                            detail={"retired": True, "bytes_received": 0, "seconds": time.perf_counter() - started,
-                                    **timing})
-                self.stopping = True
+                self._retire(cmd, started, 0, timing)
                 return
             self.group = GroupGeneration.join(self.store, cmd.generation, new_rank, cmd.new_size,
                                               backend=spec.backend, timeout_s=spec.collective_timeout_s)
@@ -347,12 +336,7 @@ class Worker:
             mark, cpu = time.perf_counter(), time.process_time()
             new_placement = self._next_placement(cmd)
             new_weights, bytes_moved, undo = self._redistribute(cmd, new_placement, executing_rank=new_rank)
-            try:
-                # all or nothing: nobody adopts the new generation before every rank's transfers are done
-                dist.barrier()
-            except BaseException:
-                self._undo(undo)
-                raise
+            self._barrier_or_undo(undo)  # all or nothing: nobody adopts before every rank's transfers are done
             timing["transfer_seconds"] = time.perf_counter() - mark
             timing["transfer_cpu_seconds"] = time.process_time() - cpu
             self._adopt(new_rank, cmd, new_placement, new_weights)
@@ -475,6 +459,20 @@ class Worker:
         self.comm.set_incoming(incoming)
         if staging is not None:
             self.comm.add_buffer(staging, transient=True)
+
+    def _retire(self, cmd: p.Rescale, started: float, bytes_moved: int, timing: dict[str, float]) -> None:
+        """This rank has no place in the new group: report it and leave the decode loop."""
+        self.report(p.PhaseDone, seq=cmd.seq, operation_id=cmd.operation_id, phase="Rescale", step=self.step,
+                    detail={"retired": True, "bytes_received": bytes_moved,
+                            "seconds": time.perf_counter() - started, **timing})
+        self.stopping = True
+
+    def _barrier_or_undo(self, undo: list[tuple[int, int, list[torch.Tensor]]]) -> None:
+        try:
+            dist.barrier()
+        except BaseException:
+            self._undo(undo)
+            raise
 
     def _undo(self, undo: list[tuple[int, int, list[torch.Tensor]]]) -> None:
         """Put back the slot contents a failed rescale overwrote (newest first)."""
