@@ -137,3 +137,17 @@ def test_ten_scale_cycles_leak_nothing():
             assert len(set(groups)) == 1, f"rank {rank} open process groups drift: {groups}"
             # memory settles after the first cycles (allocator warm-up); later cycles must not grow it
             assert rss[-1] - rss[2] < 16 * 2**20, f"rank {rank} resident memory grows: {[r >> 20 for r in rss]} MiB"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("policy", ["migration_aware", "hierarchical"])
+def test_scale_cycle_with_other_policies(policy):
+    config = small_config(model=dict(num_layers=3, num_experts=8, num_expert_groups=2),
+                          eplb=dict(policy=policy, step_interval=5, window_size=5))
+    with running(config) as c:
+        c.wait_for_step(20)
+        for size in (4, 2):
+            _scale(c, size)
+            c.wait_for_step(c.snapshot()["step"] + 15)
+            assert_consistent(c, size)
+        assert c.snapshot()["rebalances"] >= 2
