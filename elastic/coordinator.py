@@ -28,7 +28,7 @@ import torch.distributed as dist
 from elastic import protocol as p
 from elastic.deployment import DeploymentConfig
 from elastic.errors import ElasticError, InvalidTransition, InvalidScaleRequest, ScaleConflict, StaleGeneration
-from elastic.groups import open_store
+from elastic.groups import abort_generation, open_store
 from elastic.launcher import Launcher, WorkerHandle, make_launcher, plan_mapping
 from elastic.machine import Phase, ScaleMachine, Transition
 from elastic.mapping import RankMapping
@@ -518,8 +518,13 @@ class Coordinator:
         fresh = [self._launch(rank, new_size, generation, first_command=command) for rank in mapping.joining]
         pids = {w.handle.pid for w in participants + fresh}
         started = time.monotonic()
-        reports = self._await(seq, pids, "rescaling", self.config.timeouts.rescaling, operation=op,
-                              broken_ok=op.kind == "recover")
+        try:
+            reports = self._await(seq, pids, "rescaling", self.config.timeouts.rescaling, operation=op,
+                                  broken_ok=op.kind == "recover")
+        except OperationFailed as exc:
+            # ranks still waiting to join this generation give up now, not at their deadline
+            abort_generation(self._store, generation, f"rescale attempt abandoned: {exc}")
+            raise
         op.paused_seconds = max(r.detail.get("seconds", 0.0) for r in reports.values())
         op.bytes_moved = sum(r.detail.get("bytes_received", 0) for r in reports.values())
         digests = {r.detail["digest"] for r in reports.values() if not r.detail.get("retired")}

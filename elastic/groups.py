@@ -17,6 +17,7 @@ place "node-local" replicas on other hosts.
 from __future__ import annotations
 
 import logging
+import time
 import os
 import socket
 from dataclasses import dataclass, field
@@ -81,6 +82,18 @@ def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), use_libuv=True)
 
 
+ABORT_KEY = "elastic-abort"
+
+
+class RendezvousAborted(RuntimeError):
+    """The coordinator abandoned the generation this rank was joining."""
+
+
+def abort_generation(store: dist.Store, generation: int, reason: str) -> None:
+    """Tell every rank still waiting to join ``generation`` to give up (the attempt failed)."""
+    dist.PrefixStore(f"elastic/gen{generation}/", store).set(ABORT_KEY, reason)
+
+
 @dataclass
 class GroupGeneration:
     """The process groups of one generation, as seen by one rank."""
@@ -99,12 +112,29 @@ class GroupGeneration:
 
     @classmethod
     def join(cls, store: dist.Store, generation: int, rank: int, size: int, *, backend: str = "gloo",
-             timeout_s: float = 30.0) -> "GroupGeneration":
-        """Form this generation's default group (a rendezvous: returns once all ``size`` ranks joined)."""
+             timeout_s: float = 30.0, rendezvous_timeout_s: float | None = None) -> "GroupGeneration":
+        """Form this generation's default group (a rendezvous: returns once all ``size`` ranks joined).
+
+        The rendezvous has its own deadline (``rendezvous_timeout_s``, default ``timeout_s``),
+        separate from the collective timeout: a peer may still be breaking out of a collective
+        of the previous generation (up to one collective timeout) before it arrives.
+        """
         if dist.is_initialized():
             raise RuntimeError("a process group is still alive: destroy the old generation first")
         prefix = dist.PrefixStore(f"elastic/gen{generation}/", store)
         prefix.set(f"elastic-host/{rank}", host_identity())
+        wait_s = timeout_s if rendezvous_timeout_s is None else rendezvous_timeout_s
+        # the last rank to arrive opens the gate; the others wait for it with the rendezvous deadline
+        if prefix.add("elastic-arrived", 1) == size:
+            prefix.set("elastic-all-arrived", "1")
+        deadline = time.monotonic() + wait_s
+        while not prefix.check(["elastic-all-arrived"]):
+            if prefix.check([ABORT_KEY]):  # the coordinator gave this attempt up
+                raise RendezvousAborted(f"generation {generation}: {prefix.get(ABORT_KEY).decode()}")
+            if time.monotonic() > deadline:
+                arrived = prefix.add("elastic-arrived", 0)
+                raise TimeoutError(f"generation {generation}: {arrived} of {size} ranks arrived within {wait_s:.0f}s")
+            time.sleep(0.02)
         dist.init_process_group(backend, store=prefix, rank=rank, world_size=size,
                                 timeout=timedelta(seconds=timeout_s))
         # every rank wrote its host before the rendezvous completed: these reads do not wait

@@ -157,7 +157,8 @@ class Worker:
             return
         with self._busy("starting"):
             self.group = GroupGeneration.join(self.store, self.generation, self.rank, self.size,
-                                              backend=spec.backend, timeout_s=spec.collective_timeout_s)
+                                              backend=spec.backend, timeout_s=spec.collective_timeout_s,
+                                              rendezvous_timeout_s=spec.join_timeout_s)
         placement = Placement.static(spec.shape.num_layers, spec.shape.num_experts, spec.num_physical)
         self.model = ReferenceMoE(spec.shape, placement, self.rank, self.size, seed=spec.seed)
         self.eplb = EPLBState(spec.eplb, self.model, placement, self.rank, self.size, on_event=self._eplb_event)
@@ -313,7 +314,8 @@ class Worker:
                 return
             try:
                 self.group = GroupGeneration.join(self.store, cmd.generation, new_rank, cmd.new_size,
-                                                  backend=spec.backend, timeout_s=spec.collective_timeout_s)
+                                                  backend=spec.backend, timeout_s=spec.collective_timeout_s,
+                                              rendezvous_timeout_s=spec.join_timeout_s)
             except BaseException:
                 self._undo(undo)  # the weights go back to the old placement this rank still has
                 raise
@@ -329,7 +331,8 @@ class Worker:
                 self._retire(cmd, started, 0, timing)
                 return
             self.group = GroupGeneration.join(self.store, cmd.generation, new_rank, cmd.new_size,
-                                              backend=spec.backend, timeout_s=spec.collective_timeout_s)
+                                              backend=spec.backend, timeout_s=spec.collective_timeout_s,
+                                              rendezvous_timeout_s=spec.join_timeout_s)
             timing["group_seconds"] = time.perf_counter() - mark
             self._share_state(cmd, new_rank, fresh)
             placement_before = self.eplb.placement.physical_to_logical.tolist()
