@@ -253,11 +253,10 @@ def main(argv: list[str] | None = None) -> int:
             share = cpu / (r["transfer_seconds"] * cpus) if r["transfer_seconds"] else math.nan
             notes.append(
                 f"{r['from']} -> {r['to']}: pause {fmt_s(r['paused_seconds'])} > limit {fmt_s(r['pause_limit_seconds'])}. "
-                f"The redistribution took {fmt_s(r['transfer_seconds'])} for {fmt_bytes(r['bytes_moved'])} over the network, "
-                f"but every rank of the new group also allocates fresh weights for all its slots and copies the experts "
-                f"it keeps into them ({fmt_bytes(r['naive_bytes'] - r['bytes_moved'])} of local copies and "
-                f"{fmt_bytes(r['naive_bytes'])} of new memory to fault in): work that scales with the weights, not with "
-                f"the bytes moved, and that the target's formula has no term for. The ranks used {fmt_s(cpu)} of CPU "
+                f"The redistribution took {fmt_s(r['transfer_seconds'])} for {fmt_bytes(r['bytes_moved'])} over the "
+                f"network; the rest is work the target's formula has no term for (ranks that join allocate and fault "
+                f"in their weights, survivors plan every layer and rewrite moved slots in place, the communicator "
+                f"registers memory). The ranks used {fmt_s(cpu)} of CPU "
                 f"(at least {fmt_s(cpu / cpus)} on {cpus} CPUs) and got {share:.0%} of the machine while they ran"
                 + (f" (the rest went to other processes: load average {load_before:.1f})." if share < 0.6 else "."))
     for note in notes:
