@@ -337,7 +337,8 @@ def execute_layer(
     for t in rp.recvs:
         for w in range(num_tensors):
             recvs.append(TransferOp(t.index * num_tensors + w, False, t.src, t, w, new[w][t.dst_slots[0]]))
-    if sends or recvs or comm.collective_per_layer:
+    # a layer nobody moves over the network needs no exchange at all (every rank knows the global count)
+    if sends or recvs or (comm.collective_per_layer and rp.num_transfers > 0):
         comm.exchange(LayerExchange(
             layer=layer, rank=me, group=group, sends=tuple(sorted(sends, key=lambda op: op.index)),
             recvs=tuple(sorted(recvs, key=lambda op: op.index)), num_ops=rp.num_transfers * max(num_tensors, 0),

@@ -125,7 +125,8 @@ def body_random_layers(rank: int, world_size: int, name: str, seed: int, num_lay
     for staging in stagings:
         if staging is not None:
             comm.add_buffer(staging)
-    out = {"sends": 0, "recvs": 0, "bytes_received": 0, "kinds": set()}
+    out = {"sends": 0, "recvs": 0, "bytes_received": 0, "kinds": set(),
+           "moving_layers": sum(1 for plan in plans if plan.num_transfers > 0)}
     for layer, case in enumerate(cases):
         kind, old_row, new_row, s_old, s_new, _, _, max_ops = case
         plan, old, staging = plans[layer], olds[layer], stagings[layer]
@@ -171,7 +172,8 @@ def test_random_layers_bit_exact(name):
             assert c["exchanges_by_generation"] == {0: 1}, c  # once, at the first transfer
             assert c["peers"] == [x for x in range(WORLD) if x != results.index(r)]
             assert c["bytes_read"] == r["bytes_received"] and c["reads"] == r["recvs"] * 2
-            assert c["layers"] == 24 and c["leaked_handles"] == 0
+            # one exchange per layer that moves anything over the network; none for the others
+            assert c["layers"] == r["moving_layers"] and c["leaked_handles"] == 0
             assert r["closed"]["registered_regions"] == 0 and r["closed"]["peers"] == []
 
 
