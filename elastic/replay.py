@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from elastic.errors import ElasticError
-from elastic.scenario import (AutoscalerEvent, KillEvent, RebalanceEvent, RecoverEvent, ScaleEvent, Scenario,
-                              load_scenario)
+from elastic.scenario import (FAULT_EVENTS, AutoscalerEvent, KillEvent, RebalanceEvent, RecoverEvent, ScaleEvent,
+                              Scenario, StallEvent, load_scenario)
 
 __all__ = ["ReplayResult", "Recorder", "Replayer", "replay"]
 
@@ -285,8 +285,9 @@ class Replayer:
         return {"operation_id": d["id"], "operation_status": d["status"], "error": d["error"],
                 "paused_seconds": d["paused_seconds"], "from_size": d["from_size"], "target_size": d["target_size"]}
 
-    def _scale(self, event: ScaleEvent) -> _Outcome:
+    def _scale(self, event: ScaleEvent, kill: KillEvent | None = None) -> _Outcome:
         extra: dict[str, Any] = {}
+        failed_before = self._failures()
         if event.wait_for_transfer:
             # every rank of the group has the rebalance open: a layer is on its way everywhere
             waited = self._wait_until(lambda: self.recorder.rebalance_in_flight(self.coordinator.size),
@@ -298,6 +299,11 @@ class Replayer:
         except ElasticError as exc:
             return _Outcome(False, f"refused: {exc}", extra)
         extra.update(self._record_op(op))
+        if kill is not None:  # the timeline armed a kill in one of this scale's phases
+            out = self._kill(kill, failed_before, what=f"rank {kill.rank} was to die in {kill.in_phase}")
+            out.extra.update(extra)
+            out.detail = f"scale to {event.to} {op.status.value}; {out.detail}"
+            return out
         if op.status.value == "noop":
             return _Outcome(True, f"already at {event.to} ranks", extra)
         if op.status.value != "succeeded":
@@ -326,14 +332,14 @@ class Replayer:
         with self.recorder.lock:
             return sum(1 for t in self.recorder.transitions if t["dest"] == "failed")
 
-    def _kill(self, event: KillEvent, index: int, failed_before: int) -> _Outcome:
+    def _kill(self, event: Any, failed_before: int, what: str) -> _Outcome:
+        """A fault that loses a rank (kill, long stall, dropped heartbeats): wait for the failure and the recovery."""
         def failed_now() -> bool:
             with self.recorder.lock:
                 return sum(1 for t in self.recorder.transitions if t["dest"] == "failed") > failed_before
 
         if not self._wait_until(failed_now, self._failure_budget()):
-            return _Outcome(False, f"rank {event.rank} was to die at step {event.at_step} "
-                            f"(generation {self.scenario.planned()[index]['generation']}) but the deployment did not fail")
+            return _Outcome(False, f"{what} but the deployment did not fail")
         with self.recorder.lock:
             reason = next(t["reason"] for t in reversed(self.recorder.transitions) if t["dest"] == "failed")
         if self.scenario.auto_recover:
@@ -370,7 +376,9 @@ class Replayer:
                      "event": event.model_dump(), "planned": plan[index]}
             if isinstance(event, RecoverEvent):
                 reached = "ok" if self._wait_until(lambda: self._state() == "failed", self._failure_budget()) else "timeout"
-            elif isinstance(event, KillEvent):
+            elif isinstance(event, KillEvent) and event.in_phase is not None:
+                reached = self._wait_step(event.at_step)  # armed: it fires in the next scale
+            elif isinstance(event, FAULT_EVENTS):
                 failed_before = self._failures()
                 reached = self._wait_step(event.at_step)
                 reached = "ok" if reached in ("ok", "failed") else reached
@@ -385,9 +393,16 @@ class Replayer:
                 entry.update(status="skipped", ok=False, detail=f"not run: {why}")
             else:
                 if isinstance(event, ScaleEvent):
-                    out = self._scale(event)
-                elif isinstance(event, KillEvent):
-                    out = self._kill(event, index, failed_before)
+                    armed = plan[index].get("phase_kill")
+                    out = self._scale(event, kill=None if armed is None else s.timeline[armed])
+                elif isinstance(event, KillEvent) and event.in_phase is not None:
+                    out = _Outcome(True, f"armed: rank {event.rank} dies in the {event.in_phase} phase of the next scale"
+                                   f" (generation {plan[index]['generation']})")
+                elif isinstance(event, FAULT_EVENTS) and plan[index].get("loses_rank", True):
+                    out = self._kill(event, failed_before, what=f"{event.label()} at step {event.at_step} "
+                                     f"(generation {plan[index]['generation']}) was to lose the rank")
+                elif isinstance(event, StallEvent):
+                    out = _Outcome(True, f"a {event.seconds:g}s stall, shorter than the deadlines: no failure expected")
                 elif isinstance(event, RecoverEvent):
                     out = self._recover_now()
                 elif isinstance(event, RebalanceEvent):
@@ -445,7 +460,9 @@ class Replayer:
                 self.autoscaler.stop()
             if self.coordinator is not None:
                 self.coordinator.shutdown()
-        return build_report(self, final=final, started_wall=started_wall, duration_s=time.monotonic() - self.t0)
+        report = build_report(self, final=final, started_wall=started_wall, duration_s=time.monotonic() - self.t0)
+        _fault_expectations(s, report)
+        return report
 
     def _final(self) -> dict[str, Any]:
         snap = self._snapshot()
@@ -454,6 +471,22 @@ class Replayer:
                 "rebalances": snap["rebalances"], "layers_committed": snap["layers_committed"],
                 "bytes_moved": snap["bytes_moved"], "watchdog_stalls": snap["watchdog_stalls"],
                 "history": [t.to_dict() for t in self.coordinator.machine.history()]}
+
+
+def _fault_expectations(s: Scenario, report: dict[str, Any]) -> None:
+    """The fault expectations (``min_refused_layers``, ``min_failures``), added to the report's verdicts."""
+    x = s.expect
+    out = report["expectations"]
+    if x.min_refused_layers is not None:
+        refused = [e for e in report["worker_events"] if e.get("kind") == "rebalance_failed" and e.get("local")]
+        detail = "; ".join(f"rank {e.get('rank')} refused layer {e.get('layer')}: {e.get('error')}" for e in refused)
+        out.append({"name": "min_refused_layers", "expected": x.min_refused_layers, "measured": len(refused),
+                    "passed": len(refused) >= x.min_refused_layers, "detail": detail or "no rank refused a layer"})
+    if x.min_failures is not None:
+        fails = [t for t in report["transitions"] if t["dest"] == "failed"]
+        out.append({"name": "min_failures", "expected": x.min_failures, "measured": len(fails),
+                    "passed": len(fails) >= x.min_failures, "detail": "; ".join(str(t.get("reason")) for t in fails)})
+    report["passed"] = all(e["passed"] for e in out)
 
 
 # ---------------------------------------------------------------------------------------------

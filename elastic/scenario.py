@@ -25,14 +25,15 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 from elastic.autoscaler import AutoscalerConfig
 from elastic.config import TimeoutsConfig
 from elastic.deployment import DeploymentConfig, LauncherConfig, TracePhase
-from elastic.faults import DelayTransfer, Fault, KillRank
+from elastic.faults import PHASES, CorruptBuffer, DelayTransfer, DropHeartbeats, Fault, KillRank, StallRank
 from eplb.config import EPLBConfig
 from eplb.model import ModelShape
 from eplb.trace import TraceConfig
 
 __all__ = [
     "Scenario", "ScenarioError", "ScenarioProblem", "load_scenario", "parse_scenario", "EVENT_ACTIONS",
-    "ScaleEvent", "KillEvent", "RecoverEvent", "RebalanceEvent", "AutoscalerEvent", "Expectations",
+    "ScaleEvent", "KillEvent", "StallEvent", "DropHeartbeatsEvent", "RecoverEvent", "RebalanceEvent",
+    "AutoscalerEvent", "Expectations",
 ]
 
 
@@ -143,14 +144,72 @@ class ScaleEvent(_Event):
 
 
 class KillEvent(_Event):
-    """Rank ``rank`` dies at ``at_step`` (``faults.KillRank``); the coordinator should go ``failed``."""
+    """Rank ``rank`` dies (``faults.KillRank``); the coordinator should go ``failed``.
+
+    Without ``in_phase`` it dies at ``at_step``. With ``in_phase`` it dies when that phase's
+    command of the *next scale event* of the timeline reaches it (``rescaling`` with
+    ``after_layers``: after moving that many layers); ``at_step`` then only orders the event.
+    """
 
     action: Literal["kill"]
     rank: int = Field(ge=0)
     generation: int | None = Field(None, ge=0, description="the generation it dies in (default: the one the timeline predicts)")
+    in_phase: Literal["draining", "suppressed", "rescaling", "resuming"] | None = Field(
+        None, description="die in this phase of the next scale event instead of at at_step")
+    after_layers: int | None = Field(None, ge=0, description="with in_phase: rescaling, die after moving this many layers")
+
+    @field_validator("after_layers")
+    @classmethod
+    def _only_rescaling(cls, value: int | None, info: Any) -> int | None:
+        if value is not None and info.data.get("in_phase") != "rescaling":
+            raise ValueError(f"expected after_layers only with in_phase: rescaling, got in_phase "
+                             f"{info.data.get('in_phase')!r}")
+        return value
 
     def label(self) -> str:
-        return f"kill rank {self.rank}"
+        if self.in_phase is None:
+            return f"kill rank {self.rank}"
+        extra = f" after {self.after_layers} layer(s)" if self.after_layers is not None else ""
+        return f"kill rank {self.rank} in {self.in_phase}{extra}"
+
+    def record(self, generation: int) -> KillRank:
+        if self.in_phase is None:
+            return KillRank(rank=self.rank, at_step=self.at_step, generation=generation)
+        return KillRank(rank=self.rank, in_phase=self.in_phase, after_layers=self.after_layers, generation=generation)
+
+
+class StallEvent(_Event):
+    """Rank ``rank`` stops answering at ``at_step`` for ``seconds`` (``faults.StallRank``).
+
+    A stall at least as long as the collective or heartbeat deadline loses the rank (the group
+    fails; with ``auto_recover`` it recovers without it); a shorter one is a hiccup.
+    """
+
+    action: Literal["stall"]
+    rank: int = Field(ge=0)
+    seconds: float = Field(gt=0)
+    generation: int | None = Field(None, ge=0, description="the generation it stalls in (default: the one the timeline predicts)")
+
+    def label(self) -> str:
+        return f"stall rank {self.rank} for {self.seconds:g}s"
+
+    def record(self, generation: int) -> StallRank:
+        return StallRank(rank=self.rank, at_step=self.at_step, seconds=self.seconds, generation=generation)
+
+
+class DropHeartbeatsEvent(_Event):
+    """Rank ``rank`` keeps working but stops reporting from ``at_step`` (``faults.DropHeartbeats``):
+    the coordinator declares it lost after the heartbeat deadline."""
+
+    action: Literal["drop_heartbeats"]
+    rank: int = Field(ge=0)
+    generation: int | None = Field(None, ge=0, description="the generation it goes silent in (default: the one the timeline predicts)")
+
+    def label(self) -> str:
+        return f"drop rank {self.rank}'s heartbeats"
+
+    def record(self, generation: int) -> DropHeartbeats:
+        return DropHeartbeats(rank=self.rank, from_step=self.at_step, generation=generation)
 
 
 class RecoverEvent(_Event):
@@ -182,8 +241,10 @@ class AutoscalerEvent(_Event):
         return f"autoscaler {'on' if self.enabled else 'off'}"
 
 
-Event = Annotated[Union[ScaleEvent, KillEvent, RecoverEvent, RebalanceEvent, AutoscalerEvent], Field(discriminator="action")]
-EVENT_ACTIONS = ("scale", "kill", "recover", "rebalance", "autoscaler")
+Event = Annotated[Union[ScaleEvent, KillEvent, StallEvent, DropHeartbeatsEvent, RecoverEvent, RebalanceEvent,
+                        AutoscalerEvent], Field(discriminator="action")]
+EVENT_ACTIONS = ("scale", "kill", "stall", "drop_heartbeats", "recover", "rebalance", "autoscaler")
+FAULT_EVENTS = (KillEvent, StallEvent, DropHeartbeatsEvent)
 #: a replay's deadlines unless the scenario overrides them: a dead peer is noticed in seconds
 REPLAY_TIMEOUTS: dict[str, float] = {"collective": 10.0, "heartbeat": 15.0, "worker_start": 60.0}
 STATES = ("running", "draining", "suppressed", "rescaling", "resuming", "failed")
@@ -205,6 +266,9 @@ class Expectations(_Strict):
     events_ok: bool = Field(True, description="every timeline event did what it asked (scales succeeded, kills fired...)")
     min_steps: int | None = Field(None, ge=0, description="steps decoded by the end (default: the scenario's steps)")
     min_autoscaler_operations: int | None = Field(None, ge=0, description="scale operations the autoscaler started")
+    min_refused_layers: int | None = Field(
+        None, ge=0, description="received layers a rank refused (its own verification failed: rebalance_failed, local)")
+    min_failures: int | None = Field(None, ge=0, description="times the deployment went failed (a fault was detected)")
 
 
 class Scenario(_Strict):
@@ -253,11 +317,15 @@ class Scenario(_Strict):
         return _plan(self)[0]
 
     def fault_records(self) -> tuple[Any, ...]:
-        """The scenario's faults plus a ``KillRank`` per kill event (pinned to its generation)."""
+        """The scenario's faults plus one record per kill/stall/drop_heartbeats event (pinned to its generation)."""
         plan = self.planned()
-        kills = [KillRank(rank=e.rank, at_step=e.at_step, generation=step["generation"] if e.generation is None else e.generation)
-                 for e, step in zip(self.timeline, plan) if isinstance(e, KillEvent)]
+        kills = [e.record(step["generation"] if e.generation is None else e.generation)
+                 for e, step in zip(self.timeline, plan) if isinstance(e, FAULT_EVENTS)]
         return tuple(self.faults) + tuple(kills)
+
+    def stall_loses_rank(self, seconds: float) -> bool:
+        """Whether a stall this long outlasts a deadline (the rank is lost) rather than a hiccup."""
+        return seconds >= min(self.timeouts.collective, self.timeouts.heartbeat)
 
     def has_delay(self) -> bool:
         return any(isinstance(f, DelayTransfer) for f in self.faults)
@@ -316,9 +384,26 @@ def _plan(s: Scenario) -> tuple[list[dict[str, Any]], list[ScenarioProblem]]:
                     f"(at least {-(-s.model.experts // per_rank)}), got {n}")
         return None
 
+    for i, fault in enumerate(s.faults):
+        if fault.rank >= s.max_ep_size:
+            problem(f"faults[{i}].rank", f"expected a rank below max_ep_size={s.max_ep_size}, got {fault.rank}")
+        if isinstance(fault, CorruptBuffer) and not s.eplb.verify_transfers:
+            problem(f"faults[{i}]", "expected eplb.verify_transfers: true with a corrupt_buffer fault (only a verified "
+                    "transfer catches the corrupted layer), got false")
+        if isinstance(fault, KillRank) and fault.in_phase is not None and s.autoscaler is None \
+                and not any(isinstance(e, ScaleEvent) for e in s.timeline):
+            problem(f"faults[{i}].in_phase", f"expected a scale event in the timeline to die in (a {fault.in_phase} "
+                    "phase only happens during a scale), got none")
+    phase_kill: tuple[int, KillEvent] | None = None  # armed, waiting for the next scale event
+
     for i, event in enumerate(s.timeline):
         where = f"timeline[{i}]"
         entry = {"index": i, "action": event.action, "size_before": size, "generation": generation}
+        if phase_kill is not None and not isinstance(event, ScaleEvent):
+            k, kill = phase_kill
+            problem(f"timeline[{k}].in_phase", f"expected the next event to be a scale to die in (a {kill.in_phase} "
+                    f"phase only happens during a scale), got a {event.action} event")
+            phase_kill = None
         if event.at_step > s.steps:
             problem(f"{where}.at_step", f"expected a step within the run (steps={s.steps}), got {event.at_step}")
         if isinstance(event, RecoverEvent) and "at_step" not in event.model_fields_set:
@@ -334,9 +419,31 @@ def _plan(s: Scenario) -> tuple[list[dict[str, Any]], list[ScenarioProblem]]:
             why = size_problem(event.to)
             if why:
                 problem(f"{where}.to", why)
+            elif phase_kill is not None:
+                size, generation = _plan_phase_kill(s, phase_kill, event, size, generation, plan, problem, size_problem)
+                entry["phase_kill"] = phase_kill[0]
+                scaled_by_autoscaler = True  # generations after a failed attempt are decided at run time
             elif event.to != size or scaled_by_autoscaler:
                 size, generation = event.to, generation + 1
-        elif isinstance(event, KillEvent):
+            phase_kill = None
+        elif isinstance(event, KillEvent) and event.in_phase is not None:
+            if not s.auto_recover:
+                problem(f"{where}.in_phase", "expected auto_recover: true with a kill in a phase (the failed scale "
+                        "is recovered by the coordinator itself), got false")
+            elif scaled_by_autoscaler and event.generation is None and s.autoscaler is not None:
+                problem(f"{where}.generation", "expected an explicit generation: the autoscaler may have scaled "
+                        "before this kill, so the timeline cannot tell which generation the rank dies in")
+            else:
+                phase_kill = (i, event)
+        elif isinstance(event, StallEvent) and not s.stall_loses_rank(event.seconds):
+            if not scaled_by_autoscaler and event.rank >= size:
+                problem(f"{where}.rank", f"expected a rank of the group of {size} at that point (0..{size - 1}), got {event.rank}")
+            elif event.generation is not None:
+                generation = event.generation
+            entry["generation"] = generation
+            entry["loses_rank"] = False
+        elif isinstance(event, FAULT_EVENTS):
+            entry["loses_rank"] = True
             if scaled_by_autoscaler and event.generation is None:
                 problem(f"{where}.generation", "expected an explicit generation: the autoscaler may have scaled "
                         "before this kill, so the timeline cannot tell which generation the rank dies in")
@@ -370,6 +477,10 @@ def _plan(s: Scenario) -> tuple[list[dict[str, Any]], list[ScenarioProblem]]:
             scaled_by_autoscaler = scaled_by_autoscaler or autoscaler
         entry.update(size_after=size, autoscaler=autoscaler, predicted=not scaled_by_autoscaler)
         plan.append(entry)
+    if phase_kill is not None:
+        k, kill = phase_kill
+        problem(f"timeline[{k}].in_phase", f"expected a scale event after this kill to die in (a {kill.in_phase} "
+                "phase only happens during a scale), got none")
     if failed and s.expect.final_state not in (None, "failed"):
         problem("expect.final_state", f"expected 'failed' or null: {failed_by} leaves the deployment failed "
                 f"(add a recover event or auto_recover: true), got {s.expect.final_state!r}")
@@ -382,6 +493,38 @@ def _plan(s: Scenario) -> tuple[list[dict[str, Any]], list[ScenarioProblem]]:
                                                      if text.startswith(k) or f" {k}." in text), "")
             problem(path, f"the deployment built from this scenario is invalid: {text}")
     return plan, problems
+
+
+def _plan_phase_kill(s: Scenario, armed: tuple[int, KillEvent], scale: ScaleEvent, size: int, generation: int,
+                     plan: list[dict[str, Any]], problem: Any, size_problem: Any) -> tuple[int, int]:
+    """A kill armed for the next scale: check it can fire there, pin its generation; the size after recovery."""
+    k, kill = armed
+    where = f"timeline[{k}]"
+    if scale.to == size:
+        problem(f"{where}.in_phase", f"expected the next scale to change the size (a scale to {size} ranks is a no-op "
+                f"and has no {kill.in_phase} phase), got a scale to {scale.to}")
+        return size, generation
+    if kill.after_layers is not None and kill.after_layers >= s.model.layers:
+        problem(f"{where}.after_layers", f"expected fewer than the model's {s.model.layers} layers, got {kill.after_layers}")
+    # which group the rank belongs to when the phase's command reaches it
+    joining = kill.in_phase == "rescaling" and kill.rank >= size
+    if kill.in_phase == "resuming":
+        bound, gen, survivors = scale.to, generation + 1, scale.to - 1
+    elif kill.in_phase == "rescaling":
+        bound, gen = max(size, scale.to), generation + 1 if joining else generation
+        survivors = size if joining else size - 1  # the survivors of the last consistent generation
+    else:
+        bound, gen, survivors = size, generation, size - 1
+    if kill.rank >= bound:
+        problem(f"{where}.rank", f"expected a rank of the {kill.in_phase} group of {bound} (0..{bound - 1}), got {kill.rank}")
+        return size, generation
+    if survivors < 1 or size_problem(survivors):
+        problem(where, f"expected a kill the survivors can recover from (auto_recover): {survivors} rank(s) "
+                "cannot hold the model")
+        return size, generation
+    plan[k]["generation"] = gen if kill.generation is None else kill.generation
+    plan[k]["size_after"] = survivors
+    return survivors, generation + 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,8 +570,8 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     return current if isinstance(current, type) and issubclass(current, BaseModel) else None
 
 
-_TAGS = {"timeline": {"scale": ScaleEvent, "kill": KillEvent, "recover": RecoverEvent, "rebalance": RebalanceEvent,
-                      "autoscaler": AutoscalerEvent}}
+_TAGS = {"timeline": {"scale": ScaleEvent, "kill": KillEvent, "stall": StallEvent, "drop_heartbeats": DropHeartbeatsEvent,
+                      "recover": RecoverEvent, "rebalance": RebalanceEvent, "autoscaler": AutoscalerEvent}}
 
 
 def _clean_loc(loc: tuple[Any, ...]) -> tuple[tuple[Any, ...], type[BaseModel] | None]:

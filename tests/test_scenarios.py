@@ -109,7 +109,7 @@ def test_timeline_errors_point_at_the_event_and_its_key(tmp_path):
     text = str(error)
     assert f"{file}: timeline[0].extra: unknown key (allowed here: action, at_step, to, " in text
     assert f"{file}: timeline[1].at_step: expected an integer, got 'soon'" in text
-    assert f"{file}: timeline[2]: expected action to be one of 'scale', 'kill', 'recover', 'rebalance', 'autoscaler', got 'teleport'" in text
+    assert f"{file}: timeline[2]: expected action to be one of 'scale', 'kill', 'stall', 'drop_heartbeats', 'recover', 'rebalance', 'autoscaler', got 'teleport'" in text
     assert f"{file}: timeline[3]: expected a mapping with the key 'action'" in text
     assert len(error.problems) == 4  # every error at once, one line each
 
@@ -140,6 +140,42 @@ def test_a_kill_without_recovery_must_expect_failed(tmp_path):
     assert "expect.final_state: expected 'failed' or null" in str(error)
     ok = load_scenario(write(tmp_path, text.replace("expect: {final_ep_size: 3}", "expect: {final_state: failed}"), "ok.yaml"))
     assert ok.fault_records()[-1].generation == 0  # the kill is pinned to the generation it was planned in
+
+
+def test_fault_events_and_faults_are_validated(tmp_path):
+    base = GOOD.replace("timeline:\n  - {at_step: 20, action: scale, to: 3}\n  - {at_step: 40, action: rebalance}\n", "")
+    base = base.replace("expect: {final_ep_size: 3}", "auto_recover: true\nexpect: {final_ep_size: 2}")
+    text = base.replace("max_ep_size: 3", "max_ep_size: 3\ntimeline:\n"
+                        "  - {at_step: 10, action: kill, rank: 1, in_phase: draining, after_layers: 1}\n"
+                        "  - {at_step: 12, action: kill, rank: 1, in_phase: suppressing}\n"
+                        "  - {at_step: 14, action: stall, rank: 0}\n"
+                        "faults:\n  - {kind: corrupt_buffer, rank: 0}\n  - {kind: delay_transfer, rank: 7, seconds: 1}\n")
+    file = write(tmp_path, text)
+    error = str(problems_of(file))
+    assert f"{file}: timeline[0].after_layers: expected after_layers only with in_phase: rescaling" in error
+    assert f"{file}: timeline[1].in_phase: expected 'draining', 'suppressed', 'rescaling' or 'resuming'" in error
+    assert f"{file}: timeline[2].seconds: expected a value: this key is required" in error
+    # the plan pass: a phase kill needs a scale to die in; corrupt_buffer needs verify_transfers
+    text = base.replace("max_ep_size: 3", "max_ep_size: 3\ntimeline:\n"
+                        "  - {at_step: 10, action: kill, rank: 1, in_phase: draining}\n"
+                        "  - {at_step: 12, action: rebalance}\n"
+                        "  - {at_step: 14, action: kill, rank: 2, in_phase: resuming}\n"
+                        "faults:\n  - {kind: corrupt_buffer, rank: 0}\n  - {kind: delay_transfer, rank: 7, seconds: 1}\n")
+    file = write(tmp_path, text, "plan.yaml")
+    error = str(problems_of(file))
+    assert f"{file}: timeline[0].in_phase: expected the next event to be a scale to die in" in error
+    assert f"{file}: timeline[2].in_phase: expected a scale event after this kill to die in" in error
+    assert f"{file}: faults[0]: expected eplb.verify_transfers: true with a corrupt_buffer fault" in error
+    assert f"{file}: faults[1].rank: expected a rank below max_ep_size=3, got 7" in error
+    # a good one: pinned to the generation the rank is in when the phase's command reaches it
+    ok = load_scenario(write(tmp_path, base.replace("max_ep_size: 3", "max_ep_size: 3\ntimeline:\n"
+                             "  - {at_step: 10, action: kill, rank: 2, in_phase: resuming}\n"
+                             "  - {at_step: 10, action: scale, to: 3}\n"
+                             "  - {at_step: 30, action: drop_heartbeats, rank: 0, generation: 3}\n"), "ok.yaml"))
+    kill, silent = ok.fault_records()
+    assert (kill.in_phase, kill.rank, kill.generation) == ("resuming", 2, 1)
+    assert (silent.from_step, silent.generation) == (30, 3)
+    assert [e["size_after"] for e in ok.planned()][:2] == [2, 2]  # the survivors of the new group of 3
 
 
 def test_a_size_that_cannot_hold_the_model_is_refused(tmp_path):
