@@ -137,6 +137,7 @@ class Coordinator:
         #: the scale (the operation fails with the error, the machine stays ``running``). See elastic.hooks.
         self.before_scale: list[Callable[[Operation], None]] = []
         self.auto_recoveries = 0
+        self._auto_recovering = False
         self._last_generation = 0
         self.machine.subscribe(lambda t: self._emit("transition", t.to_dict()))
 
@@ -268,13 +269,21 @@ class Coordinator:
         with self._lock:
             if self._current is not None and not self._current.terminal:
                 return
-            if self.auto_recoveries >= self.config.max_auto_recoveries:
+            if self._auto_recovering or self.auto_recoveries >= self.config.max_auto_recoveries:
                 return
             self.auto_recoveries += 1
-        try:
-            self.recover(wait=False)
-        except ElasticError as exc:
-            log.warning("auto-recovery refused: %s", exc)
+            self._auto_recovering = True
+
+        def attempt() -> None:
+            try:
+                self.recover(wait=True)
+            except ElasticError as exc:
+                log.warning("auto-recovery refused: %s", exc)
+            finally:
+                self._auto_recovering = False
+
+        # off the watchdog thread: a recovery first waits for the workers to settle
+        threading.Thread(target=attempt, name="coordinator-auto-recover", daemon=True).start()
 
     def _find_lost(self) -> list[WorkerRecord]:
         silent_after = self.config.timeouts.heartbeat
@@ -388,7 +397,13 @@ class Coordinator:
         return op
 
     def recover(self, *, wait: bool = True, timeout: float | None = None) -> Operation:
-        """From ``failed``: rebuild a consistent group from the living workers (a new generation)."""
+        """From ``failed``: rebuild a consistent group from the living workers (a new generation).
+
+        Survivors are chosen only once no worker is still in the middle of a rescale (a failed
+        attempt settles within about one collective timeout), so none is picked by a generation
+        it is about to leave.
+        """
+        self._await_settled(self.config.timeouts.collective + 5.0)
         with self._lock:
             if self._current is not None and not self._current.terminal:
                 raise ScaleConflict(self._current.id, self.machine.state, self.machine.allowed())
@@ -420,6 +435,16 @@ class Coordinator:
         if wait:
             op.done.wait(timeout)
         return op
+
+    def _await_settled(self, limit_s: float) -> None:
+        """Wait (bounded) until no live worker reports being in the middle of a rescale or start."""
+        deadline = time.monotonic() + limit_s
+        with self._reports:
+            while time.monotonic() < deadline:
+                busy = [w for w in self.live_workers() if w.heartbeat is not None and w.heartbeat.state in ("rescaling", "starting")]
+                if not busy:
+                    return
+                self._reports.wait(0.05)
 
     def _enter(self, op: Operation, phase: str) -> None:
         now = time.monotonic()
@@ -553,9 +578,9 @@ class Coordinator:
             mapping = RankMapping.without(self.size, lost_ranks)
             keep = {w.handle.pid for w in survivors}
             for w in list(self.workers.values()):
-                if w.handle.pid not in keep and not w.expected_exit:
+                if w.handle.pid not in keep and w.handle.is_alive():
                     w.expected_exit = True
-                    w.handle.kill()
+                    w.handle.kill()  # retired: a fresh rank of a failed attempt, or a lost one
             self._rescale(op, mapping, survivors, lost=lost_ranks)
             self._enter(op, Phase.RESUMING.value)
             self._resume(op)
