@@ -43,7 +43,8 @@ def deployment(args: argparse.Namespace, mode: str) -> DeploymentConfig:
     shape = ModelShape(num_layers=args.layers, num_experts=args.experts, hidden_size=args.hidden,
                        intermediate_size=args.intermediate)
     eplb = EPLBConfig(enabled=mode != "off", use_async=mode == "async", num_redundant_experts=args.redundant,
-                      window_size=args.window, step_interval=args.interval)
+                      window_size=args.window, step_interval=args.interval, communicator=args.communicator,
+                      async_layer_interval=args.async_layer_interval)
     # a new hot set shortly before each rebalance (at k*interval - window): every rebalance
     # sees only the new load in its window and has to move weights
     starts = [0] + [k * args.interval - args.window for k in range(1, args.rebalances + 2)]
@@ -191,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=150.0)
+    ap.add_argument("--communicator", default="auto", choices=["auto", "gloo", "nccl", "nixl"],
+                    help="transfer communicator (auto: NIXL when installed, else gloo on CPU)")
+    ap.add_argument("--async-layer-interval", type=int, default=1,
+                    help="async pacing: decode steps from one layer's commit to the next layer's transfer")
     ap.add_argument("--json", dest="json_path", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)

@@ -17,6 +17,7 @@ class EPLBConfig(BaseModel):
     use_async: bool = Field(False, description="compute and transfer on a background thread, commit one layer per step")
     policy: str = Field("default", description="name of a policy in eplb.algorithm.POLICIES")
     policy_options: dict[str, Any] = Field(default_factory=dict)
+    async_layer_interval: int = Field(1, ge=1, description="async: decode steps from one layer's commit to the next layer's transfer (pacing)")
     log_balancedness: bool = False
     transfer_timeout_s: float = Field(30.0, gt=0, description="deadline of every transfer wait")
     max_ops_per_batch: int = Field(64, ge=2, description="p2p ops in one batch_isend_irecv call")

@@ -447,6 +447,8 @@ class EPLBState:
             return
         if reduced[FAILED]:
             self._abort_rebalance()
+        elif self._release_in > 0:
+            self._release_worker()  # pacing: the last commit's worker is still held back
         elif self.in_flight is not None and not reduced[NOT_READY]:
             self._commit(self.ready)
         self.steps_since_rebalance += 1
@@ -469,15 +471,31 @@ class EPLBState:
         self.in_flight_layer = None
         self.on_event("layer_committed", {"rebalance": ready.rebalance_id, "layer": layer,
                                           "bytes": ready.stats.bytes_received})
-        if self.draining:
-            self.worker.finish()
-        else:
-            self.worker.proceed()
+        # the next layer starts only `async_layer_interval` steps after this commit (1: at once):
+        # spreading a rebalance over more steps leaves more of the machine to the decode loop.
+        # The count is of agreed step boundaries, so every rank releases its worker at the same step.
+        self._release_in = self.config.async_layer_interval
+        self._release_worker()
         # the worker answers with the next LayerReady or RebalanceFinished; until that arrives
         # the rebalance stays in flight so no new one starts and a drain waits for it
 
+    _release_in = 0
+
+    def _release_worker(self) -> None:
+        """Count down to the next layer's start; a drain ends the rebalance at once instead."""
+        if self._release_in <= 0:
+            return
+        if self.draining:
+            self._release_in = 0
+            self.worker.finish()
+            return
+        self._release_in -= 1
+        if self._release_in == 0:
+            self.worker.proceed()
+
     def _abort_rebalance(self) -> None:
         failure = self._failure
+        self._release_in = 0
         self.stats.rebalances_failed += 1
         self.in_flight = None
         self.ready = None

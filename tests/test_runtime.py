@@ -82,3 +82,20 @@ def test_corrupted_buffer_is_refused_and_old_placement_keeps_serving():
         assert "do not hold their experts" in failed.data["error"]
         assert c.snapshot()["rebalances"] >= 1, "rebalancing did not go on after the refused layer"
         assert_consistent(c, 2)
+
+
+@pytest.mark.timeout(90)
+def test_async_layer_pacing_spreads_commits_and_keeps_weights_exact():
+    config = small_config(ep_size=2, model=dict(num_layers=4, num_experts=8),
+                          eplb=dict(step_interval=30, window_size=10, async_layer_interval=3))
+    with running(config) as c:
+        c.wait_for_step(100, timeout=60)
+        commits = _commits(c)
+        by_rebalance = defaultdict(list)
+        for (rebalance, layer), steps in commits.items():
+            assert len(set(steps.values())) == 1 and len(steps) == 2, f"layer {layer}: {steps}"
+            by_rebalance[rebalance].append(next(iter(steps.values())))
+        gaps = [b - a for steps in by_rebalance.values() for a, b in zip(sorted(steps), sorted(steps)[1:])]
+        assert gaps, "no rebalance moved two layers: the test proves nothing"
+        assert min(gaps) >= 3, f"layers committed closer than the pacing allows: gaps {gaps}"
+        assert_consistent(c, 2)
