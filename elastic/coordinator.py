@@ -139,6 +139,7 @@ class Coordinator:
         self.auto_recoveries = 0
         self._auto_recovering = False
         self._last_generation = 0
+        self._attempted: dict[int, tuple[int, int]] = {}  # generation -> (size, command seq) of every rescale attempt
         self.machine.subscribe(lambda t: self._emit("transition", t.to_dict()))
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -409,16 +410,27 @@ class Coordinator:
                 raise ScaleConflict(self._current.id, self.machine.state, self.machine.allowed())
             if self.machine.state != Phase.FAILED:
                 raise InvalidTransition(self.machine.state, "recover", self.machine.allowed())
-            # only workers of the last consistent generation survive: a rank that was still
-            # joining (or already moved on) when the attempt failed is retired, so no rank
-            # is left on a half-made generation
-            survivors = [w for w in self.live_workers() if w.generation == self.machine.generation]
+            # Survivors all come from one generation, so no rank is left on a half-made one: the
+            # machine's (last consistent) generation, or a failed attempt's generation that some
+            # ranks had already adopted when a peer died after the final barrier. The one with
+            # the most living workers wins (the newest on a tie); every other worker is retired.
+            live = self.live_workers()
+            sizes = {self.machine.generation: self.size}
+            by_generation = {self.machine.generation: [w for w in live if w.generation == self.machine.generation]}
+            for g, (n, seq) in self._attempted.items():
+                if g > self.machine.generation:  # only ranks that reported adopting it count
+                    adopted = {pid for pid, r in self._done.get(seq, {}).items() if not r.detail.get("retired")}
+                    sizes[g] = n
+                    by_generation[g] = [w for w in live if w.handle.pid in adopted and w.generation == g]
+            # the most living workers wins; on a tie the older (last consistent) generation
+            generation = max(by_generation, key=lambda g: (len(by_generation[g]), -g))
+            survivors, base_size = by_generation[generation], sizes[generation]
             alive_ranks = {w.rank for w in survivors}
-            lost_ranks = tuple(r for r in range(self.size) if r not in alive_ranks)
+            lost_ranks = tuple(r for r in range(base_size) if r not in alive_ranks)
             # refuse before the state changes: a recovery that cannot work must not start
             if not survivors:
                 raise InvalidScaleRequest("ep_size", "cannot recover: no worker of the last consistent generation is alive")
-            problem = self.config.size_problem(self.size - len(lost_ranks))
+            problem = self.config.size_problem(base_size - len(lost_ranks))
             if problem:
                 raise InvalidScaleRequest("ep_size", f"cannot recover with {len(survivors)} living workers: {problem}")
             op = Operation(id=f"op-{uuid.uuid4().hex[:12]}", kind="recover", target_size=len(survivors),
@@ -427,6 +439,9 @@ class Coordinator:
             for w in self.workers.values():
                 if w.handle.pid not in keep:
                     w.expected_exit = True  # retired by this recovery: its death is no new failure
+            if generation != self.machine.generation:  # recover from the adopted attempt's layout
+                self.size = base_size
+                self.num_physical = self.config.slots_per_rank * base_size
             self.machine.recover(operation_id=op.id, reason=f"recover with {len(survivors)} living workers")
             op.status, op.phase = OperationStatus.RUNNING, Phase.RESCALING.value
             self._current = op
@@ -532,9 +547,10 @@ class Coordinator:
         # a generation number is never reused, even after a failed attempt: its store keys may linger
         with self._lock:
             self._last_generation = generation = max(self._last_generation, self.machine.generation) + 1
+            seq = next(self._seq)
+            self._attempted[generation] = (mapping.new_size, seq)
         new_size = mapping.new_size
         execute_on = "old" if new_size < len(mapping.old_to_new) and not lost else "new"
-        seq = next(self._seq)
         command = p.Rescale(seq=seq, operation_id=op.id, generation=generation, new_size=new_size,
                             mapping=tuple(mapping.old_to_new), lost=lost, execute_on=execute_on)
         participants = [w for w in old if w.rank not in lost]

@@ -80,6 +80,7 @@ class Round:
     expected: frozenset[int]  # group ranks of the executing group taking part
     arrived: dict[int, dict[str, Any]] = field(default_factory=dict)
     computed: set[int] = field(default_factory=set)
+    barrier: bool | None = None  # decided once for every rank: passed (True) or broken (False)
 
 
 class FakeHandle:
@@ -297,10 +298,8 @@ class FakeWorker:
         try:
             if self.spec.first_command is not None:
                 self.executed_seq = self.spec.first_command.seq
-                try:
-                    self._rescale(self.spec.first_command, fresh=True)
-                except GroupBroken as exc:
-                    self._enter_broken(exc)
+                # like the real worker: a fresh rank whose joining rescale fails exits (fatal report)
+                self._rescale(self.spec.first_command, fresh=True)
             else:
                 self._start()
             while not self.stop.is_set() and not self.leaving:
@@ -505,7 +504,20 @@ class FakeWorker:
                     mine.append(apply_part(part, None if own is None else own[layer], {g: s[layer] for g, s in snaps.items()}))
             rnd.computed.add(me)
         # all or nothing: nobody adopts before every rank's transfers are done
-        self.wait(lambda: rnd.expected <= rnd.computed, timeout, "barrier", peer_lost)
+        # like a real barrier: once every rank is in it, the outcome is the same for all of them
+        def barrier_passed() -> bool:
+            with launcher.lock:
+                if rnd.barrier is None and rnd.expected <= rnd.computed:
+                    rnd.barrier = not peer_lost()
+                return rnd.barrier is True
+
+        def barrier_broken() -> bool:
+            with launcher.lock:
+                if rnd.barrier is None and peer_lost():
+                    rnd.barrier = False
+                return rnd.barrier is False
+
+        self.wait(barrier_passed, timeout, "barrier", barrier_broken)
         placement_before = p2l.tolist()
         if cmd.execute_on == "old" and new_rank < 0:
             self._retire(cmd, started, received)
