@@ -301,8 +301,11 @@ def test_nixl_async_eplb_and_scale_cycle_2_4_2():
             assert op.bytes_moved > 0
             _wait_for_commits(c, before)
             verdict = _nixl_verdict(c, size, generation)
-            # the async EPLB of this generation transferred, so its metadata was exchanged: once
-            assert all(v["communicator"]["exchanges_by_generation"].get(generation) == 1 for v in verdict.values())
+            exchanges = [v["communicator"]["exchanges_by_generation"].get(generation) for v in verdict.values()]
+            if size == 4:  # the new ranks' experts crossed the network in this generation: exchanged once
+                assert exchanges == [1] * size, exchanges
+            else:  # a layer that moves nothing over the network needs no exchange: at most once
+                assert set(exchanges) <= {None, 1}, exchanges
         # the two survivors went through generations 0 (exchange), 1 (scale up: exchange at the
         # rescale's first transfer, reused by the async EPLB) and 2 (after the scale down)
         for v in verdict.values():
