@@ -290,7 +290,9 @@ class Replayer:
         failed_before = self._failures()
         if event.wait_for_transfer:
             # every rank of the group has the rebalance open: a layer is on its way everywhere
-            waited = self._wait_until(lambda: self.recorder.rebalance_in_flight(self.coordinator.size),
+            # (and a layer is really moving: a rebalance that changes no layer opens and closes at once)
+            waited = self._wait_until(lambda: self.recorder.rebalance_in_flight(self.coordinator.size)
+                                      and self._snapshot()["in_flight_layer"] is not None,
                                       event.transfer_wait_s, poll=0.005)
             extra["waited_for_transfer"] = waited
         extra["transfer_in_flight"] = self.recorder.rebalance_in_flight() or self._snapshot()["in_flight_layer"] is not None
