@@ -323,6 +323,9 @@ def test_dead_peer_raises_transfer_error():
 def body_helper(rank: int, world_size: int, mode: str):
     import torch.distributed as dist
 
+    # both ranks finish joining before either may leave: a rank that exits while its peer is
+    # still connecting makes the peer's init fail instead of showing the behaviour under test
+    dist.barrier()
     if mode == "ok":
         t = torch.tensor([float(rank + 1)])
         dist.all_reduce(t)
