@@ -37,6 +37,9 @@ from elastic.worker import WorkerSpec
 log = logging.getLogger("elastic.coordinator")
 
 
+EXIT_GRACE_S = 0.3  # how long a dead worker's last reports get to arrive before it counts as lost
+
+
 class OperationStatus(StrEnum):
     PENDING = "pending"
     RUNNING = "running"
@@ -105,6 +108,7 @@ class WorkerRecord:
     heartbeat: p.Heartbeat | None = None
     expected_exit: bool = False
     lost_reason: str | None = None
+    dead_since: float | None = None
 
 
 class Coordinator:
@@ -295,6 +299,11 @@ class Coordinator:
                 if record.expected_exit or record.lost_reason is not None:
                     continue
                 if not record.handle.is_alive():
+                    # a retiring worker reports and then exits: give its last reports a moment to
+                    # be filed before calling its exit unexpected
+                    record.dead_since = record.dead_since or now
+                    if now - record.dead_since < EXIT_GRACE_S:
+                        continue
                     record.lost_reason = "exited unexpectedly"
                 elif now - record.last_report > silent_after:
                     record.lost_reason = f"silent for {now - record.last_report:.1f}s (heartbeat timeout {silent_after}s)"
