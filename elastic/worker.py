@@ -27,13 +27,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from eplb.algorithm import compute_placement
 from eplb.communicator import make_communicator
 from eplb.config import EPLBConfig
 from eplb.model import ModelShape, ReferenceMoE
 from eplb.placement import Placement
 from eplb.plan import holders_from_mapping, plan_layer
-from eplb.state import CONTROL_WORDS, EPLBState, LoadWindow, TransferHooks
+from eplb.state import CONTROL_WORDS, EPLBState, LoadWindow, TransferHooks, placement_for
 from eplb.trace import PhasedTrace, TraceConfig
 from eplb.transfer import commit_layer, execute_layer, materialize
 from elastic import faults as f
@@ -387,12 +386,11 @@ class Worker:
         hosts = self.group.hosts
         if cmd.execute_on == "old":  # computed on the old group: the hosts of the survivors, in new rank order
             hosts = tuple(hosts[old] for _, old in sorted((new, old) for old, new in enumerate(cmd.mapping) if new >= 0))
-        opts = dict(self._eplb_config(hosts).policy_options)
-        if self.spec.eplb.policy == "migration_aware":
-            opts.setdefault("rank_mapping", list(cmd.mapping))  # experts stay with the worker that holds them
-        return compute_placement(self.eplb.window.total(), per_rank * cmd.new_size, cmd.new_size,
-                                 num_groups=opts.pop("num_groups", 1), num_nodes=opts.pop("num_nodes", 1),
-                                 policy=self.spec.eplb.policy, previous=old, **opts)
+        config = self._eplb_config(hosts)
+        extra = {}
+        if config.policy == "migration_aware" and "rank_mapping" not in config.policy_options:
+            extra["rank_mapping"] = list(cmd.mapping)  # experts stay with the worker that holds them
+        return placement_for(config, self.eplb.window.total(), per_rank * cmd.new_size, cmd.new_size, old, **extra)
 
     def _redistribute(self, cmd: p.Rescale, new_placement: Placement, executing_rank: int):
         """Move every layer to the new placement; returns ``(weights, bytes received, undo log)``.

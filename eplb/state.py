@@ -90,6 +90,15 @@ def balancedness_of(physical_counts: torch.Tensor, num_ranks: int) -> float:
     return float(per_layer.mean())
 
 
+def placement_for(config: EPLBConfig, load: torch.Tensor, num_physical: int, num_ranks: int,
+                  previous: Placement, **extra: Any) -> Placement:
+    """The configured policy's placement: ``policy_options`` carry ``num_groups``/``num_nodes``
+    (the hierarchy) beside the policy's own options; ``extra`` adds or overrides options."""
+    opts = {**config.policy_options, **extra}
+    return compute_placement(load, num_physical, num_ranks, num_groups=opts.pop("num_groups", 1),
+                             num_nodes=opts.pop("num_nodes", 1), policy=config.policy, previous=previous, **opts)
+
+
 # --------------------------------------------------------------------------------------------
 # records exchanged with the worker thread (frozen: a record never changes after it is sent)
 
@@ -238,13 +247,7 @@ class AsyncEPLBWorker:
         done = 0
         try:
             started = time.perf_counter()
-            new = compute_placement(
-                job.load, job.placement.num_physical, job.num_ranks,
-                num_groups=self.config.policy_options.get("num_groups", 1),
-                num_nodes=self.config.policy_options.get("num_nodes", 1),
-                policy=self.config.policy, previous=job.placement,
-                **{k: v for k, v in self.config.policy_options.items() if k not in ("num_groups", "num_nodes")},
-            )
+            new = placement_for(self.config, job.load, job.placement.num_physical, job.num_ranks, job.placement)
             changed = tuple(
                 int(i) for i in (new.physical_to_logical != job.placement.physical_to_logical).any(dim=1).nonzero().flatten()
             )
@@ -526,13 +529,7 @@ class EPLBState:
 
     def _rebalance_sync(self, load: torch.Tensor) -> None:
         started = time.perf_counter()
-        new = compute_placement(
-            load, self.placement.num_physical, self.num_ranks,
-            num_groups=self.config.policy_options.get("num_groups", 1),
-            num_nodes=self.config.policy_options.get("num_nodes", 1),
-            policy=self.config.policy, previous=self.placement,
-            **{k: v for k, v in self.config.policy_options.items() if k not in ("num_groups", "num_nodes")},
-        )
+        new = placement_for(self.config, load, self.placement.num_physical, self.num_ranks, self.placement)
         slots = self.placement.slots_per_rank(self.num_ranks)
         identity = list(range(self.num_ranks))
         weights = self.model.expert_weights()
