@@ -71,6 +71,10 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
      {"timeline": [{"at_step": AT, "action": "drop_heartbeats", "rank": 1}],
       # any report is a sign of life (EPLB events too): no rebalance, so rank 1 sends nothing at all
       "eplb": {**BASE["eplb"], "interval": 100000}}),
+    ("torn_commit", "rank 1 breaks before its 2nd commit; rank 0 commits",
+     {"initial_ep_size": 2, "eplb": {**BASE["eplb"], "mode": "async"},
+      "trace": [{"at_step": 0, "kind": "drift", "drift_period": 20, "zipf_exponent": [1.0, 1.4], "tokens_per_step": 32}],
+      "faults": [{"kind": "torn_commit", "rank": 1, "at_commit": 2, "generation": 0}]}),
     ("corrupt_buffer", "rank 0 corrupts its first received layer",
      {"initial_ep_size": 2, "auto_recover": False, "eplb": {**BASE["eplb"], "verify_transfers": True},
       "trace": [{"at_step": 0, "kind": "drift", "drift_period": 20, "zipf_exponent": [1.0, 1.4], "tokens_per_step": 32}],
@@ -108,7 +112,12 @@ def measure(name: str, label: str, change: dict[str, Any]) -> dict[str, Any]:
     kill = next((e for e in scenario.timeline if getattr(e, "in_phase", None)), None)
     stepped = next((e for e in scenario.timeline if e.action in ("kill", "stall", "drop_heartbeats")
                     and getattr(e, "in_phase", None) is None), None)
-    if kill is not None:
+    torn = next((x for x in scenario.faults if x.kind == "torn_commit"), None)
+    if torn is not None:  # the moment the other ranks committed the layer the torn rank did not
+        commits = [e["t"] for e in r["worker_events"] if e.get("kind") == "layer_committed" and e["rank"] != torn.rank]
+        fault_t = commits[torn.at_commit - 1] if len(commits) >= torn.at_commit else None
+        row["fault_time_from"] = f"the others' commit {torn.at_commit}"
+    elif kill is not None:
         fault_t = next((t["t"] for t in transitions if t["dest"] == kill.in_phase), None)
         row["fault_time_from"] = f"entry into {kill.in_phase}"
     elif stepped is not None:

@@ -131,6 +131,7 @@ class Coordinator:
         self._reports = threading.Condition(self._lock)
         self._done: dict[int, dict[int, p.PhaseDone]] = {}  # seq -> pid -> report
         self._errors: list[p.WorkerError] = []
+        self._broken_group: tuple[float, p.WorkerError] | None = None  # the first broken-group report, while unexplained
         self.events: list[p.WorkerEvent] = []
         self._seq = itertools.count(1)
         self._stop = threading.Event()
@@ -240,6 +241,8 @@ class Coordinator:
             elif isinstance(report, p.WorkerEvent):
                 self.events.append(report)
             self._reports.notify_all()
+        if isinstance(report, p.WorkerError) and report.where == "decode":
+            self._note_broken_group(report)
         if isinstance(report, p.WorkerEvent):
             self._emit("worker_event", {"rank": report.rank, "step": report.step, "kind": report.kind, **report.data})
         elif isinstance(report, p.WorkerError):
@@ -250,6 +253,35 @@ class Coordinator:
                                      "balancedness": report.balancedness, "state": report.state,
                                      "in_flight_layer": report.in_flight_layer, "rank_load": report.rank_load,
                                      "received": time.monotonic()})
+
+    def _note_broken_group(self, report: p.WorkerError) -> None:
+        with self._lock:
+            if self._broken_group is None:
+                self._broken_group = (time.monotonic(), report)
+
+    def _fail_if_group_broken(self) -> None:
+        """A worker's group broke while no operation runs and, one heartbeat deadline later, no
+        worker is lost or silent (a collective failed, nobody died or hung): the deployment no
+        longer decodes, so it is ``failed``; broken ranks keep beating, so silence never comes.
+        The wait lets a dead or stuck peer be found first, so the reason names the culprit and
+        recovery leaves it out. An operation in flight sees the report in :meth:`_await` itself."""
+        with self._lock:
+            if self._broken_group is None:
+                return
+            since, report = self._broken_group
+            record = self.workers.get(report.pid)
+            if (record is None or record.expected_exit or report.generation != self.machine.generation
+                    or self.machine.state == Phase.FAILED):
+                self._broken_group = None  # superseded: retired, recovered, or already failed
+                return
+            if (self._current is not None and not self._current.terminal) \
+                    or time.monotonic() - since < self.config.timeouts.heartbeat:
+                return
+            self._broken_group = None
+        try:
+            self.machine.fail(reason=f"rank {report.rank} group broken, no worker lost: {report.error_type}: {report.message}")
+        except ElasticError:
+            pass  # the state changed meanwhile
 
     def _watchdog(self) -> None:
         while not self._stop.wait(0.05):
@@ -262,6 +294,7 @@ class Coordinator:
                         self.machine.fail(reason=f"worker lost: {reason}")
                     except ElasticError:
                         pass
+                self._fail_if_group_broken()
                 self._maybe_auto_recover()
                 with self._reports:
                     self._reports.notify_all()

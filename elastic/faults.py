@@ -67,4 +67,18 @@ class CorruptBuffer(_Fault):
     times: int = Field(1, ge=1, description="how many received layers to corrupt")
 
 
-Fault = Annotated[Union[KillRank, StallRank, DelayTransfer, DropHeartbeats, CorruptBuffer], Field(discriminator="kind")]
+class TornCommit(_Fault):
+    """This rank's step-boundary all-reduce "fails" just before it would commit its
+    ``at_commit``-th async layer, while every other rank completes it and commits.
+
+    It is what a peer dying mid-all-reduce can leave behind (some ranks got the agreed result,
+    some did not): survivors whose placements differ by one layer. Recovery must move experts
+    by what each survivor actually holds, not by one rank's maps.
+    """
+
+    kind: Literal["torn_commit"] = "torn_commit"
+    at_commit: int = Field(1, ge=1, description="the how-many-th layer commit (counted on this rank) breaks")
+
+
+Fault = Annotated[Union[KillRank, StallRank, DelayTransfer, DropHeartbeats, CorruptBuffer, TornCommit],
+                  Field(discriminator="kind")]

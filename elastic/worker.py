@@ -131,6 +131,14 @@ class Worker:
             if phase is not None and fault.in_phase == phase and fault.after_layers is None:
                 os._exit(17)
 
+    def _apply_commit_faults(self, reduced: list[int]) -> None:
+        if not self.eplb.commits_now(reduced):
+            return
+        for fault in self._faults(f.TornCommit):
+            if self.eplb.stats.layers_committed + 1 == fault.at_commit:
+                raise BrokenGroup(f"fault injection: the step-{self.step} all-reduce broke on this rank only, "
+                                  f"before commit {fault.at_commit} (the other ranks commit)")
+
     def _hooks(self) -> TransferHooks:
         def before_layer(layer: int) -> None:
             for fault in self._faults(f.DelayTransfer):
@@ -298,10 +306,13 @@ class Worker:
         if cmd.execute_on == "old":
             # scale down: every expert a leaving rank holds that the new placement needs is
             # sent out over the old group, and only then is the group replaced
-            placement_before = self.eplb.placement.physical_to_logical.tolist()
+            # drained: every rank committed the same layers, so its own maps are everyone's
+            base, diverged = self.eplb.placement, []
+            placement_before = base.physical_to_logical.tolist()
             mark, cpu = time.perf_counter(), time.process_time()
-            new_placement = self._next_placement(cmd)
-            new_weights, bytes_moved, undo = self._redistribute(cmd, new_placement, executing_rank=self.rank)
+            new_placement = self._next_placement(cmd, base)
+            new_weights, bytes_moved, undo = self._redistribute(cmd, base.physical_to_logical, new_placement,
+                                                                executing_rank=self.rank)
             self._barrier_or_undo(undo)  # every rank's transfers are done before anyone tears the group down
             timing["transfer_seconds"] = time.perf_counter() - mark
             timing["transfer_cpu_seconds"] = time.process_time() - cpu
@@ -333,11 +344,13 @@ class Worker:
                                               backend=spec.backend, timeout_s=spec.collective_timeout_s,
                                               rendezvous_timeout_s=spec.join_timeout_s)
             timing["group_seconds"] = time.perf_counter() - mark
-            self._share_state(cmd, new_rank, fresh)
-            placement_before = self.eplb.placement.physical_to_logical.tolist()
+            base, held = self._share_state(cmd, new_rank, fresh)
+            placement_before = held.tolist()
+            # layers where some survivor's slots hold what the base maps do not (a torn commit)
+            diverged = sorted({int(x) for x in (held != base.physical_to_logical).any(dim=1).nonzero().flatten()})
             mark, cpu = time.perf_counter(), time.process_time()
-            new_placement = self._next_placement(cmd)
-            new_weights, bytes_moved, undo = self._redistribute(cmd, new_placement, executing_rank=new_rank)
+            new_placement = self._next_placement(cmd, base)
+            new_weights, bytes_moved, undo = self._redistribute(cmd, held, new_placement, executing_rank=new_rank)
             self._barrier_or_undo(undo)  # all or nothing: nobody adopts before every rank's transfers are done
             timing["transfer_seconds"] = time.perf_counter() - mark
             timing["transfer_cpu_seconds"] = time.process_time() - cpu
@@ -347,11 +360,21 @@ class Worker:
         self.report(p.PhaseDone, seq=cmd.seq, operation_id=cmd.operation_id, phase="Rescale", step=self.step,
                     detail={"retired": False, "bytes_received": bytes_moved, "seconds": time.perf_counter() - started,
                             "digest": placement_digest(self.eplb.placement), "num_physical": self.eplb.placement.num_physical,
-                            "placement_before": placement_before,
+                            "placement_before": placement_before, "diverged_layers": diverged,
                             "placement_after": self.eplb.placement.physical_to_logical.tolist(), **timing})
 
-    def _share_state(self, cmd: p.Rescale, new_rank: int, fresh: bool) -> None:
-        """The lowest surviving rank sends step, placement and load window to every rank of the new group."""
+    def _share_state(self, cmd: p.Rescale, new_rank: int, fresh: bool) -> tuple[Placement, torch.Tensor]:
+        """Agree on the state the new group starts from; returns ``(base placement, held rows)``.
+
+        The lowest surviving rank sends step, placement and load window to every rank of the
+        new group: its placement is the *base* the policy starts from. What the weights hold
+        may differ from it: after a peer died mid-all-reduce some survivors may have committed
+        an async layer that others did not. So each survivor also contributes its own maps, and
+        the *held* rows (``[layers, P]``) take each survivor's slots from that survivor's own
+        placement: the transfer plan moves experts from where they really are (an expert no
+        survivor holds is reloaded). A survivor's own placement stays untouched until it adopts
+        the new one, so a failed attempt leaves its maps matching its weights.
+        """
         survivors = [n for old, n in enumerate(cmd.mapping) if n >= 0 and old not in cmd.lost]
         source = min(survivors)
         payload = [None]
@@ -365,23 +388,30 @@ class Worker:
             }]
         dist.broadcast_object_list(payload, src=source)
         state = payload[0]
+        own = [None] * cmd.new_size
+        dist.all_gather_object(own, None if fresh else (self.rank, self.eplb.placement.physical_to_logical))
         self.step = state["step"]
-        old_placement = Placement.from_physical_to_logical(state["p2l"], self.spec.shape.num_experts)
+        base = Placement.from_physical_to_logical(state["p2l"], self.spec.shape.num_experts)
+        held = base.physical_to_logical.clone()
+        per_rank = held.shape[1] // len(cmd.mapping)
+        for entry in own:
+            if entry is not None:
+                old_rank, rows = entry
+                held[:, old_rank * per_rank : (old_rank + 1) * per_rank] = rows[:, old_rank * per_rank : (old_rank + 1) * per_rank]
         if fresh:
-            self.model = ReferenceMoE(self.spec.shape, old_placement, 0, 1, seed=self.spec.seed, materialize=False)
+            self.model = ReferenceMoE(self.spec.shape, base, 0, 1, seed=self.spec.seed, materialize=False)
             self.model.replace_weights([])
-            self.eplb = EPLBState(self.spec.eplb, self.model, old_placement, new_rank, cmd.new_size,
+            self.eplb = EPLBState(self.spec.eplb, self.model, base, new_rank, cmd.new_size,
                                   window=LoadWindow.from_state(state["window"]), on_event=self._eplb_event)
             self.eplb.hooks = self._hooks()
             self.eplb.stats = state["stats"]
             self.eplb.steps_since_rebalance = state["steps_since_rebalance"]
         else:
             self.eplb.window = LoadWindow.from_state(state["window"])
-            self.eplb.placement = old_placement
+        return base, held
 
-    def _next_placement(self, cmd: p.Rescale) -> Placement:
+    def _next_placement(self, cmd: p.Rescale, old: Placement) -> Placement:
         """The placement for the new group: same slots per rank, a policy run on the carried window."""
-        old = self.eplb.placement
         per_rank = old.num_physical // len(cmd.mapping)
         hosts = self.group.hosts
         if cmd.execute_on == "old":  # computed on the old group: the hosts of the survivors, in new rank order
@@ -392,8 +422,9 @@ class Worker:
             extra["rank_mapping"] = list(cmd.mapping)  # experts stay with the worker that holds them
         return placement_for(config, self.eplb.window.total(), per_rank * cmd.new_size, cmd.new_size, old, **extra)
 
-    def _redistribute(self, cmd: p.Rescale, new_placement: Placement, executing_rank: int):
-        """Move every layer to the new placement; returns ``(weights, bytes received, undo log)``.
+    def _redistribute(self, cmd: p.Rescale, held: torch.Tensor, new_placement: Placement, executing_rank: int):
+        """Move every layer from the ``held`` rows (``[layers, P_old]``: what each old rank's slots
+        hold) to the new placement; returns ``(weights, bytes received, undo log)``.
 
         A surviving rank keeps its weight tensors (slots per rank do not change): each layer is
         received into a one-layer staging buffer and only the changed slots are written in
@@ -401,9 +432,8 @@ class Worker:
         rescale that fails later is rolled back (:meth:`_undo`) and the old placement still
         matches the weights. A fresh rank allocates its weights.
         """
-        old = self.eplb.placement
         old_size = len(cmd.mapping)
-        per_rank = old.num_physical // old_size
+        per_rank = held.shape[1] // old_size
         lost = frozenset(cmd.lost)
         old_holder, new_holder = holders_from_mapping(list(cmd.mapping), cmd.new_size, cmd.execute_on, lost)
         my_new_rank = executing_rank if cmd.execute_on == "new" else cmd.mapping[self.rank]
@@ -419,10 +449,10 @@ class Worker:
         received = 0
         timeout = timedelta(seconds=self.spec.eplb.transfer_timeout_s)
         try:
-            for layer in range(old.num_layers):
+            for layer in range(held.shape[0]):
                 if any(k.after_layers == layer for k in self._faults(f.KillRank)):
                     os._exit(17)  # fault injection: die mid-redistribution
-                plan = plan_layer(old.physical_to_logical[layer], new_placement.physical_to_logical[layer],
+                plan = plan_layer(held[layer], new_placement.physical_to_logical[layer],
                                   per_rank, per_rank, old_holder, new_holder)
                 rank_plan = plan.for_rank(executing_rank)
                 target = staging if in_place else ([] if weights is None else weights[layer])
@@ -524,6 +554,7 @@ class Worker:
         except Exception as exc:  # noqa: BLE001 - a failed phase leaves the group unusable
             raise BrokenGroup(f"command failed at step {self.step}: {type(exc).__name__}: {exc}") from exc
         stalls = len(self.eplb.stats.sync_stall_seconds)
+        self._apply_commit_faults(reduced[1 : 1 + CONTROL_WORDS])
         mark, cpu = time.perf_counter(), time.thread_time()
         self.eplb.after_sync(reduced[1 : 1 + CONTROL_WORDS])
         eplb_seconds = self._control_seconds[0] + time.perf_counter() - mark

@@ -452,11 +452,16 @@ class EPLBState:
             self._abort_rebalance()
         elif self._release_in > 0:
             self._release_worker()  # pacing: the last commit's worker is still held back
-        elif self.in_flight is not None and not reduced[NOT_READY]:
+        elif self.commits_now(reduced):
             self._commit(self.ready)
         self.steps_since_rebalance += 1
         if self.steps_since_rebalance >= self.config.step_interval and not self.draining and self.all_idle:
             self.rebalance_now()
+
+    def commits_now(self, reduced: list[int]) -> bool:
+        """Whether :meth:`after_sync` with these reduced words commits the in-flight layer."""
+        return (self.config.enabled and not reduced[FAILED] and self._release_in <= 0
+                and self.in_flight is not None and not reduced[NOT_READY])
 
     @property
     def drained(self) -> bool:

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from elastic.coordinator import OperationStatus
-from elastic.faults import KillRank, StallRank
+from elastic.faults import KillRank, StallRank, TornCommit
 from tests.conftest import running, small_config
 from tests.helpers import assert_consistent
 
@@ -88,3 +88,24 @@ def test_rank_dying_mid_redistribution_rolls_back_the_survivors_in_place_writes(
         assert c.size == 2, "the survivors of the last consistent generation form the group"
         c.wait_for_step(c.snapshot()["step"] + 10)
         assert_consistent(c, 2)
+
+
+@pytest.mark.timeout(120)
+def test_recovery_moves_experts_from_what_each_survivor_holds_after_a_torn_commit():
+    # rank 1's step-boundary all-reduce breaks just before its first async commit while rank 0
+    # commits: the two survivors' maps differ by one layer. Recovery must plan from what each
+    # one holds (its own maps), not from rank 0's, or rank 1's slots of that layer are wrong.
+    config = small_config(ep_size=2, model=dict(num_layers=3, num_experts=8), eplb=dict(num_redundant_experts=8),
+                          timeouts=dict(collective=3, heartbeat=6))
+    with running(config, faults=[TornCommit(rank=1, at_commit=1, generation=0)]) as c:
+        _wait_state(c, "failed", timeout=60)
+        assert "group broken, no worker lost" in c.machine.failure_reason, c.machine.failure_reason
+        recovery = c.recover(timeout=90)
+        assert recovery.status == OperationStatus.SUCCEEDED, recovery.error
+        assert c.size == 2 and c.machine.state.value == "running"
+        c.wait_for_step(c.snapshot()["step"] + 10)
+        assert_consistent(c, 2)
+        # the survivors really had diverged (so the check above is the one this test is about)
+        _, seq = c._attempted[c.machine.generation]
+        diverged = {r.rank: r.detail["diverged_layers"] for r in c._done[seq].values()}
+        assert diverged[0] == diverged[1] and len(diverged[0]) == 1, diverged
