@@ -132,7 +132,7 @@ class Health(BaseModel):
 
 
 class RebalanceResult(BaseModel):
-    started: bool = Field(description="every rank confirmed it started a rebalance (false: one was already in flight)")
+    started: bool = Field(description="every rank confirmed a rebalance is under way: the requested one, or one already running (false: draining or suppressed)")
     confirmed: bool = Field(True, description="false when the ranks did not all confirm within timeout_s "
                             "(the request still reaches them at their next step boundary)")
     message: str | None = None

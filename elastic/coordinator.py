@@ -109,6 +109,7 @@ class WorkerRecord:
     expected_exit: bool = False
     lost_reason: str | None = None
     dead_since: float | None = None
+    standby: bool = False  # launched ahead of a scale-up, not yet sent its Rescale: in no group
 
 
 class Coordinator:
@@ -134,6 +135,7 @@ class Coordinator:
         self._broken_group: tuple[float, p.WorkerError] | None = None  # the first broken-group report, while unexplained
         self.events: list[p.WorkerEvent] = []
         self._seq = itertools.count(1)
+        self._standby_ids = itertools.count(-1, -1)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._store: dist.TCPStore | None = None
@@ -194,19 +196,24 @@ class Coordinator:
             except Exception:  # noqa: BLE001 - a subscriber never breaks the control plane
                 log.exception("subscriber failed on %s", kind)
 
-    def _launch(self, rank: int, size: int, generation: int, first_command: p.Rescale | None = None) -> WorkerRecord:
+    def _launch(self, rank: int, size: int, generation: int, *, joining: bool = False, standby_seq: int = 0) -> WorkerRecord:
+        """Start one worker: a rank of the first group, or (``joining``) one that stands by for
+        the scale-up to ``size`` that will form ``generation``."""
         assert self._store is not None
         cfg = self.config
+        t = cfg.timeouts
         spec = WorkerSpec(
             rank=rank, size=size, generation=generation, store_host=cfg.store_advertise_host, store_port=self._store.port,
             shape=cfg.model, eplb=cfg.eplb, trace=tuple((ph.start_step, ph.trace) for ph in cfg.trace),
-            seed=cfg.seed, num_physical=self.num_physical, backend=cfg.backend,
-            collective_timeout_s=cfg.timeouts.collective, join_timeout_s=cfg.timeouts.worker_start,
-            heartbeat_s=cfg.heartbeat_s, step_delay_s=cfg.step_delay_s, first_command=first_command,
+            seed=cfg.seed, num_physical=cfg.slots_per_rank * size, backend=cfg.backend,
+            collective_timeout_s=t.collective, join_timeout_s=t.worker_start,
+            heartbeat_s=cfg.heartbeat_s, step_delay_s=cfg.step_delay_s, joining=joining, standby_seq=standby_seq,
+            # standing by lasts through draining and suppressed (the scale fails past those)
+            standby_timeout_s=t.worker_start + t.draining + t.suppressed,
             faults=tuple(self.faults),
         )
         handle = self.launcher.launch(spec)
-        record = WorkerRecord(handle, rank, generation)
+        record = WorkerRecord(handle, rank, generation, standby=joining)
         with self._lock:
             self.workers[handle.pid] = record
         return record
@@ -349,7 +356,7 @@ class Coordinator:
     def live_workers(self) -> list[WorkerRecord]:
         with self._lock:
             return sorted((w for w in self.workers.values() if not w.expected_exit and w.lost_reason is None
-                           and w.handle.is_alive()), key=lambda w: w.rank)
+                           and not w.standby and w.handle.is_alive()), key=lambda w: w.rank)
 
     def _broadcast(self, command_type: type, records: list[WorkerRecord] | None = None, **fields: Any) -> int:
         seq = next(self._seq)
@@ -549,33 +556,63 @@ class Coordinator:
         timeouts = self.config.timeouts
         if op.status == OperationStatus.PENDING and not self._run_before_hooks(op):
             return
+        joining: list[WorkerRecord] = []
         try:
             with self._lock:
                 op.phases.setdefault(Phase.DRAINING.value, {"started": time.monotonic()})
             old = self.live_workers()
             pids = {w.handle.pid for w in old}
+            # the new group's layout is fixed now (hosts contiguous), and its joining ranks start
+            # at once: process start and weight allocation overlap draining, not the pause
+            mapping = plan_mapping(self.launcher, [w.handle for w in old], self.size, op.target_size)
+            generation = self._reserve_generation()
+            # the joining ranks report "ready" (weights allocated, registered) under this number;
+            # negative: command seqs must stay contiguous, and no command has one
+            ready = next(self._standby_ids)
+            joining = [self._launch(rank, mapping.new_size, generation, joining=True, standby_seq=ready)
+                       for rank in mapping.joining]
             # 1. draining: finish in-flight layers, start nothing new; decoding goes on
             seq = self._broadcast(p.Drain, operation_id=op.id)
+            if joining:  # the pause starts only once they are ready: the old group decodes meanwhile
+                self._await(ready, {w.handle.pid for w in joining}, "draining", timeouts.worker_start, operation=op)
             self._await(seq, pids, "draining", timeouts.draining, operation=op)
             self.machine.drained(reason="every in-flight layer committed on every rank")
             # 2. suppressed: join the EPLB threads everywhere
             self._enter(op, Phase.SUPPRESSED.value)
-            seq = self._broadcast(p.Suppress, operation_id=op.id)
+            # a scale down is announced: its placement is computed while the ranks still decode
+            down = mapping.new_size < self.size
+            seq = self._broadcast(p.Suppress, operation_id=op.id, new_size=mapping.new_size if down else 0,
+                                  mapping=tuple(mapping.old_to_new) if down else ())
             self._await(seq, pids, "suppressed", timeouts.suppressed, operation=op)
-            mapping = plan_mapping(self.launcher, [w.handle for w in old], self.size, op.target_size)  # hosts contiguous
             self.machine.suppressed(reason=f"EPLB threads joined; mapping {mapping}")
             # 3. rescaling: move experts, replace the group (decoding paused)
             self._enter(op, Phase.RESCALING.value)
-            self._rescale(op, mapping, old, lost=())
+            self._rescale(op, mapping, old, lost=(), generation=generation, joining=joining)
             # 4. resuming: rebuild the EPLB group and restart the async worker
             self._enter(op, Phase.RESUMING.value)
             self._resume(op)
             self._finish(op, OperationStatus.SUCCEEDED)
         except (OperationFailed, ElasticError) as exc:
+            self._retire_standby(joining)
             self._fail(op, str(exc))
         except Exception as exc:  # noqa: BLE001 - an operation thread reports, never raises across threads
             log.exception("operation %s crashed", op.id)
+            self._retire_standby(joining)
             self._fail(op, f"{type(exc).__name__}: {exc}")
+
+    def _reserve_generation(self) -> int:
+        """The next generation number. One is never reused, even after a failed attempt: its
+        store keys may linger."""
+        with self._lock:
+            self._last_generation = max(self._last_generation, self.machine.generation) + 1
+            return self._last_generation
+
+    def _retire_standby(self, joining: list[WorkerRecord]) -> None:
+        """The scale failed before these ranks were sent their Rescale: they never joined anything."""
+        for w in joining:
+            if w.standby:
+                w.expected_exit = True
+                w.handle.kill()
 
     def _fail(self, op: Operation, reason: str) -> None:
         if self.machine.state != Phase.FAILED:
@@ -585,10 +622,11 @@ class Coordinator:
                 pass
         self._finish(op, OperationStatus.FAILED, reason)
 
-    def _rescale(self, op: Operation, mapping: RankMapping, old: list[WorkerRecord], lost: tuple[int, ...]) -> None:
-        # a generation number is never reused, even after a failed attempt: its store keys may linger
+    def _rescale(self, op: Operation, mapping: RankMapping, old: list[WorkerRecord], lost: tuple[int, ...],
+                 generation: int, joining: list[WorkerRecord] = ()) -> None:
+        """Send the Rescale to the surviving ranks of ``old`` and to the ``joining`` ranks (standing
+        by since the operation began) and wait for every one of them."""
         with self._lock:
-            self._last_generation = generation = max(self._last_generation, self.machine.generation) + 1
             seq = next(self._seq)
             self._attempted[generation] = (mapping.new_size, seq)
         new_size = mapping.new_size
@@ -596,10 +634,10 @@ class Coordinator:
         command = p.Rescale(seq=seq, operation_id=op.id, generation=generation, new_size=new_size,
                             mapping=tuple(mapping.old_to_new), lost=lost, execute_on=execute_on)
         participants = [w for w in old if w.rank not in lost]
-        for w in participants:
+        for w in participants + list(joining):
             w.handle.inbox.put(command)
-        fresh = [self._launch(rank, new_size, generation, first_command=command) for rank in mapping.joining]
-        pids = {w.handle.pid for w in participants + fresh}
+            w.standby = False  # in the new group from here on (a failed attempt's recovery retires it)
+        pids = {w.handle.pid for w in participants + list(joining)}
         started = time.monotonic()
         try:
             reports = self._await(seq, pids, "rescaling", self.config.timeouts.rescaling, operation=op,
@@ -639,7 +677,7 @@ class Coordinator:
                 if w.handle.pid not in keep and w.handle.is_alive():
                     w.expected_exit = True
                     w.handle.kill()  # retired: a fresh rank of a failed attempt, or a lost one
-            self._rescale(op, mapping, survivors, lost=lost_ranks)
+            self._rescale(op, mapping, survivors, lost=lost_ranks, generation=self._reserve_generation())
             self._enter(op, Phase.RESUMING.value)
             self._resume(op)
             self._finish(op, OperationStatus.SUCCEEDED)
@@ -663,7 +701,8 @@ class Coordinator:
 
     # -- other operations ------------------------------------------------------------------
     def rebalance(self, timeout: float = 30.0) -> bool:
-        """Ask every rank to start a rebalance at the next step boundary; True if one started."""
+        """Ask every rank to start a rebalance at the next step boundary; True if one is under way on
+        every rank then (this one, or one that was already running)."""
         if self.machine.state != Phase.RUNNING:
             raise ScaleConflict(self._current.id if self._current else None, self.machine.state, self.machine.allowed())
         live = self.live_workers()

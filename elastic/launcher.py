@@ -333,7 +333,7 @@ class CommandLauncher(StoreChannelLauncher):
         return mapping
 
     def launch(self, spec: WorkerSpec) -> CommandWorker:
-        host_name = self._planned.pop(spec.rank, None) if spec.first_command is not None else None
+        host_name = self._planned.pop(spec.rank, None) if spec.joining else None
         if host_name is None:
             host_name = self.layout(spec.size)[spec.rank]
         host = next(h for h in self.options.hosts if h.name == host_name)

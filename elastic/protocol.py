@@ -27,7 +27,15 @@ class Drain(Command):
 
 @dataclass(frozen=True)
 class Suppress(Command):
-    """Stop and join the async EPLB thread; report when it is gone."""
+    """Stop and join the async EPLB thread; report when it is gone.
+
+    ``new_size``/``mapping`` announce the scale down that follows (empty: nothing announced):
+    every rank computes the new placement right then, at the same step and from the same
+    window, while it still decodes, so the rescale's pause only moves weights.
+    """
+
+    new_size: int = 0
+    mapping: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -358,7 +358,7 @@ class Replayer:
             started = self.coordinator.rebalance()
         except ElasticError as exc:
             return _Outcome(False, f"refused: {exc}")
-        return _Outcome(bool(started), "started" if started else "did not start (one in flight, or draining)")
+        return _Outcome(bool(started), "started" if started else "did not start (draining or suppressed)")
 
     def _autoscaler(self, event: AutoscalerEvent) -> _Outcome:
         if self.autoscaler is None:

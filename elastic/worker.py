@@ -29,9 +29,9 @@ import torch.distributed as dist
 
 from eplb.communicator import make_communicator
 from eplb.config import EPLBConfig
-from eplb.model import ModelShape, ReferenceMoE
+from eplb.model import ModelShape, ReferenceMoE, allocate_weights
 from eplb.placement import Placement
-from eplb.plan import holders_from_mapping, plan_layer
+from eplb.plan import LayerPlan, holders_from_mapping, plan_layer
 from eplb.state import CONTROL_WORDS, EPLBState, LoadWindow, TransferHooks, placement_for
 from eplb.trace import PhasedTrace, TraceConfig
 from eplb.transfer import commit_layer, execute_layer, materialize
@@ -61,7 +61,11 @@ class WorkerSpec:
     join_timeout_s: float = 60.0
     heartbeat_s: float = 0.1
     step_delay_s: float = 0.0  # optional pacing of the decode loop (replays at a readable speed)
-    first_command: p.Rescale | None = None  # a fresh rank joining by a scale-up starts here
+    # a rank launched ahead of a scale-up: it prepares its weights while the old group still
+    # decodes and waits (at most standby_timeout_s) for its Rescale, the first command it runs
+    joining: bool = False
+    standby_timeout_s: float = 120.0
+    standby_seq: int = 0  # the seq its "ready" report carries (PhaseDone, phase "Standby")
     faults: tuple[Any, ...] = field(default_factory=tuple)  # fault injections (tests, scenarios)
 
 
@@ -99,6 +103,9 @@ class Worker:
         self.model: ReferenceMoE | None = None
         self.eplb: EPLBState | None = None
         self._fired: set[Any] = set()
+        self._prepared_weights: list[list[torch.Tensor]] | None = None  # a joining rank's, allocated while standing by
+        # (announced scale down, maps then, its placement and layer plans), from Suppress to Rescale
+        self._announced: tuple[p.Rescale, Placement, Placement, list[LayerPlan]] | None = None
         self._corrupted = 0
 
     # -- reporting -------------------------------------------------------------------------
@@ -157,10 +164,12 @@ class Worker:
     # -- startup ---------------------------------------------------------------------------
     def start(self) -> None:
         spec = self.spec
-        if spec.first_command is not None:  # a fresh rank: it joins through the rescale
-            self.received_seq = self.executed_seq = spec.first_command.seq
-            self._apply_phase_faults(spec.first_command)
-            self._rescale(spec.first_command, fresh=True)
+        if spec.joining:  # a fresh rank: it joins through the rescale
+            command = self._standby()
+            if command is not None:
+                self.received_seq = self.executed_seq = command.seq
+                self._apply_phase_faults(command)
+                self._rescale(command, fresh=True)
             return
         with self._busy("starting"):
             self.group = GroupGeneration.join(self.store, self.generation, self.rank, self.size,
@@ -172,6 +181,42 @@ class Worker:
         self.eplb.hooks = self._hooks()
         self._resume_eplb()
         self.report(p.PhaseDone, seq=0, phase="Started", step=self.step, detail={"num_physical": placement.num_physical})
+
+    def _standby(self) -> p.Rescale | None:
+        """Launched ahead of a scale-up: allocate the weights and fault their pages in now, while
+        the old group still decodes (on the pause this is pure cost), then wait for the Rescale.
+
+        Returns it, or None after a Shutdown (the scale failed before its rescale). Reports
+        keep coming, so the coordinator tells a waiting rank from a dead one; a coordinator that
+        never sends either is given up on after ``standby_timeout_s``.
+        """
+        spec = self.spec
+        self.mode = "standby"
+        started = time.perf_counter()
+        self._prepared_weights = allocate_weights(spec.shape, spec.num_physical // spec.size)
+        for layer in self._prepared_weights:
+            for tensor in layer:
+                tensor.zero_()  # touch every page: the kernel maps them now, not during the transfer
+        self.comm.set_incoming(self._prepared_weights)  # memory registration (NIXL), also ahead of the pause
+        # ready: the coordinator starts the pause only now, so the old group decodes meanwhile
+        self.report(p.PhaseDone, seq=spec.standby_seq, phase="Standby", step=self.step,
+                    detail={"prepare_seconds": time.perf_counter() - started})
+        deadline = time.monotonic() + spec.standby_timeout_s
+        while time.monotonic() < deadline:
+            self._maybe_heartbeat(0.0, None, force=True)
+            try:
+                command = self.inbox.get(timeout=spec.heartbeat_s)
+            except queue.Empty:
+                continue
+            if isinstance(command, p.Rescale):
+                return command
+            if isinstance(command, p.Shutdown):
+                self.stopping = True
+                self._done(command, {})
+                return None
+            self.report(p.WorkerError, step=self.step, where="standby", error_type="Refused", fatal=False,
+                        message=f"{type(command).__name__} refused: this rank has not joined a group yet")
+        raise TimeoutError(f"standing by for a scale-up, no Rescale arrived within {spec.standby_timeout_s:.0f}s")
 
     def _resume_eplb(self) -> None:
         self._attach_comm(self.group.generation)
@@ -224,8 +269,16 @@ class Worker:
             if not gone:
                 raise TimeoutError("the async EPLB thread did not stop in time")
             self.mode = "suppressed"
-            self._done(command, {"join_seconds": time.perf_counter() - started,
-                                 "threads": _thread_names()})
+            joined = time.perf_counter() - started
+            self._announced = None
+            if command.mapping:  # a scale down follows: its placement is computed now, not in the pause
+                announced = p.Rescale(seq=command.seq, new_size=command.new_size, mapping=command.mapping, execute_on="old")
+                base = self.eplb.placement
+                placement = self._next_placement(announced, base, base.physical_to_logical)
+                plans = self._layer_plans(announced, base.physical_to_logical, placement)
+                self._announced = (announced, base, placement, plans)
+            self._done(command, {"join_seconds": joined, "threads": _thread_names(), "announced": bool(command.mapping),
+                                 "placement_seconds": time.perf_counter() - started - joined})
         elif isinstance(command, p.Rescale):
             self._rescale(command, fresh=False)
         elif isinstance(command, p.Resume):
@@ -236,7 +289,10 @@ class Worker:
         elif isinstance(command, p.RebalanceNow):
             if not self.eplb.draining and self.eplb.all_idle:
                 self.eplb.rebalance_now()
-            self._done(command, {"started": self.eplb.in_flight is not None or not self.spec.eplb.use_async})
+            # under way counts as started: in flight here, or still busy on another rank (agreed
+            # BUSY) after this rank's own worker already finished
+            under_way = self.eplb.in_flight is not None or not self.eplb.all_idle
+            self._done(command, {"started": under_way or not self.spec.eplb.use_async})
         elif isinstance(command, p.Verify):
             self._done(command, self._verify())
         elif isinstance(command, p.Shutdown):
@@ -308,16 +364,22 @@ class Worker:
             # sent out over the old group, and only then is the group replaced
             # drained: every rank committed the same layers, so its own maps are everyone's
             base, diverged = self.eplb.placement, []
-            placement_before = base.physical_to_logical.tolist()
+            placement_before = base.physical_to_logical  # (a list only in the report)
             mark, cpu = time.perf_counter(), time.process_time()
-            new_placement = self._next_placement(cmd, base)
-            new_weights, bytes_moved, undo = self._redistribute(cmd, base.physical_to_logical, new_placement,
-                                                                executing_rank=self.rank)
-            self._barrier_or_undo(undo)  # every rank's transfers are done before anyone tears the group down
+            announced = self._announced_plan(cmd, base)
+            timing["announced"] = announced is not None  # placement and plans made at Suppress
+            new_placement, plans = announced or (self._next_placement(cmd, base, base.physical_to_logical), None)
+            timing["placement_seconds"] = time.perf_counter() - mark
+            new_weights, bytes_moved, undo, networked = self._redistribute(cmd, base.physical_to_logical, new_placement,
+                                                                           executing_rank=self.rank, plans=plans)
+            barrier = time.perf_counter()
+            if networked:  # every rank's transfers are done before anyone tears the group down
+                self._barrier_or_undo(undo)  # (without any, the next rendezvous is the meeting point)
+            timing["barrier_seconds"] = time.perf_counter() - barrier
             timing["transfer_seconds"] = time.perf_counter() - mark
             timing["transfer_cpu_seconds"] = time.process_time() - cpu
             mark = time.perf_counter()
-            self.group.destroy()
+            self._destroy_group()
             if new_rank < 0:
                 timing["group_seconds"] = time.perf_counter() - mark
                 self._retire(cmd, started, bytes_moved, timing)
@@ -330,12 +392,13 @@ class Worker:
                 self._undo(undo)  # the weights go back to the old placement this rank still has
                 raise
             timing["group_seconds"] = time.perf_counter() - mark
+            mark = time.perf_counter()
             self._adopt(new_rank, cmd, new_placement, new_weights)
+            timing["adopt_seconds"] = time.perf_counter() - mark
         else:
             # scale up or recovery: form the new group first, then move over it
             mark = time.perf_counter()
-            if self.group is not None:
-                self.group.destroy()
+            self._destroy_group()
             if new_rank < 0:
                 timing["group_seconds"] = time.perf_counter() - mark
                 self._retire(cmd, started, 0, timing)
@@ -345,22 +408,29 @@ class Worker:
                                               rendezvous_timeout_s=spec.join_timeout_s)
             timing["group_seconds"] = time.perf_counter() - mark
             base, held = self._share_state(cmd, new_rank, fresh)
-            placement_before = held.tolist()
+            placement_before = held
             # layers where some survivor's slots hold what the base maps do not (a torn commit)
             diverged = sorted({int(x) for x in (held != base.physical_to_logical).any(dim=1).nonzero().flatten()})
             mark, cpu = time.perf_counter(), time.process_time()
-            new_placement = self._next_placement(cmd, base)
-            new_weights, bytes_moved, undo = self._redistribute(cmd, held, new_placement, executing_rank=new_rank)
-            self._barrier_or_undo(undo)  # all or nothing: nobody adopts before every rank's transfers are done
+            new_placement = self._next_placement(cmd, base, held)
+            timing["placement_seconds"] = time.perf_counter() - mark
+            new_weights, bytes_moved, undo, networked = self._redistribute(cmd, held, new_placement,
+                                                                           executing_rank=new_rank)
+            barrier = time.perf_counter()
+            if networked:  # all or nothing: nobody adopts before every rank's transfers are done
+                self._barrier_or_undo(undo)
+            timing["barrier_seconds"] = time.perf_counter() - barrier
             timing["transfer_seconds"] = time.perf_counter() - mark
             timing["transfer_cpu_seconds"] = time.process_time() - cpu
+            mark = time.perf_counter()
             self._adopt(new_rank, cmd, new_placement, new_weights)
+            timing["adopt_seconds"] = time.perf_counter() - mark
         self.broken = False
         self.mode = "resuming"
         self.report(p.PhaseDone, seq=cmd.seq, operation_id=cmd.operation_id, phase="Rescale", step=self.step,
                     detail={"retired": False, "bytes_received": bytes_moved, "seconds": time.perf_counter() - started,
                             "digest": placement_digest(self.eplb.placement), "num_physical": self.eplb.placement.num_physical,
-                            "placement_before": placement_before, "diverged_layers": diverged,
+                            "placement_before": placement_before.tolist(), "diverged_layers": diverged,
                             "placement_after": self.eplb.placement.physical_to_logical.tolist(), **timing})
 
     def _share_state(self, cmd: p.Rescale, new_rank: int, fresh: bool) -> tuple[Placement, torch.Tensor]:
@@ -410,8 +480,27 @@ class Worker:
             self.eplb.window = LoadWindow.from_state(state["window"])
         return base, held
 
-    def _next_placement(self, cmd: p.Rescale, old: Placement) -> Placement:
-        """The placement for the new group: same slots per rank, a policy run on the carried window."""
+    def _announced_plan(self, cmd: p.Rescale, base: Placement) -> tuple[Placement, list[LayerPlan]] | None:
+        """The placement and layer plans computed at Suppress for this very scale down, if nothing
+        changed since (same mapping and size, same maps: the EPLB was off); None otherwise."""
+        announced, self._announced = self._announced, None
+        if announced is None:
+            return None
+        plan, maps, placement, plans = announced
+        if (plan.mapping, plan.new_size) != (cmd.mapping, cmd.new_size) or cmd.lost or not maps.equals(base):
+            return None
+        return placement, plans
+
+    def _layer_plans(self, cmd: p.Rescale, held: torch.Tensor, new_placement: Placement) -> list[LayerPlan]:
+        """Every layer's transfer plan from the ``held`` rows to ``new_placement`` (pure)."""
+        per_rank = held.shape[1] // len(cmd.mapping)
+        old_holder, new_holder = holders_from_mapping(list(cmd.mapping), cmd.new_size, cmd.execute_on, frozenset(cmd.lost))
+        return [plan_layer(held[layer], new_placement.physical_to_logical[layer], per_rank, per_rank, old_holder, new_holder)
+                for layer in range(held.shape[0])]
+
+    def _next_placement(self, cmd: p.Rescale, old: Placement, held: torch.Tensor) -> Placement:
+        """The placement for the new group: same slots per rank, a policy run on the carried window,
+        slot-aligned to what the surviving ranks hold (``held``), so they keep those slots in place."""
         per_rank = old.num_physical // len(cmd.mapping)
         hosts = self.group.hosts
         if cmd.execute_on == "old":  # computed on the old group: the hosts of the survivors, in new rank order
@@ -420,30 +509,42 @@ class Worker:
         extra = {}
         if config.policy == "migration_aware" and "rank_mapping" not in config.policy_options:
             extra["rank_mapping"] = list(cmd.mapping)  # experts stay with the worker that holds them
-        return placement_for(config, self.eplb.window.total(), per_rank * cmd.new_size, cmd.new_size, old, **extra)
+        survivors = [-1 if r in cmd.lost else n for r, n in enumerate(cmd.mapping)]
+        return placement_for(config, self.eplb.window.total(), per_rank * cmd.new_size, cmd.new_size, old,
+                             held=held, held_mapping=survivors, **extra)
 
-    def _redistribute(self, cmd: p.Rescale, held: torch.Tensor, new_placement: Placement, executing_rank: int):
+    def _redistribute(self, cmd: p.Rescale, held: torch.Tensor, new_placement: Placement, executing_rank: int,
+                      plans: list[LayerPlan] | None = None):
         """Move every layer from the ``held`` rows (``[layers, P_old]``: what each old rank's slots
-        hold) to the new placement; returns ``(weights, bytes received, undo log)``.
+        hold) to the new placement; returns ``(weights, bytes received, undo log, networked)``,
+        ``networked`` being whether any rank moved anything over the network (the plan is global,
+        so every rank gets the same answer).
 
         A surviving rank keeps its weight tensors (slots per rank do not change): each layer is
         received into a one-layer staging buffer and only the changed slots are written in
         place, after the layer's sends are done. Their previous contents go to an undo log, so a
         rescale that fails later is rolled back (:meth:`_undo`) and the old placement still
-        matches the weights. A fresh rank allocates its weights.
+        matches the weights. A fresh rank allocates its weights. ``plans`` are the layer plans
+        when already computed (:meth:`_layer_plans`).
         """
-        old_size = len(cmd.mapping)
-        per_rank = held.shape[1] // old_size
-        lost = frozenset(cmd.lost)
-        old_holder, new_holder = holders_from_mapping(list(cmd.mapping), cmd.new_size, cmd.execute_on, lost)
+        per_rank = held.shape[1] // len(cmd.mapping)
+        plans = self._layer_plans(cmd, held, new_placement) if plans is None else plans
         my_new_rank = executing_rank if cmd.execute_on == "new" else cmd.mapping[self.rank]
         old_weights = self.model.expert_weights() if self.model.expert_weights() else None
         in_place = my_new_rank >= 0 and old_weights is not None
+        networked = any(plan.num_transfers for plan in plans)
+        if not networked and (in_place or my_new_rank < 0) and all(
+                plan.for_rank(executing_rank).is_idle for plan in plans):
+            return old_weights if in_place else None, 0, [], False  # nothing moves anywhere, nothing here changes
         if in_place:
             weights = old_weights
             staging = [torch.empty_like(t) for t in old_weights[0]]
         else:
-            weights = self.model.allocate(per_rank) if my_new_rank >= 0 else None
+            weights = None
+            if my_new_rank >= 0:
+                prepared, self._prepared_weights = self._prepared_weights, None
+                fits = prepared is not None and all(t.shape[0] == per_rank for layer in prepared for t in layer)
+                weights = prepared if fits else self.model.allocate(per_rank)
         undo: list[tuple[int, int, list[torch.Tensor]]] = []
         self._comm_for_rescale(cmd, None if in_place else weights, staging if in_place else None)
         received = 0
@@ -452,8 +553,7 @@ class Worker:
             for layer in range(held.shape[0]):
                 if any(k.after_layers == layer for k in self._faults(f.KillRank)):
                     os._exit(17)  # fault injection: die mid-redistribution
-                plan = plan_layer(held[layer], new_placement.physical_to_logical[layer],
-                                  per_rank, per_rank, old_holder, new_holder)
+                plan = plans[layer]
                 rank_plan = plan.for_rank(executing_rank)
                 target = staging if in_place else ([] if weights is None else weights[layer])
                 stats = execute_layer(
@@ -471,7 +571,7 @@ class Worker:
         except BaseException:
             self._undo(undo)
             raise
-        return weights, received, undo
+        return weights, received, undo, networked
 
     def _attach_comm(self, generation: int) -> None:
         """The communicator follows the group generation: NIXL forgets the peers of the previous
@@ -490,6 +590,15 @@ class Worker:
         self.comm.set_incoming(incoming)
         if staging is not None:
             self.comm.add_buffer(staging, transient=True)
+
+    def _destroy_group(self) -> None:
+        """Tear down this generation's groups. The EPLB subgroup's last reference goes with them:
+        its gloo teardown (closing pairs, joining threads) belongs to replacing the group, not
+        to whatever later line happens to drop the reference."""
+        if self.eplb is not None:
+            self.eplb.group = None
+        if self.group is not None:
+            self.group.destroy()
 
     def _retire(self, cmd: p.Rescale, started: float, bytes_moved: int, timing: dict[str, float]) -> None:
         """This rank has no place in the new group: report it and leave the decode loop."""
@@ -527,7 +636,6 @@ class Worker:
         self.model.replace_weights(weights)
         self.eplb.placement = placement
         self.eplb.rank, self.eplb.num_ranks = new_rank, cmd.new_size
-        self.eplb.group = None
         self.eplb.draining = True  # the EPLB stays off until Resume restarts it on the new group
 
     # -- the decode loop -------------------------------------------------------------------
@@ -640,11 +748,14 @@ class Worker:
         self.report(p.WorkerError, step=self.step, where="decode", error_type=type(exc).__name__,
                     message=str(exc), traceback=traceback.format_exc(), fatal=False, seq=self.executed_seq)
         if self.eplb is not None and self.eplb.worker is not None:
-            # a transfer on the EPLB group ends within its own deadline; only then may the group go
-            if not self.eplb.stop_worker(timeout=self.spec.eplb.transfer_timeout_s + self.spec.collective_timeout_s):
+            # a transfer on the EPLB group ends within its own deadline; only then may the group go.
+            # That can take a while (a peer's side of the transfer is gone), so keep reporting: a
+            # rank waiting here is broken, not lost.
+            with self._busy("broken"):
+                stopped = self.eplb.stop_worker(timeout=self.spec.eplb.transfer_timeout_s + self.spec.collective_timeout_s)
+            if not stopped:
                 raise RuntimeError("the async EPLB thread did not stop: the group cannot be destroyed safely")
-        if self.group is not None:
-            self.group.destroy()
+        self._destroy_group()
         self.group = None
 
     def run(self) -> None:

@@ -492,6 +492,10 @@ class NixlCommunicator(Communicator):
 
     def set_incoming(self, weights: Sequence[Sequence[torch.Tensor] | None] | None) -> None:
         with self._lock:
+            if weights is not None and self._incoming is not None:
+                by_layer, flat = _flatten(weights)
+                if self._incoming.same_tensors(flat):
+                    return  # registered ahead (a joining rank standing by): keep the registration
             if self._incoming is not None:
                 self._deregister(self._incoming)
             self._incoming = None

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from eplb.placement import Placement
 from eplb.trace import seed_for
 
-__all__ = ["MixtureOfExperts", "ModelShape", "ReferenceMoE", "split_over_replicas"]
+__all__ = ["MixtureOfExperts", "ModelShape", "ReferenceMoE", "allocate_weights", "split_over_replicas"]
 
 
 @runtime_checkable
@@ -90,6 +90,15 @@ def split_over_replicas(logical_counts: torch.Tensor, placement: Placement, offs
     return counts // replicas + gets_extra.long()
 
 
+def allocate_weights(shape: ModelShape, num_local: int) -> list[list[torch.Tensor]]:
+    """Uninitialized expert weights for ``num_local`` slots: per layer ``[w1 [S, H, I], w2 [S, I, H]]``."""
+    return [
+        [torch.empty(num_local, shape.hidden_size, shape.intermediate_size, dtype=shape.torch_dtype),
+         torch.empty(num_local, shape.intermediate_size, shape.hidden_size, dtype=shape.torch_dtype)]
+        for _ in range(shape.num_layers)
+    ]
+
+
 class ReferenceMoE:
     """A real MoE block per layer on one EP rank: ``y = relu(x @ w1) @ w2`` for each local slot."""
 
@@ -122,12 +131,7 @@ class ReferenceMoE:
 
     # -- weights ------------------------------------------------------------------------
     def allocate(self, num_local: int) -> list[list[torch.Tensor]]:
-        s = self.shape
-        return [
-            [torch.empty(num_local, s.hidden_size, s.intermediate_size, dtype=s.torch_dtype),
-             torch.empty(num_local, s.intermediate_size, s.hidden_size, dtype=s.torch_dtype)]
-            for _ in range(s.num_layers)
-        ]
+        return allocate_weights(self.shape, num_local)
 
     def replace_weights(self, weights: list[list[torch.Tensor]]) -> None:
         self._weights = weights

@@ -22,6 +22,7 @@ __all__ = [
     "Placement",
     "PlacementError",
     "RankView",
+    "align_slots",
     "build_logical_to_physical",
     "static_physical_to_logical",
     "validate_physical_to_logical",
@@ -202,3 +203,76 @@ class Placement:
 
     def equals(self, other: "Placement") -> bool:
         return torch.equal(self.physical_to_logical, other.physical_to_logical)
+
+
+def align_slots(
+    new_p2l: torch.Tensor,
+    held_p2l: torch.Tensor,
+    slots_per_rank: int,
+    rank_mapping: list[int] | tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """Reorder each rank's slots so that an expert the rank already holds stays in its slot.
+
+    Inside one rank the order of slots is free: routing, load and balance depend only on
+    which experts a rank holds, not where. A policy that packs from scratch reshuffles them
+    anyway, and every reshuffled slot is a local copy (plus an undo entry during a rescale).
+    This keeps the per-rank multisets of ``new_p2l`` and only permutes within a rank, so the
+    result is exactly as balanced and every rank still receives the same experts.
+
+    Args:
+        new_p2l: ``[layers, R_new * S]`` the policy's placement.
+        held_p2l: ``[layers, R_old * S]`` what each old rank's slots hold now.
+        slots_per_rank: ``S``, the same before and after.
+        rank_mapping: ``rank_mapping[old] = new`` rank, ``-1`` for a rank that leaves or is
+            lost; default the identity (a rebalance on the same group).
+
+    Returns:
+        ``[layers, R_new * S]`` int64, a new tensor (inputs are not modified).
+
+    Steps, per layer and per new rank ``n`` that was old rank ``o``:
+        1. count the experts the policy gave ``n``;
+        2. slot by slot, keep ``o``'s expert where ``n`` still gets a replica of it;
+        3. put the remaining experts, in the policy's order, into the remaining slots.
+    """
+    s = slots_per_rank
+    old_ranks = held_p2l.shape[1] // s
+    new_ranks = new_p2l.shape[1] // s
+    mapping = list(range(min(old_ranks, new_ranks))) + [-1] * max(0, old_ranks - new_ranks) \
+        if rank_mapping is None else [int(m) for m in rank_mapping]
+    if len(mapping) != old_ranks:
+        raise PlacementError(f"rank_mapping has {len(mapping)} entries for {old_ranks} old ranks")
+    out = new_p2l.to(torch.int64).clone()
+    new_rows, held_rows = out.tolist(), held_p2l.tolist()
+    for layer, (new_row, held_row) in enumerate(zip(new_rows, held_rows)):
+        changed = False
+        for o, n in enumerate(mapping):
+            if not 0 <= n < new_ranks:
+                continue
+            given = new_row[n * s : (n + 1) * s]
+            held = held_row[o * s : (o + 1) * s]
+            if given == held:
+                continue
+            # 1. what the policy gave this rank, by expert
+            left: dict[int, int] = {}
+            for e in given:
+                left[e] = left.get(e, 0) + 1
+            # 2. keep what the rank holds in place
+            slots: list[int | None] = [None] * s
+            for j, e in enumerate(held):
+                if left.get(e, 0) > 0:
+                    slots[j] = e
+                    left[e] -= 1
+            # 3. the rest, in the policy's order, into the free slots
+            rest: list[int] = []
+            for e in given:
+                if left[e] > 0:
+                    rest.append(e)
+                    left[e] -= 1
+            fill = iter(rest)
+            aligned = [e if e is not None else next(fill) for e in slots]
+            if aligned != given:
+                new_row[n * s : (n + 1) * s] = aligned
+                changed = True
+        if changed:
+            out[layer] = torch.tensor(new_row, dtype=torch.int64)
+    return out

@@ -29,13 +29,13 @@ import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from eplb.algorithm import compute_placement
 from eplb.config import EPLBConfig
-from eplb.placement import Placement
+from eplb.placement import Placement, align_slots
 from eplb.plan import plan_layer
 from eplb.transfer import TransferStats, commit_layer, execute_layer
 
@@ -91,12 +91,28 @@ def balancedness_of(physical_counts: torch.Tensor, num_ranks: int) -> float:
 
 
 def placement_for(config: EPLBConfig, load: torch.Tensor, num_physical: int, num_ranks: int,
-                  previous: Placement, **extra: Any) -> Placement:
+                  previous: Placement, *, held: torch.Tensor | None = None,
+                  held_mapping: Sequence[int] | None = None, **extra: Any) -> Placement:
     """The configured policy's placement: ``policy_options`` carry ``num_groups``/``num_nodes``
-    (the hierarchy) beside the policy's own options; ``extra`` adds or overrides options."""
+    (the hierarchy) beside the policy's own options; ``extra`` adds or overrides options.
+
+    The result is slot-aligned (:func:`~eplb.placement.align_slots`) to what the ranks hold:
+    ``held`` (``[layers, P_old]``, default ``previous``'s maps) under ``held_mapping`` (old rank
+    -> new rank or -1, default the identity), so no rank copies an expert it already has just
+    because the policy packed its slots in another order.
+    """
     opts = {**config.policy_options, **extra}
-    return compute_placement(load, num_physical, num_ranks, num_groups=opts.pop("num_groups", 1),
-                             num_nodes=opts.pop("num_nodes", 1), policy=config.policy, previous=previous, **opts)
+    new = compute_placement(load, num_physical, num_ranks, num_groups=opts.pop("num_groups", 1),
+                            num_nodes=opts.pop("num_nodes", 1), policy=config.policy, previous=previous, **opts)
+    held = previous.physical_to_logical if held is None else held
+    per_rank = num_physical // num_ranks
+    if held.shape[1] % per_rank:
+        return new  # slots per rank changed: nothing to keep in place
+    aligned = align_slots(new.physical_to_logical, held, per_rank,
+                          None if held_mapping is None else list(held_mapping))
+    if torch.equal(aligned, new.physical_to_logical):
+        return new
+    return Placement.from_physical_to_logical(aligned, new.num_logical, new.logical_to_physical.shape[2])
 
 
 # --------------------------------------------------------------------------------------------

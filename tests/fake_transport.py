@@ -244,7 +244,7 @@ class FakeWorker:
         self.killed = threading.Event()
         self.stop = threading.Event()
         self.leaving = False
-        self.fresh_pending = spec.first_command is not None
+        self.fresh_pending = spec.joining
         self.step = 0
         self.executed_seq = 0
         self.broken = False
@@ -296,10 +296,13 @@ class FakeWorker:
     # -- the thread ----------------------------------------------------------------------------
     def _main(self) -> None:
         try:
-            if self.spec.first_command is not None:
-                self.executed_seq = self.spec.first_command.seq
+            if self.spec.joining:
+                command = self._standby()
+                if command is None:
+                    return
+                self.executed_seq = command.seq
                 # like the real worker: a fresh rank whose joining rescale fails exits (fatal report)
-                self._rescale(self.spec.first_command, fresh=True)
+                self._rescale(command, fresh=True)
             else:
                 self._start()
             while not self.stop.is_set() and not self.leaving:
@@ -314,6 +317,26 @@ class FakeWorker:
                             message=str(exc), fatal=True)
             except WorkerDied:
                 pass
+
+    def _standby(self) -> p.Rescale | None:
+        """Like the real worker: wait (heartbeating) for the Rescale; None after a Shutdown."""
+        self.mode = "standby"
+        self.report(p.PhaseDone, seq=self.spec.standby_seq, phase="Standby", step=self.step, detail={})
+        deadline = time.monotonic() + self.spec.standby_timeout_s
+        while time.monotonic() < deadline:
+            if self.killed.is_set():
+                raise WorkerDied()
+            self.heartbeat()
+            try:
+                command = self.inbox.get(timeout=self.launcher.tick_s)
+            except queue.Empty:
+                continue
+            if isinstance(command, p.Rescale):
+                return command
+            if isinstance(command, p.Shutdown):
+                self.done(command, {})
+                return None
+        raise TimeoutError("no Rescale arrived while standing by")
 
     def _start(self) -> None:
         spec = self.spec

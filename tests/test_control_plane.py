@@ -151,3 +151,34 @@ def test_scale_cycle_with_other_policies(policy):
             c.wait_for_step(c.snapshot()["step"] + 15)
             assert_consistent(c, size)
         assert c.snapshot()["rebalances"] >= 2
+
+
+@pytest.mark.timeout(120)
+def test_joining_ranks_are_ready_before_the_pause_and_a_scale_down_is_planned_while_decoding():
+    config = small_config(model=dict(num_layers=4, num_experts=8))
+    with running(config) as c:
+        c.wait_for_step(10)
+        up = _scale(c, 4)
+        reports = [r for by_pid in list(c._done.values()) for r in by_pid.values()]
+        ready = [r for r in reports if r.phase == "Standby"]
+        rescale = [r for r in reports if r.phase == "Rescale" and r.operation_id == up.id]
+        assert sorted(r.rank for r in ready) == [2, 3]
+        assert all(r.detail["prepare_seconds"] > 0 for r in ready)
+        # both joining ranks had allocated and registered their weights before any rank paused
+        first_pause = min(r.at - r.detail["seconds"] for r in rescale)
+        assert max(r.at for r in ready) <= first_pause
+        assert_consistent(c, 4)
+
+        down = _scale(c, 2)
+        suppress = [r for by_pid in list(c._done.values()) for r in by_pid.values()
+                    if r.phase == "Suppress" and r.operation_id == down.id]
+        rescale = [r for by_pid in list(c._done.values()) for r in by_pid.values()
+                   if r.phase == "Rescale" and r.operation_id == down.id]
+        # the scale down was announced at Suppress: every rank planned it then, and the rescale used it
+        assert len(suppress) == 4 and all(r.detail["announced"] for r in suppress)
+        assert len(rescale) == 4 and all(r.detail["announced"] for r in rescale)
+        assert_consistent(c, 2)
+        # a scale up is not announced: the joining ranks compute the placement with the survivors
+        suppress_up = [r for by_pid in list(c._done.values()) for r in by_pid.values()
+                       if r.phase == "Suppress" and r.operation_id == up.id]
+        assert len(suppress_up) == 2 and not any(r.detail["announced"] for r in suppress_up)

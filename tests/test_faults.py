@@ -95,7 +95,9 @@ def test_recovery_moves_experts_from_what_each_survivor_holds_after_a_torn_commi
     # rank 1's step-boundary all-reduce breaks just before its first async commit while rank 0
     # commits: the two survivors' maps differ by one layer. Recovery must plan from what each
     # one holds (its own maps), not from rank 0's, or rank 1's slots of that layer are wrong.
-    config = small_config(ep_size=2, model=dict(num_layers=3, num_experts=8), eplb=dict(num_redundant_experts=8),
+    # 6 slots per rank for 8 experts: a rebalance has experts to move (with 8 per rank each rank
+    # would hold every expert, and a slot-aligned rebalance would change nothing)
+    config = small_config(ep_size=2, model=dict(num_layers=3, num_experts=8), eplb=dict(num_redundant_experts=4),
                           timeouts=dict(collective=3, heartbeat=6))
     with running(config, faults=[TornCommit(rank=1, at_commit=1, generation=0)]) as c:
         _wait_state(c, "failed", timeout=60)
@@ -109,3 +111,25 @@ def test_recovery_moves_experts_from_what_each_survivor_holds_after_a_torn_commi
         _, seq = c._attempted[c.machine.generation]
         diverged = {r.rank: r.detail["diverged_layers"] for r in c._done[seq].values()}
         assert diverged[0] == diverged[1] and len(diverged[0]) == 1, diverged
+
+
+@pytest.mark.timeout(120)
+def test_a_scale_up_failing_before_its_rescale_retires_the_ranks_standing_by():
+    config = small_config(ep_size=2, model=dict(num_layers=3, num_experts=8), eplb=dict(num_redundant_experts=8),
+                          timeouts=dict(collective=4, heartbeat=6))
+    with running(config, faults=[KillRank(rank=1, in_phase="draining", generation=0)]) as c:
+        c.wait_for_step(10)
+        op = c.scale(4, timeout=90)
+        assert op.status == OperationStatus.FAILED and c.machine.state.value == "failed"
+        standby = [w for w in c.workers.values() if w.standby]
+        assert sorted(w.rank for w in standby) == [2, 3], "the joining ranks were not launched ahead"
+        assert all(w.expected_exit for w in standby)
+        deadline = time.monotonic() + 10
+        while any(w.handle.is_alive() for w in standby):
+            assert time.monotonic() < deadline, "a standing-by rank outlived its failed scale"
+            time.sleep(0.05)
+        assert all(w not in c.live_workers() for w in standby)
+        recovery = c.recover(timeout=90)
+        assert recovery.status == OperationStatus.SUCCEEDED, recovery.error
+        assert c.size == 1
+        assert_consistent(c, 1)

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eplb.placement import (
+    align_slots,
     Placement,
     PlacementError,
     build_logical_to_physical,
@@ -164,3 +165,74 @@ def test_validate_missing_expert_names_layer():
 def test_validate_refuses_malformed_maps(p2l, experts):
     with pytest.raises(PlacementError):
         validate_physical_to_logical(p2l, experts)
+
+
+# -- align_slots ---------------------------------------------------------------------------
+def _rank_multisets(p2l: torch.Tensor, s: int) -> list[list[list[int]]]:
+    return [[sorted(row[r * s:(r + 1) * s]) for r in range(len(row) // s)] for row in p2l.tolist()]
+
+
+@st.composite
+def _realignment(draw):
+    s = draw(st.integers(1, 5))
+    old_ranks, new_ranks = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    layers, experts = draw(st.integers(1, 3)), draw(st.integers(1, 6))
+    expert = st.integers(0, experts - 1)
+    held = torch.tensor(draw(st.lists(st.lists(expert, min_size=old_ranks * s, max_size=old_ranks * s),
+                                      min_size=layers, max_size=layers)))
+    new = torch.tensor(draw(st.lists(st.lists(expert, min_size=new_ranks * s, max_size=new_ranks * s),
+                                     min_size=layers, max_size=layers)))
+    targets = draw(st.permutations(list(range(new_ranks)) + [-1] * old_ranks))
+    return held, new, s, list(targets[:old_ranks])
+
+
+@given(_realignment())
+@settings(max_examples=200, deadline=None)
+def test_align_slots_only_permutes_within_a_rank_and_keeps_every_held_expert_it_can(case):
+    held, new, s, mapping = case
+    held_before, new_before = held.clone(), new.clone()
+    out = align_slots(new, held, s, mapping)
+    assert torch.equal(held, held_before) and torch.equal(new, new_before)  # inputs untouched
+    assert _rank_multisets(out, s) == _rank_multisets(new, s)  # same experts per rank: same balance
+    for layer in range(new.shape[0]):
+        for o, n in enumerate(mapping):
+            if n < 0:
+                continue
+            was, got = held[layer, o * s:(o + 1) * s].tolist(), out[layer, n * s:(n + 1) * s].tolist()
+            given_to_n = new[layer, n * s:(n + 1) * s].tolist()
+            kept = sum(1 for a, b in zip(was, got) if a == b)
+            # the most slots that can stay: per expert, min(held copies, given copies)
+            best = sum(min(was.count(e), given_to_n.count(e)) for e in set(was))
+            assert kept == best, (was, given_to_n, got)
+
+
+def test_align_slots_keeps_a_survivor_slots_on_scale_up():
+    held = torch.tensor([[0, 1, 2, 3, 3, 2, 1, 0]])  # 2 ranks x 4 slots
+    new = torch.tensor([[3, 2, 1, 0, 1, 3, 0, 2, 0, 1, 2, 3, 3, 3, 0, 1]])  # 4 ranks, packed afresh
+    out = align_slots(new, held, 4, [0, 1])
+    assert out[0, :8].tolist() == [0, 1, 2, 3, 3, 2, 1, 0]  # nothing the survivors hold moves
+    assert out[0, 8:].tolist() == new[0, 8:].tolist()  # fresh ranks: the policy's order
+
+
+def test_align_slots_refuses_a_mapping_of_the_wrong_length():
+    with pytest.raises(PlacementError, match="rank_mapping has 1 entries for 2 old ranks"):
+        align_slots(torch.zeros(1, 4, dtype=torch.int64), torch.zeros(1, 4, dtype=torch.int64), 2, [0])
+
+
+def test_placement_for_keeps_held_slots_in_place_and_the_policy_balance():
+    from eplb.algorithm import compute_placement
+    from eplb.config import EPLBConfig
+    from eplb.state import placement_for
+
+    gen = torch.Generator().manual_seed(0)
+    previous = compute_placement(torch.rand(6, 16, generator=gen) * 100, 32, 4)
+    load = torch.rand(6, 16, generator=gen) * 100
+    raw = compute_placement(load, 32, 4, previous=previous)
+    aligned = placement_for(EPLBConfig(num_redundant_experts=16), load, 32, 4, previous)
+    assert torch.allclose(aligned.balancedness(load, 4), raw.balancedness(load, 4), rtol=1e-12, atol=0)  # sum order only
+    assert _rank_multisets(aligned.physical_to_logical, 8) == _rank_multisets(raw.physical_to_logical, 8)
+
+    def kept(p):
+        return int((p.physical_to_logical == previous.physical_to_logical).sum())
+
+    assert kept(aligned) > kept(raw), (kept(aligned), kept(raw))  # the policy alone reshuffles slots
