@@ -592,12 +592,14 @@ class Worker:
             self.comm.add_buffer(staging, transient=True)
 
     def _destroy_group(self) -> None:
-        """Tear down this generation's groups. The EPLB subgroup's last reference goes with them:
-        its gloo teardown (closing pairs, joining threads) belongs to replacing the group, not
-        to whatever later line happens to drop the reference."""
-        if self.eplb is not None:
-            self.eplb.group = None
+        """Tear down this generation's groups. On a healthy group the EPLB subgroup's last
+        reference goes with them: its gloo teardown (closing pairs, joining threads, 20-40 ms)
+        belongs to replacing the group, not to whatever later line drops the reference. A broken
+        group was destroyed when it broke, and its subgroup is released only at adoption
+        (see :meth:`_enter_broken`)."""
         if self.group is not None:
+            if self.eplb is not None:
+                self.eplb.group = None
             self.group.destroy()
 
     def _retire(self, cmd: p.Rescale, started: float, bytes_moved: int, timing: dict[str, float]) -> None:
@@ -636,6 +638,7 @@ class Worker:
         self.model.replace_weights(weights)
         self.eplb.placement = placement
         self.eplb.rank, self.eplb.num_ranks = new_rank, cmd.new_size
+        self.eplb.group = None  # (already released on a healthy rescale; a broken group's goes now)
         self.eplb.draining = True  # the EPLB stays off until Resume restarts it on the new group
 
     # -- the decode loop -------------------------------------------------------------------
@@ -755,7 +758,11 @@ class Worker:
                 stopped = self.eplb.stop_worker(timeout=self.spec.eplb.transfer_timeout_s + self.spec.collective_timeout_s)
             if not stopped:
                 raise RuntimeError("the async EPLB thread did not stop: the group cannot be destroyed safely")
-        self._destroy_group()
+        if self.group is not None:
+            # the EPLB subgroup stays referenced: tearing down a gloo group whose peer failed can
+            # block until its failed work times out, holding the GIL (no heartbeat gets out), so
+            # it is released at adoption, after the recovery's rendezvous
+            self.group.destroy()
         self.group = None
 
     def run(self) -> None:
