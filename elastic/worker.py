@@ -754,6 +754,7 @@ class Worker:
             # a transfer on the EPLB group ends within its own deadline; only then may the group go.
             # That can take a while (a peer's side of the transfer is gone), so keep reporting: a
             # rank waiting here is broken, not lost.
+            self.comm.abort(f"the group broke: {exc}")  # a polled wait (NIXL) gives up now, not at its deadline
             with self._busy("broken"):
                 stopped = self.eplb.stop_worker(timeout=self.spec.eplb.transfer_timeout_s + self.spec.collective_timeout_s)
             if not stopped:

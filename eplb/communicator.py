@@ -160,6 +160,11 @@ class Communicator(ABC):
     def bind(self, generation: int, store: Any | None = None) -> None:
         """A new group generation formed; ``store`` is that generation's store (a ``PrefixStore``)."""
 
+    def abort(self, reason: str) -> None:
+        """The group broke: a transfer wait in progress (on another thread) should give up now,
+        not at its deadline, so that thread can be joined. Only waits this side polls can: NIXL's
+        do, a gloo or NCCL wait runs out its deadline. Cleared by :meth:`bind` of another generation."""
+
     def set_weights(self, weights: Sequence[Sequence[torch.Tensor] | None]) -> None:
         """The expert weights peers read from: per layer, the ``[slots, ...]`` tensors (or None)."""
 
@@ -387,6 +392,7 @@ class NixlCommunicator(Communicator):
         self._api: Any = None
         self._lock = threading.RLock()
         self._generation: int | None = None
+        self._aborted: str | None = None  # why waits give up at once (abort), until the next generation
         self._store: Any = None
         self._exchanged = False
         self._peers: dict[int, _Peer] = {}
@@ -450,10 +456,19 @@ class NixlCommunicator(Communicator):
                 self._register(region)
 
     # -- lifecycle ----------------------------------------------------------------------------
+    def abort(self, reason: str) -> None:
+        self._aborted = reason  # no lock: a layer in flight holds it; its polls read this
+
+    def _check_aborted(self, x: LayerExchange, peers: Sequence[int], waiting: str) -> None:
+        if self._aborted is not None:
+            raise TransferError(f"NIXL layer aborted: {self._aborted}", layer=x.layer, rank=x.rank, peers=peers,
+                                timeout=x.timeout, waiting=waiting)
+
     def bind(self, generation: int, store: Any | None = None) -> None:
         with self._lock:
             if generation == self._generation:
                 return
+            self._aborted = None
             self._forget_peers()
             self._drop_transient()
             self._generation = generation
@@ -664,6 +679,7 @@ class NixlCommunicator(Communicator):
                         failed = f"the NIXL read from rank {peer} failed ({describe_ops(handles[peer][1])})"
                         break
                 if handles and not failed:
+                    self._check_aborted(x, sorted(handles), "NIXL reads")
                     if time.monotonic() >= x.deadline:
                         pending = [op for _, ops in handles.values() for op in ops]
                         raise TransferTimeout(
@@ -690,7 +706,9 @@ class NixlCommunicator(Communicator):
             if self._progress_thread:
                 ok = work.wait(timeout=timedelta(seconds=max(x.deadline - time.monotonic(), 1e-3)))
             else:
-                ok = self._wait_progressing(work, x.deadline)
+                ok = self._wait_progressing(work, x)
+        except TransferError:
+            raise  # aborted: already says why
         except RuntimeError as exc:
             others = [r for r in range(size) if r != x.rank]
             kwargs = dict(layer=x.layer, rank=x.rank, peers=others, timeout=x.timeout,
@@ -705,13 +723,16 @@ class NixlCommunicator(Communicator):
                                   waiting="the end-of-layer all-reduce")
         return [r for r, v in enumerate(flags.cpu().tolist()) if v]
 
-    def _wait_progressing(self, work: Any, deadline: float) -> bool:
-        """Wait for ``work`` until ``deadline`` while driving UCX progress (no progress thread):
-        peers may still be reading from this rank, and UCX serves them only when progressed.
-        False at the deadline; the completed work's own error is raised by ``wait``."""
+    def _wait_progressing(self, work: Any, x: LayerExchange) -> bool:
+        """Wait for ``work`` until the layer's deadline while driving UCX progress (no progress
+        thread): peers may still be reading from this rank, and UCX serves them only when
+        progressed. False at the deadline; the completed work's own error is raised by ``wait``;
+        :meth:`abort` ends it at once (TransferError)."""
         pause = 0.0
+        others = [r for r in range(dist.get_world_size(x.group)) if r != x.rank]
         while not work.is_completed():
-            if time.monotonic() >= deadline:
+            self._check_aborted(x, others, "the end-of-layer all-reduce")
+            if time.monotonic() >= x.deadline:
                 return False
             self._agent.get_new_notifs()  # NIXL's UCX backend progresses its worker here
             time.sleep(pause)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -185,7 +186,9 @@ def test_random_layers_bit_exact(name):
 def body_nixl_peer_gone(rank: int, world_size: int, mode: str, timeout: float):
     """``late``: rank 3 never reaches its first transfer (so never publishes its metadata);
     ``stopped``: after a good first layer, rank 3 is frozen (SIGSTOP: no thread of it runs,
-    UCX's included) during the second, and rank 0 thaws it once it has its answer."""
+    UCX's included) during the second, and rank 0 thaws it once it has its answer; ``aborted``:
+    like ``stopped``, but with a long deadline, and the waiting ranks are told to abort (as a
+    rank whose group broke tells its transfer thread) half a second in."""
     store = _test_store(f"gone-{mode}")
     comm = NixlCommunicator()
     comm.bind(0, store)
@@ -194,7 +197,7 @@ def body_nixl_peer_gone(rank: int, world_size: int, mode: str, timeout: float):
     comm.set_weights([None, None, None, None, old[4], old[5]])
     comm.add_buffer(staging)
     plan = plan_layer(STUCK_OLD, STUCK_NEW, 2)
-    if mode == "stopped":
+    if mode in ("stopped", "aborted"):
         execute_layer(plan, rank, old[4], staging, timeout=20.0, layer=4, communicator=comm)
         assert_slots(staging, 4, STUCK_NEW[2 * rank:2 * rank + 2], plan.for_rank(rank).changed_slots, "layer 4")
         if rank == 3:
@@ -209,13 +212,15 @@ def body_nixl_peer_gone(rank: int, world_size: int, mode: str, timeout: float):
     # "refused": rank 3 sends from a copy it never registered; it refuses the layer and the
     # end-of-layer all-reduce tells every rank at once
     sources = [t.clone() for t in old[5]] if mode == "refused" and rank == 3 else old[5]
+    if mode == "aborted":
+        threading.Timer(0.5, comm.abort, args=("the group broke",)).start()
     started = time.monotonic()
     try:
         execute_layer(plan, rank, sources, staging, timeout=timeout, layer=5, communicator=comm)
         result = {"type": None, "elapsed": time.monotonic() - started}
     except TransferError as exc:
         result = {"type": type(exc).__name__, "elapsed": time.monotonic() - started, "error": exc}
-    if mode == "stopped" and rank == 0:
+    if mode in ("stopped", "aborted") and rank == 0:
         time.sleep(0.5)  # let ranks 1 and 2 reach their own deadline first
         os.kill(int(store.get("pid3")), signal.SIGCONT)
     return result
@@ -240,6 +245,20 @@ def test_nixl_peer_that_stops_answering_times_out(mode):
             assert "metadata of ranks [3]" in err.waiting and err.peers == (3,)
         else:
             assert "expert 4 from rank 3" in err.waiting or "all-reduce" in err.waiting  # reads need rank 3 to progress
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+@needs_nixl
+def test_nixl_abort_ends_a_wait_on_a_frozen_peer_long_before_its_deadline():
+    timeout = 20.0
+    results = run_distributed(body_nixl_peer_gone, WORLD, args=("aborted", timeout), timeout=50)
+    assert results[3] == "thawed"
+    for rank in range(3):
+        r = results[rank]
+        assert r["type"] == "TransferError", r  # not a timeout: the wait gave up when told to
+        assert "aborted: the group broke" in str(r["error"]) and r["error"].layer == 5
+        assert r["elapsed"] < 5.0, r  # 0.5 s to the abort, against a 20 s deadline
 
 
 # ---------------------------------------------------------------------------------------------
