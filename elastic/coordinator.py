@@ -569,8 +569,8 @@ class Coordinator:
             # the joining ranks report "ready" (weights allocated, registered) under this number;
             # negative: command seqs must stay contiguous, and no command has one
             ready = next(self._standby_ids)
-            joining = [self._launch(rank, mapping.new_size, generation, joining=True, standby_seq=ready)
-                       for rank in mapping.joining]
+            for rank in mapping.joining:  # one by one: a launch that fails leaves the others retirable
+                joining.append(self._launch(rank, mapping.new_size, generation, joining=True, standby_seq=ready))
             # 1. draining: finish in-flight layers, start nothing new; decoding goes on
             seq = self._broadcast(p.Drain, operation_id=op.id)
             if joining:  # the pause starts only once they are ready: the old group decodes meanwhile

@@ -352,32 +352,20 @@ class Worker:
     def _rescale_blocking(self, cmd: p.Rescale, *, fresh: bool) -> None:
         """Redistribute experts by ``cmd.mapping`` and move to generation ``cmd.generation``."""
         started = time.perf_counter()
-        spec = self.spec
         if self.eplb is not None and self.eplb.worker is not None:
             raise RuntimeError("rescale while the async EPLB worker runs: suppress it first")
         new_rank = cmd.mapping[self.rank] if not fresh else self.rank
-        bytes_moved = 0
         # group destroy + rendezvous; redistribution (wall, and this process's CPU incl. gloo threads)
-        timing = {"group_seconds": 0.0, "transfer_seconds": 0.0, "transfer_cpu_seconds": 0.0}
+        timing: dict[str, Any] = {"group_seconds": 0.0, "transfer_seconds": 0.0, "transfer_cpu_seconds": 0.0}
         if cmd.execute_on == "old":
             # scale down: every expert a leaving rank holds that the new placement needs is
-            # sent out over the old group, and only then is the group replaced
-            # drained: every rank committed the same layers, so its own maps are everyone's
+            # sent out over the old group, and only then is the group replaced.
+            # Drained: every rank committed the same layers, so its own maps are everyone's.
             base, diverged = self.eplb.placement, []
-            placement_before = base.physical_to_logical  # (a list only in the report)
-            mark, cpu = time.perf_counter(), time.process_time()
+            held = base.physical_to_logical
             announced = self._announced_plan(cmd, base)
             timing["announced"] = announced is not None  # placement and plans made at Suppress
-            new_placement, plans = announced or (self._next_placement(cmd, base, base.physical_to_logical), None)
-            timing["placement_seconds"] = time.perf_counter() - mark
-            new_weights, bytes_moved, undo, networked = self._redistribute(cmd, base.physical_to_logical, new_placement,
-                                                                           executing_rank=self.rank, plans=plans)
-            barrier = time.perf_counter()
-            if networked:  # every rank's transfers are done before anyone tears the group down
-                self._barrier_or_undo(undo)  # (without any, the next rendezvous is the meeting point)
-            timing["barrier_seconds"] = time.perf_counter() - barrier
-            timing["transfer_seconds"] = time.perf_counter() - mark
-            timing["transfer_cpu_seconds"] = time.process_time() - cpu
+            new_placement, new_weights, bytes_moved, undo = self._move_experts(cmd, base, held, self.rank, timing, announced)
             mark = time.perf_counter()
             self._destroy_group()
             if new_rank < 0:
@@ -385,16 +373,11 @@ class Worker:
                 self._retire(cmd, started, bytes_moved, timing)
                 return
             try:
-                self.group = GroupGeneration.join(self.store, cmd.generation, new_rank, cmd.new_size,
-                                                  backend=spec.backend, timeout_s=spec.collective_timeout_s,
-                                              rendezvous_timeout_s=spec.join_timeout_s)
+                self.group = self._join(cmd, new_rank)
             except BaseException:
                 self._undo(undo)  # the weights go back to the old placement this rank still has
                 raise
             timing["group_seconds"] = time.perf_counter() - mark
-            mark = time.perf_counter()
-            self._adopt(new_rank, cmd, new_placement, new_weights)
-            timing["adopt_seconds"] = time.perf_counter() - mark
         else:
             # scale up or recovery: form the new group first, then move over it
             mark = time.perf_counter()
@@ -403,35 +386,45 @@ class Worker:
                 timing["group_seconds"] = time.perf_counter() - mark
                 self._retire(cmd, started, 0, timing)
                 return
-            self.group = GroupGeneration.join(self.store, cmd.generation, new_rank, cmd.new_size,
-                                              backend=spec.backend, timeout_s=spec.collective_timeout_s,
-                                              rendezvous_timeout_s=spec.join_timeout_s)
+            self.group = self._join(cmd, new_rank)
             timing["group_seconds"] = time.perf_counter() - mark
             base, held = self._share_state(cmd, new_rank, fresh)
-            placement_before = held
             # layers where some survivor's slots hold what the base maps do not (a torn commit)
             diverged = sorted({int(x) for x in (held != base.physical_to_logical).any(dim=1).nonzero().flatten()})
-            mark, cpu = time.perf_counter(), time.process_time()
-            new_placement = self._next_placement(cmd, base, held)
-            timing["placement_seconds"] = time.perf_counter() - mark
-            new_weights, bytes_moved, undo, networked = self._redistribute(cmd, held, new_placement,
-                                                                           executing_rank=new_rank)
-            barrier = time.perf_counter()
-            if networked:  # all or nothing: nobody adopts before every rank's transfers are done
-                self._barrier_or_undo(undo)
-            timing["barrier_seconds"] = time.perf_counter() - barrier
-            timing["transfer_seconds"] = time.perf_counter() - mark
-            timing["transfer_cpu_seconds"] = time.process_time() - cpu
-            mark = time.perf_counter()
-            self._adopt(new_rank, cmd, new_placement, new_weights)
-            timing["adopt_seconds"] = time.perf_counter() - mark
+            new_placement, new_weights, bytes_moved, undo = self._move_experts(cmd, base, held, new_rank, timing)
+        mark = time.perf_counter()
+        self._adopt(new_rank, cmd, new_placement, new_weights)
+        timing["adopt_seconds"] = time.perf_counter() - mark
         self.broken = False
         self.mode = "resuming"
         self.report(p.PhaseDone, seq=cmd.seq, operation_id=cmd.operation_id, phase="Rescale", step=self.step,
                     detail={"retired": False, "bytes_received": bytes_moved, "seconds": time.perf_counter() - started,
                             "digest": placement_digest(self.eplb.placement), "num_physical": self.eplb.placement.num_physical,
-                            "placement_before": placement_before.tolist(), "diverged_layers": diverged,
+                            "placement_before": held.tolist(), "diverged_layers": diverged,
                             "placement_after": self.eplb.placement.physical_to_logical.tolist(), **timing})
+
+    def _join(self, cmd: p.Rescale, new_rank: int) -> GroupGeneration:
+        spec = self.spec
+        return GroupGeneration.join(self.store, cmd.generation, new_rank, cmd.new_size, backend=spec.backend,
+                                    timeout_s=spec.collective_timeout_s, rendezvous_timeout_s=spec.join_timeout_s)
+
+    def _move_experts(self, cmd: p.Rescale, base: Placement, held: torch.Tensor, executing_rank: int,
+                      timing: dict[str, Any], announced: tuple[Placement, list[LayerPlan]] | None = None):
+        """The new placement (unless ``announced`` with its plans), the redistribution and the
+        all-or-nothing barrier, timed into ``timing``; returns ``(placement, weights, bytes, undo log)``."""
+        mark, cpu = time.perf_counter(), time.process_time()
+        new_placement, plans = announced or (self._next_placement(cmd, base, held), None)
+        timing["placement_seconds"] = time.perf_counter() - mark
+        weights, received, undo, networked = self._redistribute(cmd, held, new_placement, executing_rank, plans=plans)
+        barrier = time.perf_counter()
+        if networked:
+            # every rank's transfers are done before anyone tears the group down or adopts;
+            # without network transfers, the next rendezvous (or Resume) is that meeting point
+            self._barrier_or_undo(undo)
+        timing["barrier_seconds"] = time.perf_counter() - barrier
+        timing["transfer_seconds"] = time.perf_counter() - mark
+        timing["transfer_cpu_seconds"] = time.process_time() - cpu
+        return new_placement, weights, received, undo
 
     def _share_state(self, cmd: p.Rescale, new_rank: int, fresh: bool) -> tuple[Placement, torch.Tensor]:
         """Agree on the state the new group starts from; returns ``(base placement, held rows)``.
