@@ -633,11 +633,11 @@ class Coordinator:
         execute_on = "old" if new_size < len(mapping.old_to_new) and not lost else "new"
         command = p.Rescale(seq=seq, operation_id=op.id, generation=generation, new_size=new_size,
                             mapping=tuple(mapping.old_to_new), lost=lost, execute_on=execute_on)
-        participants = [w for w in old if w.rank not in lost]
-        for w in participants + list(joining):
+        members = [w for w in old if w.rank not in lost] + list(joining)
+        for w in members:
             w.handle.inbox.put(command)
             w.standby = False  # in the new group from here on (a failed attempt's recovery retires it)
-        pids = {w.handle.pid for w in participants + list(joining)}
+        pids = {w.handle.pid for w in members}
         started = time.monotonic()
         try:
             reports = self._await(seq, pids, "rescaling", self.config.timeouts.rescaling, operation=op,

@@ -167,7 +167,6 @@ class Worker:
         if spec.joining:  # a fresh rank: it joins through the rescale
             command = self._standby()
             if command is not None:
-                self.received_seq = self.executed_seq = command.seq
                 self._apply_phase_faults(command)
                 self._rescale(command, fresh=True)
             return
@@ -201,22 +200,7 @@ class Worker:
         # ready: the coordinator starts the pause only now, so the old group decodes meanwhile
         self.report(p.PhaseDone, seq=spec.standby_seq, phase="Standby", step=self.step,
                     detail={"prepare_seconds": time.perf_counter() - started})
-        deadline = time.monotonic() + spec.standby_timeout_s
-        while time.monotonic() < deadline:
-            self._maybe_heartbeat(0.0, None, force=True)
-            try:
-                command = self.inbox.get(timeout=spec.heartbeat_s)
-            except queue.Empty:
-                continue
-            if isinstance(command, p.Rescale):
-                return command
-            if isinstance(command, p.Shutdown):
-                self.stopping = True
-                self._done(command, {})
-                return None
-            self.report(p.WorkerError, step=self.step, where="standby", error_type="Refused", fatal=False,
-                        message=f"{type(command).__name__} refused: this rank has not joined a group yet")
-        raise TimeoutError(f"standing by for a scale-up, no Rescale arrived within {spec.standby_timeout_s:.0f}s")
+        return self._wait_for_rescale("standby", "this rank has not joined a group yet", spec.standby_timeout_s)
 
     def _resume_eplb(self) -> None:
         self._attach_comm(self.group.generation)
@@ -711,6 +695,23 @@ class Worker:
     def broken_loop(self) -> None:
         """After a failed collective: execute commands as they arrive (recovery or shutdown)."""
         while not self.stopping:
+            command = self._wait_for_rescale("broken", "the group is broken, only a rescale or shutdown can follow")
+            if command is None:
+                return
+            try:
+                self._rescale(command, fresh=False)
+            except Exception as exc:  # noqa: BLE001 - stay broken, report, wait for the next order
+                self._enter_broken(exc)
+                continue
+            return
+
+    def _wait_for_rescale(self, where: str, refusal: str, timeout_s: float | None = None) -> p.Rescale | None:
+        """Outside any group (broken, or standing by before joining): take orders as they arrive,
+        reporting meanwhile so the coordinator tells waiting from gone. Returns the next Rescale,
+        or None after a Shutdown; any other command is refused (``refusal`` says why). With
+        ``timeout_s``, a coordinator that sends neither is given up on (TimeoutError)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while deadline is None or time.monotonic() < deadline:
             if self.pending:  # commands received before the group broke come first
                 command = self.pending.pop(min(self.pending))
             else:
@@ -724,19 +725,14 @@ class Worker:
                 continue  # already acted on before the group broke
             self.executed_seq = command.seq
             if isinstance(command, p.Rescale):
-                try:
-                    self._rescale(command, fresh=False)
-                except Exception as exc:  # noqa: BLE001 - stay broken, report, wait for the next order
-                    self._enter_broken(exc)
-                    continue
-                return
+                return command
             if isinstance(command, p.Shutdown):
                 self.stopping = True
                 self._done(command, {})
-            else:
-                self.report(p.WorkerError, step=self.step, where="broken", error_type="Refused",
-                            message=f"{type(command).__name__} refused: the group is broken, only a rescale or shutdown can follow",
-                            fatal=False)
+                return None
+            self.report(p.WorkerError, step=self.step, where=where, error_type="Refused", fatal=False,
+                        message=f"{type(command).__name__} refused: {refusal}")
+        raise TimeoutError(f"{where}: no Rescale arrived within {timeout_s:.0f}s")
 
     def _enter_broken(self, exc: BaseException) -> None:
         """Report the failure, make sure no transfer is in flight, drop the group, wait for orders."""

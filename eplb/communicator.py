@@ -507,15 +507,13 @@ class NixlCommunicator(Communicator):
 
     def set_incoming(self, weights: Sequence[Sequence[torch.Tensor] | None] | None) -> None:
         with self._lock:
-            if weights is not None and self._incoming is not None:
-                by_layer, flat = _flatten(weights)
-                if self._incoming.same_tensors(flat):
-                    return  # registered ahead (a joining rank standing by): keep the registration
+            by_layer, flat = _flatten(weights) if weights is not None else (None, None)
+            if flat is not None and self._incoming is not None and self._incoming.same_tensors(flat):
+                return  # registered ahead (a joining rank standing by): keep the registration
             if self._incoming is not None:
                 self._deregister(self._incoming)
             self._incoming = None
-            if weights is not None:
-                by_layer, flat = _flatten(weights)
+            if flat is not None:
                 self._incoming = _Region(by_layer, flat)
                 self._register(self._incoming)
 

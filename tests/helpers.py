@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 
 def assert_consistent(coordinator, expected_size: int) -> dict:
     """Every slot on every rank verified bit-exact, every expert served, every rank agrees."""
@@ -15,3 +17,15 @@ def assert_consistent(coordinator, expected_size: int) -> dict:
     assert len({v["generation"] for v in verdict.values()}) == 1, "ranks disagree on the generation"
     assert len({v["num_physical"] for v in verdict.values()}) == 1
     return verdict
+
+
+def wait_for_state(coordinator, state: str, timeout: float = 60.0, generation: int | None = None) -> None:
+    """Wait until the machine is in ``state`` with no operation running (and at ``generation``)."""
+    c = coordinator
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (c.machine.state.value == state and (c._current is None or c._current.terminal)
+                and (generation is None or c.machine.generation == generation)):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"state {c.machine.state.value}, wanted {state}; history {[t.sentence() for t in c.machine.history()]}")

@@ -9,19 +9,9 @@ import pytest
 from elastic.coordinator import OperationStatus
 from elastic.faults import KillRank, StallRank, TornCommit
 from tests.conftest import running, small_config
-from tests.helpers import assert_consistent
+from tests.helpers import assert_consistent, wait_for_state
 
 pytestmark = [pytest.mark.multiprocess]
-
-
-def _wait_state(c, state, timeout=60.0, generation=None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if (c.machine.state.value == state and (c._current is None or c._current.terminal)
-                and (generation is None or c.machine.generation == generation)):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"state {c.machine.state.value}, wanted {state}; history {[t.sentence() for t in c.machine.history()]}")
 
 
 @pytest.mark.timeout(120)
@@ -29,7 +19,7 @@ def test_rank_killed_while_running_auto_recovers_to_a_smaller_verified_group():
     config = small_config(ep_size=3, model=dict(num_layers=3, num_experts=8), eplb=dict(num_redundant_experts=4),
                           auto_recover=True)
     with running(config, faults=[KillRank(rank=2, at_step=25, generation=0)]) as c:
-        _wait_state(c, "running", timeout=60, generation=1)
+        wait_for_state(c, "running", timeout=60, generation=1)
         triggers = [t.trigger for t in c.machine.history()]
         assert triggers[-4:] == ["fail", "recover", "rescaled", "resumed"], triggers
         assert "worker lost" in c.machine.history()[-4].reason
@@ -65,7 +55,7 @@ def test_stalled_rank_is_treated_as_lost_after_its_deadline():
     config = small_config(ep_size=2, timeouts=dict(collective=2, heartbeat=4), auto_recover=True,
                           eplb=dict(num_redundant_experts=4), model=dict(num_layers=2, num_experts=4))
     with running(config, faults=[StallRank(rank=1, at_step=20, seconds=60, generation=0)]) as c:
-        _wait_state(c, "running", timeout=60, generation=1)
+        wait_for_state(c, "running", timeout=60, generation=1)
         failure = next(t for t in c.machine.history() if t.trigger == "fail")
         assert "silent" in failure.reason or "failed" in failure.reason, failure.reason
         assert c.size == 1
@@ -100,7 +90,7 @@ def test_recovery_moves_experts_from_what_each_survivor_holds_after_a_torn_commi
     config = small_config(ep_size=2, model=dict(num_layers=3, num_experts=8), eplb=dict(num_redundant_experts=4),
                           timeouts=dict(collective=3, heartbeat=6))
     with running(config, faults=[TornCommit(rank=1, at_commit=1, generation=0)]) as c:
-        _wait_state(c, "failed", timeout=60)
+        wait_for_state(c, "failed", timeout=60)
         assert "group broken, no worker lost" in c.machine.failure_reason, c.machine.failure_reason
         recovery = c.recover(timeout=90)
         assert recovery.status == OperationStatus.SUCCEEDED, recovery.error

@@ -28,7 +28,7 @@ from elastic.launcher import CommandLauncher, LocalLauncher, balanced_layout, ma
 from elastic.mapping import RankMapping
 from elastic.protocol import Heartbeat
 from tests.conftest import running, small_config
-from tests.helpers import assert_consistent
+from tests.helpers import assert_consistent, wait_for_state
 
 # a survivor blocked on the lost peer gives up after the collective timeout: keep it short
 FAST_LOSS = dict(collective=10, heartbeat=14)
@@ -241,10 +241,7 @@ def test_command_launcher_two_named_hosts_on_loopback():
         victim = c.live_workers()[1].handle
         c.launcher._retire(victim.worker_id)
         assert victim.join(10), "the remote worker did not leave on its kill key"
-        deadline = time.monotonic() + 30
-        while c.machine.state != "failed":
-            assert time.monotonic() < deadline, "the loss of a worker was not noticed"
-            time.sleep(0.05)
+        wait_for_state(c, "failed", timeout=30)  # the loss of the worker is noticed
         assert "exited unexpectedly" in c.machine.failure_reason
         op = c.recover()
         assert op.status == "succeeded", op.error
@@ -362,10 +359,7 @@ def test_ray_launcher_scales_actors_and_reports_their_loss():
             # an actor dies: the coordinator sees a worker loss, and recovers with the rest
             victim = c.live_workers()[2].handle
             ray.kill(victim.actor)
-            deadline = time.monotonic() + 30
-            while c.machine.state != "failed":
-                assert time.monotonic() < deadline, "the actor's death was not noticed"
-                time.sleep(0.05)
+            wait_for_state(c, "failed", timeout=30)  # the actor's death is noticed
             assert "exited unexpectedly" in c.machine.failure_reason
             op = c.recover()
             assert op.status == "succeeded", op.error
