@@ -1,0 +1,568 @@
+"""Hugging Face MoE architectures behind the :class:`~eplb.model.MixtureOfExperts` protocol.
+
+:class:`HFMoE` is one EP rank of a transformers causal LM (qwen2_moe, qwen3_moe, mixtral, olmoe,
+deepseek_v3, gpt_oss, glm4_moe, qwen3_next). Every MoE layer's fused expert tensors
+(``gate_up_proj``/``down_proj``, plus biases for gpt_oss, expert index first) become this rank's
+slot tensors (``[num_local_slots, ...]``, what :meth:`expert_weights` returns and the EPLB moves
+unchanged); everything else (attention, norms, router, shared experts) is replicated and untouched.
+The experts run through :mod:`eplb.models.kernel`, which makes the output bitwise identical to
+the unsharded model served by the same kernel in one process (:func:`reference_probe`).
+
+Weights come from a :class:`CheckpointSource` (a ``save_pretrained`` directory: a rank reads
+only its own slots' experts, slice by slice, and reloads lost experts from it) or a
+:class:`RandomSource` (a tiny random model from an architecture, a config and a seed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from eplb.models.config import HFModelConfig, tiny_config
+from eplb.models.kernel import (
+    KERNEL_NAME,
+    ExpertsContext,
+    check_row_independent,
+    register,
+)
+from eplb.placement import Placement
+
+__all__ = ["CheckpointSource", "DecodeState", "HFMoE", "ModelInfo", "ProbeResult", "RandomSource", "describe",
+           "open_source", "reference_probe", "unsharded"]
+
+
+def _moe_layers(model: nn.Module) -> list[int]:
+    """Indices of the decoder layers whose ``mlp`` has fused experts (dense layers are skipped)."""
+    return [i for i, layer in enumerate(model.model.layers)
+            if hasattr(getattr(layer, "mlp", None), "experts") and hasattr(layer.mlp.experts, "down_proj")]
+
+
+def _expert_names(experts: nn.Module) -> tuple[str, ...]:
+    return tuple(name for name, _ in experts.named_parameters(recurse=False))
+
+
+def _is_expert_param(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, leaf = name.rpartition(".")
+    return model.get_submodule(path), leaf
+
+
+def _materialize(model: nn.Module, config) -> None:
+    """Give every non-expert parameter on the meta device real (uninitialized) memory, and
+    recompute non-persistent buffers (rotary frequencies) by building their module again.
+
+    Tied parameters (one object under several names) stay tied: every alias gets the same tensor.
+    """
+    fresh: dict[int, nn.Parameter] = {}
+    for name, p in list(model.named_parameters(remove_duplicate=False)):
+        if _is_expert_param(name) or p.device.type != "meta":
+            continue
+        if id(p) not in fresh:
+            fresh[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=False)
+        module, leaf = _owner(model, name)
+        module._parameters[leaf] = fresh[id(p)]
+    for path, module in list(model.named_modules()):
+        meta = {n: b for n, b in module.named_buffers(recurse=False) if b.device.type == "meta"}
+        if not meta:
+            continue
+        with torch.device("cpu"):
+            rebuilt = type(module)(getattr(module, "config", None) or config)
+        for n, b in meta.items():
+            module._buffers[n] = getattr(rebuilt, n).to(b.dtype)
+
+
+class RandomSource:
+    """A tiny random model: the architecture's tiny config under the user's overrides, seeded.
+
+    Every rank builds the same full model from the seed (tiny by construction), so the canonical
+    experts are kept in memory and an expert lost with a rank is rebuilt from the seed.
+    """
+
+    def __init__(self, spec: HFModelConfig):
+        from transformers import AutoConfig
+
+        self.spec = spec
+        self.config = AutoConfig.for_model(spec.architecture, **tiny_config(spec.architecture, spec.config))
+        self._full: nn.Module | None = None
+        self._experts: dict[int, list[torch.Tensor]] = {}
+
+    def _build_full(self) -> nn.Module:
+        if self._full is None:
+            from transformers import AutoModelForCausalLM
+
+            torch.manual_seed(self.spec.seed)
+            model = AutoModelForCausalLM.from_config(self.config).to(getattr(torch, self.spec.dtype)).eval()
+            for i in _moe_layers(model):
+                experts = model.model.layers[i].mlp.experts
+                self._experts[i] = [getattr(experts, n).detach().clone() for n in _expert_names(experts)]
+            self._full = model
+        return self._full
+
+    def build(self, load: bool = True) -> nn.Module:
+        """The model with its non-expert weights (``load=False``: a meta skeleton, for a joining rank)."""
+        from transformers import AutoModelForCausalLM
+
+        if load:
+            model = self._build_full()
+            self._full = None  # the caller owns it now; the canonical experts were kept
+            return model
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(self.config, dtype=getattr(torch, self.spec.dtype)).eval()
+        _materialize(model, self.config)
+        return model
+
+    def expert(self, layer: int, expert: int) -> list[torch.Tensor]:
+        if not self._experts:
+            self._build_full()
+            self._full = None
+        return [t[expert] for t in self._experts[layer]]
+
+
+class CheckpointSource:
+    """A local ``save_pretrained`` directory (safetensors, one file or an index of shards).
+
+    Non-expert weights are read whole; expert tensors one expert at a time, with
+    ``safe_open(...).get_slice`` for fused tensors (gpt_oss) or the per-expert keys transformers
+    writes for the others (``experts.{e}.gate_proj/up_proj/down_proj``; mixtral's
+    ``block_sparse_moe.experts.{e}.w1/w3/w2``), so a rank never reads another rank's experts.
+    """
+
+    def __init__(self, spec: HFModelConfig):
+        from transformers import AutoConfig
+
+        self.spec = spec
+        self.path = spec.path
+        if not os.path.isdir(self.path):
+            raise FileNotFoundError(f"model path {self.path!r} is not a directory")
+        self.config = AutoConfig.from_pretrained(self.path)
+        index = os.path.join(self.path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                self.files = {k: os.path.join(self.path, v) for k, v in json.load(f)["weight_map"].items()}
+        else:
+            single = os.path.join(self.path, "model.safetensors")
+            if not os.path.exists(single):
+                raise FileNotFoundError(f"{self.path} has no model.safetensors nor model.safetensors.index.json")
+            from safetensors import safe_open
+
+            with safe_open(single, "pt") as f:
+                self.files = dict.fromkeys(f.keys(), single)
+        self._handles: dict[str, Any] = {}
+        self.bytes_read = 0
+
+    def _open(self, key: str):
+        from safetensors import safe_open
+
+        file = self.files[key]
+        if file not in self._handles:
+            self._handles[file] = safe_open(file, "pt")
+        return self._handles[file]
+
+    def _read(self, key: str, index: int | None = None) -> torch.Tensor:
+        handle = self._open(key)
+        t = handle.get_tensor(key) if index is None else handle.get_slice(key)[index]
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def _key(self, name: str) -> str:
+        for candidate in (name, name.replace(".mlp.", ".block_sparse_moe.")):
+            if candidate in self.files:
+                return candidate
+        raise KeyError(f"checkpoint {self.path} has no tensor for parameter {name}")
+
+    def build(self, load: bool = True) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        dtype = getattr(torch, self.spec.dtype)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(self.config, dtype=dtype).eval()
+        self._names = {i: _expert_names(model.model.layers[i].mlp.experts) for i in _moe_layers(model)}
+        _materialize(model, self.config)
+        if load:
+            missing = []
+            for name, t in [*model.named_parameters(), *model.named_buffers()]:
+                if _is_expert_param(name):
+                    continue
+                try:
+                    key = self._key(name)
+                except KeyError:
+                    if name in dict(model.named_buffers()):
+                        continue  # a non-persistent buffer, recomputed by _materialize
+                    missing.append(name)
+                    continue
+                with torch.no_grad():
+                    t.copy_(self._read(key).to(t.dtype))
+            if missing:
+                raise KeyError(f"checkpoint {self.path} lacks {len(missing)} weights: {missing[:6]}")
+        return model
+
+    #: per-expert key names transformers writes for each fused tensor: (HF names, mixtral names)
+    _PER_EXPERT: ClassVar[dict[str, tuple[tuple[str, ...], ...]]] = {"gate_up_proj": (("gate_proj.weight", "up_proj.weight"), ("w1.weight", "w3.weight")),
+                   "down_proj": (("down_proj.weight",), ("w2.weight",))}
+
+    def _per_expert(self, layer: int, expert: int, name: str) -> torch.Tensor:
+        """One fused tensor of one expert from per-expert keys (``gate_up_proj`` is ``[gate; up]``)."""
+        if name not in self._PER_EXPERT:
+            raise KeyError(f"no per-expert checkpoint layout known for {name}")
+        for block, parts in zip(("mlp", "block_sparse_moe"), self._PER_EXPERT[name]):
+            keys = [f"model.layers.{layer}.{block}.experts.{expert}.{part}" for part in parts]
+            if all(k in self.files for k in keys):
+                return torch.cat([self._read(k) for k in keys])
+        raise KeyError(f"checkpoint {self.path} has no {name} of expert {expert} in layer {layer}")
+
+    def expert(self, layer: int, expert: int) -> list[torch.Tensor]:
+        """Model layer ``layer``'s expert ``expert``, reading only that expert's bytes."""
+        dtype = getattr(torch, self.spec.dtype)
+        out = []
+        for name in self._names[layer]:
+            fused = f"model.layers.{layer}.mlp.experts.{name}"
+            t = self._read(fused, expert) if fused in self.files else self._per_expert(layer, expert, name)
+            out.append(t.to(dtype))
+        return out
+
+
+def open_source(spec: HFModelConfig) -> RandomSource | CheckpointSource:
+    return CheckpointSource(spec) if spec.path is not None else RandomSource(spec)
+
+
+@dataclass
+class DecodeState:
+    """A batch being decoded greedily: the HF model's own KV cache and what was generated."""
+
+    cache: Any
+    last: torch.Tensor  # [B] the tokens to feed next
+    tokens: list[torch.Tensor] = field(default_factory=list)  # per step [B]
+    logits: list[torch.Tensor] = field(default_factory=list)  # per step [B, V]
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """Greedy tokens and logits of the fixed probe batch, and a digest of their bits."""
+
+    tokens: torch.Tensor  # [B, new_tokens]
+    logits: torch.Tensor  # [B, new_tokens, V]
+    digest: str
+
+    @classmethod
+    def of(cls, tokens: torch.Tensor, logits: torch.Tensor) -> ProbeResult:
+        h = hashlib.sha256()
+        h.update(tokens.to(torch.int64).contiguous().numpy().tobytes())
+        h.update(str(logits.dtype).encode())
+        h.update(logits.contiguous().view(torch.uint8).numpy().tobytes())
+        return cls(tokens, logits, h.hexdigest())
+
+    def compare(self, reference: ProbeResult) -> dict[str, Any]:
+        """``identical`` (same digest) plus how far apart, for the report."""
+        same_shape = self.logits.shape == reference.logits.shape
+        diff = float((self.logits.float() - reference.logits.float()).abs().max()) if same_shape else float("inf")
+        return {"identical": self.digest == reference.digest, "tokens_equal": bool(torch.equal(self.tokens, reference.tokens)),
+                "max_abs_logit_diff": diff, "digest": self.digest, "reference_digest": reference.digest}
+
+
+class HFMoE:
+    """One EP rank of a Hugging Face MoE model (see the module docstring).
+
+    ``placement`` and ``(rank, num_ranks)`` say which slots this rank holds; ``group`` is the
+    EP group the experts combine over (``None``: the default group; unused with one rank).
+    ``materialize=False`` leaves the slots unfilled (a rank whose experts arrive by transfer);
+    ``load_non_expert=False`` leaves the non-expert weights for :meth:`sync_non_expert`.
+    """
+
+    def __init__(self, spec: HFModelConfig | dict, placement: Placement, rank: int, num_ranks: int, *,
+                 group: Any = None, timeout: float = 30.0, materialize: bool = True,
+                 load_non_expert: bool = True, self_check: bool = True):
+        register()
+        self.spec = spec if isinstance(spec, HFModelConfig) else HFModelConfig.model_validate(spec)
+        self.source = open_source(self.spec)
+        self.model = self.source.build(load=load_non_expert)
+        self.model.set_experts_implementation(KERNEL_NAME)
+        self.moe_layer_ids = _moe_layers(self.model)
+        self.group = group
+        self.timeout = timeout
+        first = self.model.model.layers[self.moe_layer_ids[0]].mlp.experts
+        self.names = _expert_names(first)
+        self._tails = [(tuple(getattr(first, n).shape[1:]), getattr(first, n).dtype) for n in self.names]
+        self.num_moe_layers = len(self.moe_layer_ids)
+        self.num_logical_experts = getattr(first, self.names[0]).shape[0]
+        self.num_expert_groups = int(getattr(self.model.config, "n_group", None) or 1)
+        self.hidden_size = int(self.model.config.hidden_size)
+        self.vocab_size = int(self.model.config.vocab_size)
+        self._contexts: list[ExpertsContext] = []
+        self._weights: list[list[torch.Tensor]] = []
+        self.install_placement(placement, rank, num_ranks)
+        self.replace_weights(self.allocate(self.num_local_physical_experts))
+        if materialize:
+            self.load_canonical()
+        if self_check:
+            self.self_check()
+
+    # -- the protocol -------------------------------------------------------------------------
+    def expert_weights(self) -> list[list[torch.Tensor]]:
+        return self._weights
+
+    def install_placement(self, placement: Placement, rank: int, num_ranks: int) -> None:
+        if placement.num_layers != self.num_moe_layers or placement.num_logical != self.num_logical_experts:
+            raise ValueError(f"placement has {placement.num_layers} layers x {placement.num_logical} experts; the model "
+                             f"has {self.num_moe_layers} MoE layers x {self.num_logical_experts} experts")
+        self.placement = placement
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.num_physical_experts = placement.num_physical
+        self.num_local_physical_experts = placement.slots_per_rank(num_ranks)
+        self._bind()
+
+    # -- weights ------------------------------------------------------------------------------
+    def allocate(self, num_local: int) -> list[list[torch.Tensor]]:
+        """Uninitialized slot tensors for ``num_local`` slots, per MoE layer, in :attr:`names` order."""
+        return [[torch.empty((num_local, *tail), dtype=dtype) for tail, dtype in self._tails]
+                for _ in range(self.num_moe_layers)]
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's tensors in one layer."""
+        return sum(torch.Size(tail).numel() * torch.empty((), dtype=dtype).element_size() for tail, dtype in self._tails)
+
+    def replace_weights(self, weights: list[list[torch.Tensor]]) -> None:
+        """Serve from these slot tensors (a rescale's new weights); the EPLB writes them in place."""
+        self._weights = weights
+        self._bind()
+
+    def _bind(self) -> None:
+        """Point every MoE layer's experts module and kernel context at the current maps and tensors."""
+        if not self._weights:
+            return
+        old = {c.layer: c for c in self._contexts}
+        self._contexts = []
+        for index, layer_id in enumerate(self.moe_layer_ids):
+            experts = self.model.model.layers[layer_id].mlp.experts
+            tensors = self._weights[index]
+            for name, t in zip(self.names, tensors):
+                # the module's parameters are views of the slot tensors: state_dict and the kernel agree
+                experts._parameters[name] = nn.Parameter(t, requires_grad=False)
+            prev = old.get(index)
+            ctx = ExpertsContext(
+                layer=index, names=self.names, weights=tensors,
+                logical_to_physical=self.placement.logical_to_physical[index],
+                replica_count=self.placement.replica_count[index], rank=self.rank, num_ranks=self.num_ranks,
+                slots_per_rank=self.num_local_physical_experts, group=self.group, timeout=self.timeout,
+                logical_counts=torch.zeros(self.num_logical_experts, dtype=torch.int64),
+                physical_counts=torch.zeros(self.num_physical_experts, dtype=torch.int64),
+            )
+            if prev is not None and prev.physical_counts.numel() == ctx.physical_counts.numel():
+                ctx.logical_counts, ctx.physical_counts = prev.logical_counts, prev.physical_counts
+            experts._eplb = ctx
+            self._contexts.append(ctx)
+
+    def set_group(self, group: Any) -> None:
+        """The EP group to combine over from now on (after a rescale formed a new one)."""
+        self.group = group
+        for ctx in self._contexts:
+            ctx.group = group
+
+    def canonical_expert(self, layer: int, expert: int) -> list[torch.Tensor]:
+        """The source's tensors of logical ``expert`` in MoE layer ``layer`` (the reload path)."""
+        return self.source.expert(self.moe_layer_ids[layer], expert)
+
+    def load_canonical(self, layers: Sequence[int] | None = None) -> None:
+        """Fill this rank's slots from the source; a checkpoint is read only for these slots' experts."""
+        view = self.placement.rank_view(self.rank, self.num_ranks)
+        for layer in range(self.num_moe_layers) if layers is None else layers:
+            loaded: dict[int, list[torch.Tensor]] = {}
+            for local, expert in enumerate(view.physical_to_logical[layer].tolist()):
+                if expert not in loaded:
+                    loaded[expert] = self.canonical_expert(layer, expert)
+                with torch.no_grad():
+                    for dst, src in zip(self._weights[layer], loaded[expert]):
+                        dst[local].copy_(src)
+
+    def verify(self) -> list[tuple[int, int]]:
+        """``(layer, physical slot)`` of every local slot that does not hold exactly its expert."""
+        view = self.placement.rank_view(self.rank, self.num_ranks)
+        bad = []
+        for layer in range(self.num_moe_layers):
+            for local, expert in enumerate(view.physical_to_logical[layer].tolist()):
+                want = self.canonical_expert(layer, expert)
+                if not all(torch.equal(w[local], c) for w, c in zip(self._weights[layer], want)):
+                    bad.append((layer, view.first_slot + local))
+        return bad
+
+    def verify_staged(self, layer: int, new_row: torch.Tensor, rank_plan, staging: list[torch.Tensor]) -> list[int]:
+        """Local slots of a staged layer that do not hold exactly the expert ``new_row`` assigns."""
+        first = rank_plan.num_new_slots * self.rank
+        return [local for local in rank_plan.changed_slots
+                if not all(torch.equal(s[local], c)
+                           for s, c in zip(staging, self.canonical_expert(layer, int(new_row[first + local]))))]
+
+    def self_check(self) -> None:
+        """Start-up check that the experts kernel's bits do not depend on rows per call (see kernel)."""
+        experts = self.model.model.layers[self.moe_layer_ids[0]].mlp.experts
+        check_row_independent(experts, dict(zip(self.names, self._weights[0])), self.hidden_size, self._tails[0][1])
+
+    # -- non-expert weights for joining ranks ---------------------------------------------------
+    def non_expert_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every replicated tensor (parameters and buffers outside the experts), in name order."""
+        seen: set[int] = set()
+        out = []
+        for name, t in sorted([*self.model.named_parameters(), *self.model.named_buffers()]):
+            if _is_expert_param(name) or id(t) in seen:
+                continue
+            seen.add(id(t))
+            out.append((name, t))
+        return out
+
+    def sync_non_expert(self, src: int, group: Any = None, timeout: float | None = None) -> dict[str, float]:
+        """Broadcast the non-expert weights from group rank ``src`` to every rank of ``group``.
+
+        A collective: every rank of the group calls it. Tensors go as one flat buffer per dtype.
+        Returns ``{"bytes": ..., "seconds": ...}`` (bytes of the buffers broadcast).
+        """
+        started = time.perf_counter()
+        group = self.group if group is None else group
+        limit = timedelta(seconds=self.timeout if timeout is None else timeout)
+        me = dist.get_rank(group)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for _, t in self.non_expert_tensors():
+            by_dtype.setdefault(t.dtype, []).append(t)
+        total = 0
+        for dtype in sorted(by_dtype, key=str):
+            tensors = by_dtype[dtype]
+            flat = torch.cat([t.detach().reshape(-1) for t in tensors]) if me == src else \
+                torch.empty(sum(t.numel() for t in tensors), dtype=dtype)
+            work = dist.broadcast(flat, src=dist.get_global_rank(group, src) if group is not None else src,
+                                  group=group, async_op=True)
+            if not work.wait(timeout=limit):
+                raise TimeoutError(f"non-expert weight broadcast ({dtype}) did not finish within {limit}")
+            if me != src:
+                offset = 0
+                with torch.no_grad():
+                    for t in tensors:
+                        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                        offset += t.numel()
+            total += flat.numel() * flat.element_size()
+        return {"bytes": float(total), "seconds": time.perf_counter() - started}
+
+    # -- load -----------------------------------------------------------------------------------
+    def take_load(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's choices since the last call: ``(logical [layers, L], physical [layers, P])``.
+
+        Every rank runs the router on the whole batch, so these are already the group's counts
+        (identical on every rank): no all-reduce is needed. The counters restart at zero.
+        """
+        logical = torch.stack([c.logical_counts.clone() for c in self._contexts])
+        physical = torch.stack([c.physical_counts.clone() for c in self._contexts])
+        for c in self._contexts:
+            c.logical_counts.zero_()
+            c.physical_counts.zero_()
+        return logical, physical
+
+    def _recording(self, on: bool) -> None:
+        for c in self._contexts:
+            c.record = on
+
+    # -- decoding -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _forward(self, input_ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
+        out = self.model(input_ids=input_ids, cache=cache, use_cache=True)
+        return out.logits[:, -1, :], out.past_key_values
+
+    def prefill(self, input_ids: torch.Tensor) -> DecodeState:
+        """Start decoding ``input_ids [B, T]`` (equal-length prompts); the first greedy token is chosen.
+
+        Every rank of the EP group must call it with the same ids (attention is replicated).
+        """
+        logits, cache = self._forward(input_ids, None)
+        state = DecodeState(cache=cache, last=logits.argmax(dim=-1))
+        state.tokens.append(state.last)
+        state.logits.append(logits)
+        return state
+
+    def decode_step(self, state: DecodeState) -> torch.Tensor:
+        """One greedy step of every sequence in ``state``; returns the new tokens ``[B]``."""
+        logits, state.cache = self._forward(state.last[:, None], state.cache)
+        state.last = logits.argmax(dim=-1)
+        state.tokens.append(state.last)
+        state.logits.append(logits)
+        return state.last
+
+    def generate(self, input_ids: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy ``new_tokens`` per sequence: ``(tokens [B, n], logits [B, n, V])``."""
+        state = self.prefill(input_ids)
+        for _ in range(new_tokens - 1):
+            self.decode_step(state)
+        return torch.stack(state.tokens, dim=1), torch.stack(state.logits, dim=1)
+
+    def probe_batch(self) -> torch.Tensor:
+        p = self.spec.probe
+        g = torch.Generator().manual_seed(p.seed)
+        return torch.randint(0, self.vocab_size, (p.batch, p.prompt_len), generator=g)
+
+    def probe(self) -> ProbeResult:
+        """Greedy tokens and logits of the fixed probe batch (a collective on the EP group).
+
+        The router's choices on the probe batch are not recorded as load.
+        """
+        self._recording(False)
+        try:
+            tokens, logits = self.generate(self.probe_batch(), self.spec.probe.new_tokens)
+        finally:
+            self._recording(True)
+        return ProbeResult.of(tokens, logits)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a deployment needs to know before building a rank: counts, and one expert's tensors."""
+
+    num_moe_layers: int
+    num_logical_experts: int
+    num_expert_groups: int
+    names: tuple[str, ...]
+    tails: tuple[tuple[tuple[int, ...], torch.dtype], ...]  # per tensor: shape after the slot dim, dtype
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(torch.Size(t).numel() * torch.empty((), dtype=d).element_size() for t, d in self.tails)
+
+    def allocate(self, num_local: int) -> list[list[torch.Tensor]]:
+        """Uninitialized slot tensors for ``num_local`` slots (a standby rank's memory)."""
+        return [[torch.empty((num_local, *t), dtype=d) for t, d in self.tails] for _ in range(self.num_moe_layers)]
+
+
+def describe(spec: HFModelConfig | dict) -> ModelInfo:
+    """Layer and expert counts and the expert layout of ``spec``, from a meta-device build (no weights)."""
+    from transformers import AutoModelForCausalLM
+
+    spec = spec if isinstance(spec, HFModelConfig) else HFModelConfig.model_validate(spec)
+    cfg = open_source(spec).config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, spec.dtype))
+    layers = _moe_layers(model)
+    experts = model.model.layers[layers[0]].mlp.experts
+    names = _expert_names(experts)
+    return ModelInfo(len(layers), getattr(experts, names[0]).shape[0], int(getattr(cfg, "n_group", None) or 1), names,
+                     tuple((tuple(getattr(experts, n).shape[1:]), getattr(experts, n).dtype) for n in names))
+
+
+def unsharded(spec: HFModelConfig | dict) -> HFMoE:
+    """The unsharded model in this process: one rank, one slot per expert, the same kernel."""
+    info = describe(spec)
+    placement = Placement.static(info.num_moe_layers, info.num_logical_experts, info.num_logical_experts)
+    return HFMoE(spec, placement, 0, 1)
+
+
+def reference_probe(spec: HFModelConfig | dict) -> ProbeResult:
+    """The probe of the unsharded single-process model: what every EP probe must equal bitwise."""
+    return unsharded(spec).probe()
