@@ -72,9 +72,11 @@ slots per rebalance on stationary loads and 13% / 22% of ``default``'s copies on
 within 0.006 of ``default``'s next-window balance.
 
 Errors are :class:`AlgorithmError` (a ``ValueError``) subclasses with messages naming what is
-wrong. Where the reference falls back to global balancing (``num_groups % num_nodes != 0``) this
-module does the same; a group count that does not divide the experts, or a node count that does
-not divide the GPUs, describes no real model or cluster and is refused for every policy.
+wrong. Groups and nodes that do not nest (a group count that does not divide the experts, a node
+count that does not divide the groups or the GPUs) are not an error: like the reference (which
+falls back when ``num_groups % num_nodes != 0``), every policy then balances globally, as if
+given one group and one node, and a warning says so once per shape. vLLM's
+``test_parameter_validation`` relies on it (``rebalance_experts(w, 8, 3, 2, 4)``, 4 experts).
 The reference's ``logical_to_physical`` width is ``max(replica_count)`` (data dependent); here,
 as in vLLM, it is the fixed ``P - L + 1``, and replicas are listed in ascending slot order
 (:func:`eplb.placement.build_logical_to_physical`).
@@ -82,7 +84,9 @@ as in vLLM, it is the fixed ``P - L + 1``, and replicas are listed in ascending 
 
 from __future__ import annotations
 
+import functools
 import inspect
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -91,6 +95,8 @@ import numpy as np
 import torch
 
 from eplb.placement import Placement, PlacementError, build_logical_to_physical, validate_physical_to_logical
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "AlgorithmError",
@@ -227,8 +233,9 @@ def rebalance_experts(
     Parameters:
         weight: ``[layers, L]`` load of each logical expert (any real or integer dtype, >= 0).
         num_replicas: ``P``, physical slots per layer, a multiple of ``num_gpus``, at least ``L``.
-        num_groups: expert groups (``L`` is a multiple of it); used by ``hierarchical``.
-        num_nodes: nodes (``num_gpus`` is a multiple of it); used by ``hierarchical``.
+        num_groups: expert groups; used by the hierarchical policies when it divides ``L`` and
+            ``num_nodes`` divides it (else global balancing, as in the reference).
+        num_nodes: nodes; used by the hierarchical policies when it divides the groups and GPUs.
         num_gpus: GPUs (EP ranks); GPU ``g`` owns slots ``[g*S, (g+1)*S)``.
         policy: a name in :data:`POLICIES`.
         previous: the current placement, ``[layers, P_old]`` or a ``Placement`` (``migration_aware``).
@@ -279,6 +286,23 @@ def _positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
+def _hierarchy_mismatch(experts: int, num_groups: int, num_nodes: int, num_gpus: int) -> str:
+    """Why groups and nodes cannot be used as given ("" when they can)."""
+    if experts % num_groups:
+        return f"num_groups={num_groups} does not divide the {experts} logical experts"
+    if num_groups % num_nodes:
+        return f"num_nodes={num_nodes} does not divide num_groups={num_groups}"
+    if num_gpus % num_nodes:
+        return f"num_nodes={num_nodes} does not divide num_gpus={num_gpus}"
+    return ""
+
+
+@functools.lru_cache(maxsize=64)
+def _log_fallback(reason: str) -> None:
+    """One log line per distinct shape (an engine calls every few minutes with the same one)."""
+    logger.warning("eplb: %s; balancing globally (one group, one node), as the reference does", reason)
+
+
 def _make_problem(weight, num_replicas, num_groups, num_nodes, num_gpus, previous) -> Problem:
     # 1. weight: a 2-D tensor of finite, non-negative real numbers
     if not isinstance(weight, torch.Tensor):
@@ -318,12 +342,15 @@ def _make_problem(weight, num_replicas, num_groups, num_nodes, num_gpus, previou
         )
     if num_replicas % num_gpus:
         raise InvalidShapeError(f"num_replicas={num_replicas} is not a multiple of num_gpus={num_gpus}")
-    if num_gpus % num_nodes:
-        raise InvalidShapeError(f"num_gpus={num_gpus} is not a multiple of num_nodes={num_nodes}")
-    if experts % num_groups:
-        raise InvalidShapeError(f"num_groups={num_groups} does not divide the {experts} logical experts")
+    # 3. groups and nodes that do not nest (groups not dividing the experts, nodes not dividing
+    #    the groups or the GPUs): global balancing, as the reference does (it runs its routine
+    #    with one group and one node), so every policy sees one group on one node
+    reason = _hierarchy_mismatch(experts, num_groups, num_nodes, num_gpus)
+    if reason:
+        _log_fallback(reason)
+        num_groups = num_nodes = 1
 
-    # 3. previous: a valid placement of the same layers and experts
+    # 4. previous: a valid placement of the same layers and experts
     prev = None
     if previous is not None:
         if isinstance(previous, Placement):

@@ -86,6 +86,40 @@ def test_hierarchical_falls_back_to_global_like_the_reference():
     assert torch.equal(fallback, global_)
 
 
+def test_parameter_validation_like_vllm():
+    # vLLM's tests/distributed/test_eplb_algo.py::test_parameter_validation: 4 experts in 3 groups
+    # on 2 nodes is served (global balancing, like the reference); 7 slots on 4 GPUs is refused
+    weight = torch.tensor([[10, 20, 30, 40]])
+    p2l, l2p, counts = rebalance_experts(weight, 8, 3, 2, 4)
+    assert p2l.shape == (1, 8) and l2p.shape == (1, 4, 5) and counts.shape == (1, 4)
+    validate_physical_to_logical(p2l, 4)
+    assert counts.sum().item() == 8
+    with pytest.raises(InvalidShapeError, match="multiple of num_gpus"):
+        rebalance_experts(weight, 7, 2, 2, 4)
+
+
+@pytest.mark.parametrize("policy", BUILTIN)
+@pytest.mark.parametrize(
+    "groups,nodes,gpus,why",
+    [(5, 1, 8, "num_groups=5 does not divide"), (4, 3, 6, "num_nodes=3 does not divide num_groups=4"),
+     (3, 3, 8, "num_nodes=3 does not divide num_gpus=8"), (3, 2, 4, "num_nodes=2 does not divide num_groups=3")],
+)
+def test_groups_and_nodes_that_do_not_nest_fall_back_to_global_balancing(policy, groups, nodes, gpus, why, caplog):
+    w = _zipf_load(3, 12, seed=5)
+    replicas = 2 * gpus if 2 * gpus >= 12 else 12
+    alg._log_fallback.cache_clear()
+    with caplog.at_level("WARNING", logger="eplb.algorithm"):
+        got = rebalance_experts(w, replicas, groups, nodes, gpus, policy=policy)[0]
+    assert any(why in r.getMessage() and "globally" in r.getMessage() for r in caplog.records)
+    # exactly what one group on one node gives
+    assert torch.equal(got, rebalance_experts(w, replicas, 1, 1, gpus, policy=policy)[0])
+    # logged once per shape, not on every call
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="eplb.algorithm"):
+        rebalance_experts(w, replicas, groups, nodes, gpus, policy=policy)
+    assert not caplog.records
+
+
 def test_default_balances_the_readme_example_better_than_the_reference():
     ref = _balance(rebalance_experts(README_WEIGHT, 16, 4, 2, 8, policy="hierarchical")[0], README_WEIGHT, 8)
     ours = _balance(rebalance_experts(README_WEIGHT, 16, 4, 2, 8)[0], README_WEIGHT, 8)
@@ -376,8 +410,6 @@ def test_migration_aware_follows_the_rank_mapping():
         (torch.tensor([[1] * 12, [1, -3] + [1] * 10]), (16, 4, 2, 8), InvalidLoadError, ">= 0: layer 1, expert 1"),
         (torch.ones(2, 12), (8, 4, 2, 8), InvalidShapeError, "num_replicas=8"),
         (torch.ones(2, 12), (18, 4, 2, 8), InvalidShapeError, "multiple of num_gpus"),
-        (torch.ones(2, 12), (16, 4, 3, 8), InvalidShapeError, "num_nodes=3"),
-        (torch.ones(2, 12), (16, 5, 1, 8), InvalidShapeError, "num_groups=5"),
         (torch.ones(2, 12), (16, 4, 2, 0), InvalidShapeError, "num_gpus"),
         (torch.ones(2, 12), (16, 4, 0, 8), InvalidShapeError, "num_nodes"),
         (torch.ones(2, 12), (16.0, 4, 2, 8), InvalidShapeError, "num_replicas"),
