@@ -96,5 +96,6 @@ def _default_kind(value: Any) -> Any:
     return value
 
 
-ModelSpec = Annotated[ReferenceModelConfig | HFModelConfig, BeforeValidator(_default_kind),
-                      Field(discriminator="kind")]
+# the discriminated union inside, the default kind outside: the kind is filled in before the union looks at it
+ModelSpec = Annotated[Annotated[ReferenceModelConfig | HFModelConfig, Field(discriminator="kind")],
+                      BeforeValidator(_default_kind)]

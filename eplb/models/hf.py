@@ -161,7 +161,8 @@ class CheckpointSource:
             with safe_open(single, "pt") as f:
                 self.files = dict.fromkeys(f.keys(), single)
         self._handles: dict[str, Any] = {}
-        self.bytes_read = 0
+        self.bytes_read = 0  # every tensor read from the directory
+        self.expert_bytes_read = 0  # of which expert tensors (a rank reads only its own slots' experts)
 
     def _open(self, key: str):
         from safetensors import safe_open
@@ -175,6 +176,8 @@ class CheckpointSource:
         handle = self._open(key)
         t = handle.get_tensor(key) if index is None else handle.get_slice(key)[index]
         self.bytes_read += t.numel() * t.element_size()
+        if _is_expert_param(key) or ".block_sparse_moe.experts." in key:
+            self.expert_bytes_read += t.numel() * t.element_size()
         return t
 
     def _key(self, name: str) -> str:
@@ -409,7 +412,10 @@ class HFMoE:
     def self_check(self) -> None:
         """Start-up check that the experts kernel's bits do not depend on rows per call (see kernel)."""
         experts = self.model.model.layers[self.moe_layer_ids[0]].mlp.experts
-        check_row_independent(experts, dict(zip(self.names, self._weights[0])), self.hidden_size, self._tails[0][1])
+        # seeded weights of the experts' shapes and dtypes: the slots may not be filled yet
+        g = torch.Generator().manual_seed(0)
+        weights = {n: (torch.randn((4, *tail), generator=g) * 0.2).to(dtype) for n, (tail, dtype) in zip(self.names, self._tails)}
+        check_row_independent(experts, weights, self.hidden_size, self._tails[0][1])
 
     # -- non-expert weights for joining ranks ---------------------------------------------------
     def non_expert_tensors(self) -> list[tuple[str, torch.Tensor]]:
@@ -426,11 +432,11 @@ class HFMoE:
     def sync_non_expert(self, src: int, group: Any = None, timeout: float | None = None) -> dict[str, float]:
         """Broadcast the non-expert weights from group rank ``src`` to every rank of ``group``.
 
-        A collective: every rank of the group calls it. Tensors go as one flat buffer per dtype.
-        Returns ``{"bytes": ..., "seconds": ...}`` (bytes of the buffers broadcast).
+        A collective: every rank of ``group`` calls it (``None``: the default group; the joining
+        rank is not in :attr:`group` yet, so the group is always named by the caller). Tensors go
+        as one flat buffer per dtype. Returns ``{"bytes": ..., "seconds": ...}``.
         """
         started = time.perf_counter()
-        group = self.group if group is None else group
         limit = timedelta(seconds=self.timeout if timeout is None else timeout)
         me = dist.get_rank(group)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}

@@ -1,0 +1,389 @@
+"""eplb.models.hf: Hugging Face MoE architectures under expert parallelism, output bitwise unchanged.
+
+Every architecture runs on 2 real gloo processes through a rebalance (the project's
+plan_layer/execute_layer/commit_layer, one layer at a time with decode steps in between), the
+loss of a rank's weights (experts nobody else holds are reloaded) and a change of slots per rank;
+after each, the greedy tokens and logits of the probe batch must be bitwise those of the
+unsharded model in one process. A checkpoint written by plain transformers' save_pretrained
+serves a scale-up 1 -> 2 (the joining rank gets its non-expert weights from the peer and its
+experts by transfer) and a rank loss reloaded from the directory; a wrong expert put in one slot
+on purpose must make the probe trip. One launch runs all architectures (transformers' first
+import costs seconds per process).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eplb.algorithm import compute_placement
+from eplb.models.config import (
+    ARCHITECTURES,
+    HFModelConfig,
+    ModelSpec,
+    ReferenceModelConfig,
+    tiny_config,
+)
+from eplb.placement import Placement
+from eplb.plan import plan_layer
+from eplb.transfer import commit_layer, execute_layer, materialize
+from tests.distributed import run_distributed
+
+TIMEOUT = 20.0  # every collective and transfer wait in the bodies
+ARCHS = list(ARCHITECTURES)
+CHECKPOINT_ARCHS = ["deepseek_v3", "gpt_oss", "mixtral"]  # per-expert keys, fused slices, block_sparse_moe keys
+L = 8  # experts of every tiny architecture
+
+
+def swap_rank_blocks(p2l: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """The same per-rank sets on other ranks: every expert must cross the network (a real move)."""
+    blocks = p2l.view(p2l.shape[0], num_ranks, -1)
+    return blocks.roll(1, dims=1).reshape(p2l.shape)
+
+
+def move_layer(model, rank: int, layer: int, old_row, new_row, s_old: int, s_new: int, weights_old, weights_new,
+               old_holder=None, new_holder=None) -> dict:
+    """One layer's move with the project's planner and executor; returns what this rank did."""
+    plan = plan_layer(old_row, new_row, s_old, s_new, old_holder, new_holder)
+    rp = plan.for_rank(rank)
+    stats = execute_layer(plan, rank, weights_old, weights_new, timeout=TIMEOUT, layer=layer,
+                          reload_fn=lambda e: model.canonical_expert(layer, e))
+    return {"plan": rp, "transfers": plan.num_transfers, "reloads": stats.num_reloads}
+
+
+def body_architectures(rank: int, world_size: int, cases: list[tuple[str, str]]) -> dict:
+    from eplb.models.hf import HFMoE, describe, unsharded
+
+    torch.set_num_threads(1)
+    out = {}
+    for arch, dtype in cases:
+        spec = HFModelConfig(architecture=arch, seed=7, dtype=dtype)
+        info = describe(spec)
+        layers = info.num_moe_layers
+        reference = unsharded(spec)
+        ref = reference.probe()
+        serve_ids = torch.randint(0, reference.vocab_size, (3, 5), generator=torch.Generator().manual_seed(99))
+        ref_tokens, ref_logits = reference.generate(serve_ids, 6)
+        del reference
+
+        s = 6  # 12 slots over 2 ranks: 4 redundant
+        placement = Placement.static(layers, L, s * world_size)
+        model = HFMoE(spec, placement, rank, world_size, timeout=TIMEOUT)
+        checks = {"start": model.probe().compare(ref)}
+
+        # serve a batch; the rebalance commits one layer per decode step, as the async EPLB does
+        state = model.prefill(serve_ids)
+        model.decode_step(state)
+        logical, physical = model.take_load()
+        new = Placement.from_physical_to_logical(
+            swap_rank_blocks(compute_placement(logical, s * world_size, world_size).physical_to_logical, world_size), L)
+        transfers = 0
+        for layer in range(layers):
+            weights = model.expert_weights()[layer]
+            staging = [torch.empty_like(t) for t in weights]
+            moved = move_layer(model, rank, layer, model.placement.physical_to_logical[layer],
+                               new.physical_to_logical[layer], s, s, weights, staging)
+            commit_layer(moved["plan"], staging, weights)
+            model.install_placement(model.placement.with_layer(layer, new.physical_to_logical[layer]), rank, world_size)
+            transfers += moved["transfers"]
+            model.decode_step(state)  # a step on a half-moved placement
+        while len(state.tokens) < 6:
+            model.decode_step(state)
+        serve_tokens, serve_logits = torch.stack(state.tokens, 1), torch.stack(state.logits, 1)
+        checks["rebalance"] = model.probe().compare(ref)
+
+        # rank 1's weights are lost: a fresh placement, experts only rank 1 held are reloaded
+        lost_placement = Placement.static(layers, L, s * world_size)
+        reloads = 0
+        fresh = model.allocate(s)
+        for layer in range(layers):
+            old_w = model.expert_weights()[layer]
+            if rank == 1:
+                moved = move_layer(model, rank, layer, model.placement.physical_to_logical[layer],
+                                   lost_placement.physical_to_logical[layer], s, s, None, fresh[layer],
+                                   old_holder=(0, -1), new_holder=(0, 1))
+                materialize(moved["plan"], None, fresh[layer])
+            else:
+                staging = [torch.empty_like(t) for t in old_w]
+                moved = move_layer(model, rank, layer, model.placement.physical_to_logical[layer],
+                                   lost_placement.physical_to_logical[layer], s, s, old_w, staging,
+                                   old_holder=(0, -1), new_holder=(0, 1))
+                commit_layer(moved["plan"], staging, old_w)
+            reloads += moved["reloads"]
+        if rank == 1:
+            model.replace_weights(fresh)
+        model.install_placement(lost_placement, rank, world_size)
+        checks["recovery"] = model.probe().compare(ref)
+
+        # slots per rank 6 -> 8 (16 slots): new tensors, materialized from the old ones
+        s_new = 8
+        wider = compute_placement(logical, s_new * world_size, world_size)
+        new_weights = model.allocate(s_new)
+        for layer in range(layers):
+            moved = move_layer(model, rank, layer, model.placement.physical_to_logical[layer],
+                               wider.physical_to_logical[layer], s, s_new, model.expert_weights()[layer],
+                               new_weights[layer])
+            materialize(moved["plan"], model.expert_weights()[layer], new_weights[layer])
+        model.replace_weights(new_weights)
+        model.install_placement(wider, rank, world_size)
+        checks["slots"] = model.probe().compare(ref)
+
+        out[f"{arch}/{dtype}"] = {
+            "checks": checks, "verify": model.verify(), "transfers": transfers, "reloads": reloads,
+            "serve_equal": torch.equal(serve_tokens, ref_tokens) and torch.equal(serve_logits, ref_logits),
+            # lists: tensors would travel as shared memory, gone when the worker exits
+            "load": logical.tolist(), "physical": physical.tolist(),
+            "tokens_per_layer": (3 * 5 + 3) * info_top_k(spec),  # prefill + one step
+        }
+    return out
+
+
+def info_top_k(spec: HFModelConfig) -> int:
+    return tiny_config(spec.architecture, spec.config)["num_experts_per_tok"]
+
+
+BF16_ARCHS = ["deepseek_v3", "gpt_oss"]
+
+
+@pytest.fixture(scope="module")
+def arch_runs():
+    cases = [(arch, "float32") for arch in ARCHS] + [(arch, "bfloat16") for arch in BF16_ARCHS]
+    return run_distributed(body_architectures, 2, args=(cases,), timeout=200, pg_timeout=TIMEOUT)
+
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("arch", ARCHS)
+def test_identical_output_through_rebalance_recovery_and_slot_change(arch_runs, arch):
+    check_case(arch_runs, f"{arch}/float32")
+
+
+def check_case(arch_runs, case: str) -> None:
+    for rank, per_rank in enumerate(arch_runs):
+        r = per_rank[case]
+        for when, check in r["checks"].items():
+            assert check["identical"], (rank, when, check)
+        assert r["serve_equal"], f"rank {rank}: tokens or logits served across the rebalance differ"
+        assert r["verify"] == [], r["verify"]
+        assert r["transfers"] > 0
+        # load is the real router's choices: every (token, k) pair of the prefill and a step, per layer
+        load, physical = torch.tensor(r["load"]), torch.tensor(r["physical"])
+        assert load.sum(dim=1).tolist() == [r["tokens_per_layer"]] * load.shape[0]
+        assert r["load"] == arch_runs[0][case]["load"]  # the group's counts, the same on every rank
+        assert torch.equal(physical.sum(dim=1), load.sum(dim=1))
+    # the experts only the lost rank held came back from the source (on whichever rank needs them)
+    assert sum(per_rank[case]["reloads"] for per_rank in arch_runs) > 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("arch", BF16_ARCHS)
+def test_bf16_identical_to_the_same_kernel_in_one_process(arch_runs, arch):
+    check_case(arch_runs, f"{arch}/bfloat16")
+
+
+# -- a checkpoint directory -------------------------------------------------------------------------
+
+def write_checkpoint(arch: str, path: str, seed: int = 11) -> None:
+    """A checkpoint the way a user has one: plain transformers, save_pretrained, safetensors."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **tiny_config(arch)))
+    model.save_pretrained(path)
+
+
+def body_checkpoint(rank: int, world_size: int, paths: dict[str, str]) -> dict:
+    import torch.distributed as dist
+
+    from eplb.models.hf import HFMoE, describe, unsharded
+
+    torch.set_num_threads(1)
+    out = {}
+    for arch, path in paths.items():
+        spec = HFModelConfig(path=path)
+        ref = unsharded(spec).probe()
+        layers = describe(spec).num_moe_layers
+        alone = dist.new_group([0])  # every rank takes part in forming a group
+        s = 8
+        r: dict = {}
+        # EP 1: rank 0 serves alone, having read every expert from the directory
+        if rank == 0:
+            model = HFMoE(spec, Placement.static(layers, L, s), 0, 1, group=alone, timeout=TIMEOUT)
+            r["alone"] = model.probe().compare(ref)
+        # scale up 1 -> 2, slots per rank kept: rank 0 keeps 0-5 and two copies, rank 1 alone holds 6 and 7
+        row = [0, 1, 2, 3, 4, 5, 0, 1, 6, 7, 2, 3, 4, 5, 6, 7]
+        grown = Placement.from_physical_to_logical(torch.tensor([row] * layers), L)
+        if rank == 1:
+            model = HFMoE(spec, grown, 1, 2, materialize=False, load_non_expert=False, timeout=TIMEOUT)
+        r["non_expert"] = model.sync_non_expert(src=0, group=None, timeout=TIMEOUT)
+        for layer in range(layers):
+            old_row = model.placement.physical_to_logical[layer] if rank == 0 else torch.arange(L)
+            if rank == 0:
+                weights = model.expert_weights()[layer]
+                staging = [torch.empty_like(t) for t in weights]
+                moved = move_layer(model, 0, layer, old_row, grown.physical_to_logical[layer], s, s, weights, staging,
+                                   old_holder=(0,), new_holder=(0, 1))
+                commit_layer(moved["plan"], staging, weights)
+            else:
+                weights = model.expert_weights()[layer]
+                moved = move_layer(model, 1, layer, old_row, grown.physical_to_logical[layer], s, s, None, weights,
+                                   old_holder=(0,), new_holder=(0, 1))
+                materialize(moved["plan"], None, weights)
+        if rank == 0:
+            model.install_placement(grown, 0, 2)
+            model.set_group(None)
+        r["joined_read"] = model.source.bytes_read if rank == 1 else None
+        r["grown"] = model.probe().compare(ref)
+
+        # rank 1 is lost; its replacement takes its slots: experts 6 and 7 were only there, so they are
+        # reloaded from the directory, the others come from rank 0
+        before = model.source.expert_bytes_read
+        back = grown
+        reloads = 0
+        fresh = model.allocate(s)
+        for layer in range(layers):
+            if rank == 1:
+                moved = move_layer(model, 1, layer, grown.physical_to_logical[layer], back.physical_to_logical[layer],
+                                   s, s, None, fresh[layer], old_holder=(0, -1), new_holder=(0, 1))
+                materialize(moved["plan"], None, fresh[layer])
+            else:
+                weights = model.expert_weights()[layer]
+                staging = [torch.empty_like(t) for t in weights]
+                moved = move_layer(model, 0, layer, grown.physical_to_logical[layer], back.physical_to_logical[layer],
+                                   s, s, weights, staging, old_holder=(0, -1), new_holder=(0, 1))
+                commit_layer(moved["plan"], staging, weights)
+            reloads += moved["reloads"]
+        if rank == 1:
+            model.replace_weights(fresh)
+        model.install_placement(back, rank, 2)
+        r["reloads"] = reloads
+        r["reload_bytes"] = model.source.expert_bytes_read - before
+        r["expert_bytes"] = describe(HFModelConfig(path=path)).expert_bytes
+        r["layers"] = layers
+        r["recovered"] = model.probe().compare(ref)
+        r["verify"] = model.verify()
+
+        # a wrong expert in one slot on purpose: the slot of rank 1 the probe batch uses most
+        model.generate(model.probe_batch(), 2)
+        physical = model.take_load()[1]
+        slot = int(physical[0, s:].argmax()) + s
+        if rank == 1:
+            expert = int(back.physical_to_logical[0, slot])
+            wrong = model.canonical_expert(0, (expert + 1) % L)
+            with torch.no_grad():
+                for t, w in zip(model.expert_weights()[0], wrong):
+                    t[slot - s].copy_(w)
+        r["wrong_slot"] = (0, slot)
+        r["tripped"] = model.probe().compare(ref)
+        r["tripped_verify"] = model.verify()
+        model.load_canonical()
+        r["repaired"] = model.probe().compare(ref)
+        out[arch] = r
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoint_runs(tmp_path_factory):
+    paths = {}
+    for arch in CHECKPOINT_ARCHS:
+        path = tmp_path_factory.mktemp(f"ckpt-{arch}")
+        write_checkpoint(arch, str(path))
+        paths[arch] = str(path)
+    return run_distributed(body_checkpoint, 2, args=(paths,), timeout=150, pg_timeout=TIMEOUT)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("arch", CHECKPOINT_ARCHS)
+def test_checkpoint_serves_joins_and_reloads_lost_experts(checkpoint_runs, arch):
+    r0, r1 = (per_rank[arch] for per_rank in checkpoint_runs)
+    assert r0["alone"]["identical"], r0["alone"]
+    for r in (r0, r1):
+        assert r["grown"]["identical"] and r["recovered"]["identical"], (r["grown"], r["recovered"])
+        assert r["verify"] == []
+        assert r["non_expert"]["bytes"] > 0 and r["non_expert"]["bytes"] == r0["non_expert"]["bytes"]
+    # the joining rank read nothing from the directory: non-expert weights from the peer, experts by transfer
+    assert r1["joined_read"] == 0
+    # the replacement of the lost rank reloaded experts 6 and 7 (every layer), reading only those
+    assert r1["reloads"] == 2 * r1["layers"] and r0["reloads"] == 0
+    assert r1["reload_bytes"] == 2 * r1["layers"] * r1["expert_bytes"]
+    assert r0["reload_bytes"] == 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("arch", CHECKPOINT_ARCHS)
+def test_wrong_expert_in_one_slot_trips_the_probe(checkpoint_runs, arch):
+    for rank, per_rank in enumerate(checkpoint_runs):
+        r = per_rank[arch]
+        assert not r["tripped"]["identical"], f"rank {rank}: a wrong expert in slot {r['wrong_slot']} went unseen"
+        assert r["tripped"]["max_abs_logit_diff"] > 0
+        assert r["tripped_verify"] == ([r["wrong_slot"]] if rank == 1 else [])
+        assert r["repaired"]["identical"]
+
+
+# -- in one process -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "gpt_oss", "deepseek_v3"])
+def test_kernel_computes_what_transformers_computes(arch):
+    """The row-independent kernel is the same function as transformers' own (to rounding)."""
+    from eplb.models.hf import unsharded
+
+    model = unsharded({"architecture": arch, "seed": 3})
+    ids = model.probe_batch()
+    with torch.no_grad():
+        ours = model.model(input_ids=ids).logits
+        model.model.set_experts_implementation("eager")
+        theirs = model.model(input_ids=ids).logits
+    assert not torch.equal(ours, torch.zeros_like(ours))
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_self_check_trips_on_a_row_dependent_kernel():
+    from eplb.models.hf import unsharded
+    from eplb.models.kernel import check_row_independent
+
+    model = unsharded({"architecture": "mixtral", "seed": 1})
+    experts = model.model.model.layers[0].mlp.experts
+    weights = dict(zip(model.names, model.expert_weights()[0]))
+    check_row_independent(experts, weights, model.hidden_size, torch.float32)  # the real one passes
+    experts._apply_gate = lambda h: torch.nn.functional.silu(h[:, : h.shape[1] // 2] - h.mean()) * h[:, h.shape[1] // 2:]
+    with pytest.raises(RuntimeError, match="not row-independent"):
+        check_row_independent(experts, weights, model.hidden_size, torch.float32)
+
+
+def test_model_config_kinds():
+    from pydantic import TypeAdapter, ValidationError
+
+    adapter = TypeAdapter(ModelSpec)
+    assert isinstance(adapter.validate_python({"num_experts": 8}), ReferenceModelConfig)  # configs before kinds
+    hf = adapter.validate_python({"kind": "hf", "architecture": "gpt_oss", "config": {"hidden_size": 64}, "seed": 2})
+    assert isinstance(hf, HFModelConfig) and hf.config == {"hidden_size": 64}
+    assert adapter.validate_python({"kind": "hf", "path": "/models/x"}).path == "/models/x"
+    for bad in ({"kind": "hf"}, {"kind": "hf", "path": "/x", "architecture": "mixtral"},
+                {"kind": "hf", "architecture": "llama"}, {"kind": "hf", "path": "/x", "config": {"a": 1}},
+                {"kind": "hf", "architecture": "mixtral", "dtype": "float16"}):
+        with pytest.raises(ValidationError):
+            adapter.validate_python(bad)
+
+
+def test_load_recording_and_placement_checks():
+    from eplb.models.hf import HFMoE, describe
+
+    spec = HFModelConfig(architecture="qwen3_moe")
+    info = describe(spec)
+    model = HFMoE(spec, Placement.static(info.num_moe_layers, L, 12), 0, 1)
+    model.probe()
+    assert int(model.take_load()[0].sum()) == 0  # the probe is not load
+    model.generate(model.probe_batch(), 3)
+    logical, physical = model.take_load()
+    p = spec.probe
+    pairs = (p.batch * p.prompt_len + 2 * p.batch) * 2  # prefill + 2 decode steps, top-2
+    assert logical.sum(dim=1).tolist() == [pairs] * info.num_moe_layers
+    # replicas share an expert's pairs: slots 8-11 are replicas of experts 0-3
+    assert torch.equal(physical[:, :8].sum(1) + physical[:, 8:].sum(1), logical.sum(1))
+    assert (physical[:, 8:] > 0).any()
+    assert int(model.take_load()[0].sum()) == 0
+    with pytest.raises(ValueError, match="MoE layers"):
+        model.install_placement(Placement.static(5, L, 8), 0, 1)
+    assert info.expert_bytes == sum(t[0].numel() * t.element_size() for t in model.expert_weights()[0])
