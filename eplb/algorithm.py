@@ -741,24 +741,102 @@ def _refine_swaps(
 # --------------------------------------------------------------------------------------------
 
 
+def _add_replicas(load: np.ndarray, counts: np.ndarray, extra: np.ndarray, allowed: np.ndarray, cap: int) -> np.ndarray:
+    """``counts [R, L]`` plus ``extra [R]`` replicas each, one at a time to the allowed expert with
+    the largest load per replica (fewer than ``cap`` replicas). A row stops early when no allowed
+    expert is left; returns the new counts (the input is not changed)."""
+    r = np.arange(load.shape[0])
+    counts = counts.copy()
+    extra = extra.copy()
+    per = np.where(allowed & (counts < cap), load / counts, -np.inf)
+    for _ in range(int(extra.max(initial=0))):
+        e = per.argmax(axis=1)
+        go = (extra > 0) & np.isfinite(per[r, e])
+        if not go.any():
+            break
+        rg, eg = r[go], e[go]
+        counts[rg, eg] += 1
+        extra -= go
+        c = counts[rg, eg]
+        per[rg, eg] = np.where(c < cap, load[rg, eg] / c, -np.inf)
+    return counts
+
+
+def _pack_aware_counts(load: np.ndarray, num_replicas: int, num_gpus: int) -> tuple[np.ndarray, np.ndarray]:
+    """Replica counts ``[R, L]`` that leave at most ``G`` replicas above half the mean GPU load
+    ``T / 2`` (two of them on one GPU would exceed ``T``), for layers where greedy replication
+    and :func:`_repair_counts` leave more. Returns ``(counts, ok [R])``; ``ok`` is false where the
+    slots do not allow it (the caller keeps its counts there).
+
+    Greedy replication makes the replicas of the heavy experts nearly equal, often just above
+    ``T / 2``, and those cannot share a GPU. Here each expert is either *big*, with the fewest
+    replicas that keep each under ``T`` (``m = ceil(w / T)``: few, large replicas, each nearly
+    filling a GPU), or *small*, with ``n = ceil(2 w / T)`` replicas under ``T / 2`` that pair up.
+    (1) all big; (2) make small the experts that remove the most big replicas per extra slot,
+    until at most ``G`` are left (a fractional-knapsack order, taken while slots last); (3) the
+    slots left go, by greedy replication, to experts that are small already (an extra replica of
+    a big expert would add a big replica), then to any expert if some are still left.
+    """
+    g = num_gpus
+    t = (load.sum(axis=1) / g)[:, None]
+    m = np.maximum(1.0, np.ceil(load / np.maximum(t, 1e-300) - 1e-9))
+    n2 = np.maximum(m, np.ceil(2.0 * load / np.maximum(t, 1e-300) - 1e-9))
+    big = n2 > m
+    spare = num_replicas - m.sum(axis=1)
+    excess = (m * big).sum(axis=1) - g
+    cost = np.where(big, n2 - m, np.inf)
+    order = np.argsort(-np.where(big, m / cost, -1.0), axis=1, kind="stable")
+    cost_o = np.take_along_axis(cost, order, axis=1)
+    gain_o = np.take_along_axis(np.where(big, m, 0.0), order, axis=1)
+    finite = np.isfinite(cost_o)
+    used = np.cumsum(np.where(finite, cost_o, 0.0), axis=1)
+    removed_before = np.cumsum(gain_o, axis=1) - gain_o
+    take_o = finite & (used <= spare[:, None]) & (removed_before < excess[:, None])
+    take = np.zeros_like(take_o)
+    np.put_along_axis(take, order, take_o, axis=1)
+    counts = np.where(take, n2, m).astype(np.int64)
+    left = num_replicas - counts.sum(axis=1)
+    ok = spare >= 0
+    small = load / counts <= t / 2 * (1 + 1e-12)
+    counts = _add_replicas(load, counts, np.maximum(left, 0), small, g)
+    left = num_replicas - counts.sum(axis=1)
+    counts = _add_replicas(load, counts, np.maximum(left, 0), np.ones_like(small), np.iinfo(np.int64).max)
+    return counts, ok
+
+
 def _balanced(
     load: np.ndarray, num_replicas: int, num_gpus: int, pair_iters: int = 2, max_swaps: int = 4, swap_width: int = 4
 ) -> np.ndarray:
     b, n = load.shape
+    g = num_gpus
     # 1. replicate: counts [B, L] minimizing the largest load per replica (at most one per GPU
     #    while that is possible)
-    counts = _repair_counts(load, _replica_counts(load, num_replicas, num_gpus), num_gpus)
-    # 2. the replicas [B, P] (expert, load), packed round-robin in descending load
+    counts = _repair_counts(load, _replica_counts(load, num_replicas, g), g)
+    # 2. where that leaves more than G replicas above half the mean GPU load (they cannot share a
+    #    GPU, so the peak is above the mean whatever the packing), replicate for the packing instead
+    mean = load.sum(axis=1) / g
+    crowded = np.nonzero(((load / counts > mean[:, None] / 2) * counts).sum(axis=1) > g)[0]
+    if crowded.size:
+        fit, ok = _pack_aware_counts(load[crowded], num_replicas, g)
+        counts[crowded[ok]] = fit[ok]
+    # 3. the replicas [B, P] (expert, load), packed round-robin in descending load
     item_expert = _expand_counts(counts)
     item_load = np.take_along_axis(load / counts, item_expert, axis=1)
-    slot_load, slot_expert = _round_robin_pack(item_load, item_expert, num_gpus)
-    # 3. improve by swaps: all GPUs in heavy/light pairs, then the heaviest GPU alone
+    slot_load, slot_expert = _round_robin_pack(item_load, item_expert, g)
+    # 4. improve by swaps: all GPUs in heavy/light pairs, then the heaviest GPU alone; layers
+    #    still more than 1% above the mean get a longer, wider second pass
     _refine_swaps(slot_load, slot_expert, pair_iters=pair_iters, max_iters=max_swaps, width=swap_width)
+    if max_swaps:
+        rows = np.nonzero(slot_load.sum(axis=2).max(axis=1) * 0.99 > mean)[0]
+        if rows.size:
+            sl, se = slot_load[rows], slot_expert[rows]
+            _refine_swaps(sl, se, pair_iters=pair_iters, max_iters=2 * max_swaps, width=2 * swap_width, stop_at=0.995)
+            slot_load[rows], slot_expert[rows] = sl, se
     p2l = slot_expert.reshape(b, -1)
-    # 4. never worse than the static placement (it can win on tiny shapes)
+    # 5. never worse than the static placement (it can win on tiny shapes)
     static = np.arange(num_replicas) % n
     static_counts = np.bincount(static, minlength=n)
-    static_peak = (load / static_counts)[:, static].reshape(b, num_gpus, -1).sum(axis=2).max(axis=1)
+    static_peak = (load / static_counts)[:, static].reshape(b, g, -1).sum(axis=2).max(axis=1)
     worse = slot_load.sum(axis=2).max(axis=1) > static_peak * (1 + 1e-12)
     p2l[worse] = static
     return p2l
