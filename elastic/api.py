@@ -21,8 +21,10 @@ its methods). Every app gets its own Prometheus registry.
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,15 +37,28 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from elastic.autoscaler import Autoscaler, AutoscalerConfig
 from elastic.deployment import DeploymentConfig
-from elastic.errors import ElasticError, InvalidScaleRequest, InvalidTransition, StaleGeneration
+from elastic.phases import SERVING_PHASES
+from elastic.errors import ElasticError, InvalidScaleRequest, InvalidTransition, RebalanceFailed, StaleGeneration
 from elastic.hooks import HooksConfig, ScaleHooks
 from elastic.metrics import build_registry
+from elastic.preflight import (
+    BodyLimit,
+    BodyTooLarge,
+    InputError,
+    InputProblem,
+    available_memory,
+    bound_problems,
+    checkpoint_problems,
+    hook_problems,
+    memory_problems,
+    read_yaml,
+)
 
 __all__ = ["BackgroundServer", "ServeConfig", "create_app", "load_serve_config", "register_cli", "serve"]
 
 log = logging.getLogger("elastic.api")
 
-SERVING_STATES = frozenset({"running", "draining", "suppressed", "resuming"})
+SERVING_STATES = frozenset(str(phase) for phase in SERVING_PHASES)  # a controller without heartbeats
 SERVING_NOTE = ("Decoding keeps running in draining, suppressed and resuming; only rescaling pauses it "
                 "(the pause of each scale is its operation's paused_seconds). The control API itself never "
                 "stops answering.")
@@ -112,7 +127,8 @@ class StateView(BaseModel):
     state: str
     generation: int
     ep_size: int
-    serving: bool = Field(description="decoding runs (false only in rescaling and failed)")
+    serving: bool = Field(description="decoding runs: every rank of the serving group says so in its last heartbeat "
+                          "(false in rescaling; in failed it depends on whether the group still decodes)")
     decoding_paused: bool
     note: str
     balancedness: float | None = None
@@ -146,6 +162,8 @@ ERRORS = {code: {"model": ErrorBody} for code in (404, 409, 422)}
 def _status_for(exc: ElasticError) -> int:
     if isinstance(exc, InvalidScaleRequest):
         return 422
+    if isinstance(exc, RebalanceFailed):
+        return 503  # a rank failed: the deployment cannot rebalance now (GET /state says why)
     if isinstance(exc, (StaleGeneration, InvalidTransition)):
         return 409
     return 409
@@ -177,6 +195,7 @@ def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: 
     app = FastAPI(title=title, version="1", description=__doc__.split("\n\n")[1] if __doc__ else None)
     registry = build_registry(controller, autoscaler)
     app.state.controller, app.state.autoscaler, app.state.hooks, app.state.registry = controller, autoscaler, hooks, registry
+    app.add_middleware(BodyLimit)  # an oversized body is refused (422) before it is read and parsed
 
     def view(op: dict[str, Any]) -> dict[str, Any]:
         out = dict(op)
@@ -202,6 +221,11 @@ def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400:  # FastAPI could not parse the body (e.g. not UTF-8): an invalid body, like the rest
+            cause = exc.__cause__
+            if isinstance(cause, BodyTooLarge):  # a chunked body past the limit (elastic.preflight.BodyLimit)
+                return _error(422, "invalid_request", str(cause), errors=[])
+            if isinstance(cause, RecursionError):
+                return _error(422, "invalid_request", "body: JSON nested too deeply; send a flat object", errors=[])
             return _error(422, "invalid_request", f"body: {exc.detail}", errors=[])
         codes = {404: "not_found", 405: "method_not_allowed"}
         body = {"error": codes.get(exc.status_code, "http_error"),
@@ -268,7 +292,10 @@ def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: 
         return {"operations": [view(op) for op in ops]}
 
     @app.post("/recover", status_code=202, response_model=OperationView, tags=["scale"],
-              responses={409: {"model": ErrorBody, "description": "not failed, or an operation is in progress"}})
+              responses={409: {"model": ErrorBody, "description": "not failed, or an operation is in progress "
+                               "(answered at once)"},
+                         422: {"model": ErrorBody, "description": "nothing to recover with: no worker of the last "
+                               "consistent generation is alive, or too few for a valid group"}})
     def recover() -> Any:
         """After a failure: rebuild a consistent group from the living workers (202, in the background)."""
         op = controller.recover(wait=False)
@@ -279,13 +306,14 @@ def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: 
     @app.post("/rebalance", response_model=RebalanceResult, tags=["scale"],
               responses={202: {"model": RebalanceResult, "description": "sent, but not confirmed by every rank in time"},
                          409: {"model": ErrorBody, "description": "not running"},
+                         503: {"model": ErrorBody, "description": "a rank failed or was lost: the error names it"},
                          422: ERRORS[422]})
     def rebalance(timeout_s: float = Query(30.0, gt=0, le=300, description="how long to wait for the ranks")) -> Any:
         """Start a rebalance on every rank at the next step boundary (200 once every rank confirmed)."""
         try:
             return {"started": bool(controller.rebalance(timeout=timeout_s)), "confirmed": True}
         except ElasticError as exc:
-            if isinstance(exc, InvalidTransition):
+            if isinstance(exc, (InvalidTransition, RebalanceFailed)):
                 raise
             # the command is on its way to every rank; what is missing is their confirmation
             return JSONResponse({"started": False, "confirmed": False, "message": str(exc)}, status_code=202)
@@ -293,8 +321,8 @@ def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: 
     # -- reading ------------------------------------------------------------------------------
     def state_view() -> dict[str, Any]:
         snap = dict(controller.snapshot())
-        snap["serving"] = snap["state"] in SERVING_STATES
-        snap["decoding_paused"] = snap["state"] == "rescaling"
+        snap.setdefault("serving", snap["state"] in SERVING_STATES)  # a controller without heartbeats
+        snap["decoding_paused"] = not snap["serving"]
         snap["note"] = SERVING_NOTE
         if snap.get("operation") is not None:
             snap["operation"] = view(snap["operation"])
@@ -310,7 +338,8 @@ def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: 
     def healthz() -> Any:
         """Always 200 while the control plane runs; ``serving`` says whether decoding runs."""
         current = controller.machine.state.value
-        return {"status": "ok", "state": current, "serving": current in SERVING_STATES,
+        serving = controller.snapshot().get("serving", current in SERVING_STATES)
+        return {"status": "ok", "state": current, "serving": serving,
                 "generation": controller.machine.generation, "note": SERVING_NOTE}
 
     @app.get("/metrics", response_class=PlainTextResponse, tags=["state"],
@@ -404,47 +433,139 @@ class ServeConfig(BaseModel):
     hooks: HooksConfig | None = None
 
 
-def load_serve_config(path: str | Path) -> ServeConfig:
-    """Read a YAML serve config; a clear ``ValueError`` (naming the file and the fields) when it is bad."""
-    import yaml
+def _config_problem(err: Any) -> InputProblem:
+    """One pydantic error of a serve config as a key path (in the file's own terms) and a message."""
+    where = ""
+    for part in err["loc"]:
+        if part == "deployment":
+            continue
+        where = f"{where}[{part}]" if isinstance(part, int) else (f"{where}.{part}" if where else str(part))
+    if err["type"] == "extra_forbidden":
+        return InputProblem(where, "unknown key; remove it or check its spelling")
+    message = str(err["msg"]).removeprefix("Value error, ")
+    given = err.get("input")
+    if err["type"] not in ("value_error", "missing") and not isinstance(given, (dict, list)):
+        shown = repr(given)
+        message += f", got {shown if len(shown) <= 60 else shown[:57] + '...'}"
+    return InputProblem(where, message)
 
+
+def load_serve_config(path: str | Path, *,
+                      available: Callable[[], int | None] = available_memory) -> ServeConfig:
+    """Read a YAML serve config and run its pre-flight checks (:mod:`elastic.preflight`).
+
+    Raises :class:`~elastic.preflight.InputError` (a ``ValueError``) with one line per problem,
+    each naming the file and the key path: unreadable, too large, not UTF-8, not YAML, a bad
+    field, a number out of bounds, a worker that would not fit its memory budget, a hook
+    command whose program is missing.
+    """
     path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise ValueError(f"{path}: cannot read: {exc}") from exc
+    source = str(path)
+    raw = read_yaml(path)
+    if raw is None:
+        raw = {}
     if not isinstance(raw, dict):
-        raise ValueError(f"{path}: expected a mapping of DeploymentConfig fields, got {type(raw).__name__}")
+        raise InputError(source, [InputProblem("", f"expected a mapping of DeploymentConfig fields, got "
+                                                    f"{type(raw).__name__}")])
     raw = dict(raw)
     sections = {"autoscaler": raw.pop("autoscaler", None), "hooks": raw.pop("hooks", None)}
     try:  # one validation, so every bad field of every section is reported at once
-        return ServeConfig.model_validate({"deployment": raw, **{k: v for k, v in sections.items() if v is not None}})
+        loaded = ServeConfig.model_validate({"deployment": raw, **{k: v for k, v in sections.items() if v is not None}})
     except ValidationError as exc:
-        lines = [f"{'.'.join(str(p) for p in e['loc'] if p != 'deployment') or '(top)'}: {e['msg']}" for e in exc.errors()]
-        raise ValueError(f"{path}: invalid config:\n  " + "\n  ".join(lines)) from None
+        raise InputError(source, [_config_problem(e) for e in exc.errors()]) from None
+    problems = [p if not p.path.startswith("deployment") else InputProblem(p.path.removeprefix("deployment").lstrip("."),
+                                                                            p.message)
+                for p in bound_problems(loaded)]
+    if not problems:
+        problems = memory_problems(loaded.deployment, available=available)
+    checkpoint = getattr(loaded.deployment.model, "path", None)  # a model served from a checkpoint directory
+    if isinstance(checkpoint, str):
+        problems += checkpoint_problems(checkpoint, key="model.path")
+    if loaded.hooks is not None:
+        problems += hook_problems(loaded.hooks)
+    if problems:
+        raise InputError(source, problems)
+    return loaded
+
+
+class StopRequested(Exception):
+    """SIGTERM or SIGINT while ``serve`` was starting the deployment."""
+
+
+class _StopSignals:
+    """SIGTERM and SIGINT stop ``serve`` gracefully, whatever it is doing when they arrive.
+
+    uvicorn handles both while it runs, but when it returns it raises the signal again with the
+    handler it found. With Python's defaults SIGTERM would then end the process on the spot,
+    before the coordinator shut down (the workers and the forkserver went on decoding). Here:
+    a signal while the deployment starts interrupts the start (``StopRequested``); one that
+    comes after uvicorn was handed the server (``server`` set: the re-raised one, or one just
+    before uvicorn took the signals) tells the server to exit; during the shutdown nothing
+    changes (the shutdown is bounded).
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.server: Any = None  # the uvicorn server, once it is about to run
+        self.stopping = False
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, sig: int, frame: Any) -> None:
+        name = signal.Signals(sig).name
+        if self.server is not None:
+            self.server.should_exit = True  # uvicorn checks it after its startup too: no signal is lost
+        elif not self.stopping:
+            self.stopping = True  # one interruption: the shutdown that follows runs to its end
+            raise StopRequested(name)
+        log.info("%s: the deployment is stopping", name)
+
+    def __enter__(self) -> "_StopSignals":
+        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def serve(config: DeploymentConfig, host: str = "127.0.0.1", port: int = 8000, *,
           autoscaler: AutoscalerConfig | None = None, hooks: HooksConfig | None = None,
-          log_level: str = "info") -> None:
-    """Start the workers, the autoscaler (if configured) and the API; serve until interrupted."""
+          log_level: str = "info", shutdown_timeout_s: float = 5.0) -> None:
+    """Start the workers, the autoscaler (if configured) and the API; serve until SIGTERM or SIGINT.
+
+    Either signal stops it gracefully: the server stops answering (open requests get 2 s), the
+    autoscaler stops, and :meth:`Coordinator.shutdown` retires the workers (``Shutdown``, then a
+    kill of any left after ``shutdown_timeout_s``), closes the store and joins its threads; the
+    forkserver ends with the process. Returns normally (exit status 0) after such a stop.
+    """
     import uvicorn
 
     from elastic.coordinator import Coordinator
 
-    coordinator = Coordinator(config)
+    coordinator = Coordinator(config)  # starts nothing yet: a signal now ends the process as usual
     scaler: Autoscaler | None = None
-    coordinator.start()
-    try:
-        scale_hooks = ScaleHooks.from_config(hooks).install(coordinator) if hooks is not None else None
-        if autoscaler is not None:
-            scaler = Autoscaler(coordinator, autoscaler).start()
-        app = create_app(coordinator, autoscaler=scaler, hooks=scale_hooks)
-        uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level)).run()
-    finally:
-        if scaler is not None:
-            scaler.stop()
-        coordinator.shutdown()
+    with _StopSignals() as signals:
+        try:
+            coordinator.start()
+            scale_hooks = ScaleHooks.from_config(hooks).install(coordinator) if hooks is not None else None
+            if autoscaler is not None:
+                scaler = Autoscaler(coordinator, autoscaler).start()
+            app = create_app(coordinator, autoscaler=scaler, hooks=scale_hooks)
+            server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                                   timeout_graceful_shutdown=2))
+            signals.server = server  # from here a signal makes uvicorn return
+            server.run()
+        except StopRequested as exc:
+            log.info("%s while starting: shutting down", exc)
+        finally:
+            signals.stopping = True
+            started = time.monotonic()
+            if scaler is not None:
+                scaler.stop()
+            coordinator.shutdown(timeout=shutdown_timeout_s)
+            log.info("deployment shut down in %.1fs", time.monotonic() - started)
 
 
 def register_cli(app: Any) -> None:
@@ -460,10 +581,11 @@ def register_cli(app: Any) -> None:
         log_level: str = typer.Option("info", help="uvicorn log level"),
     ) -> None:
         """Run a deployment with the scale API (and the autoscaler, when configured)."""
-        try:
+        try:  # every pre-flight check runs here, before any worker starts
             loaded = load_serve_config(config)
-        except ValueError as exc:
-            typer.echo(f"error: {exc}", err=True)
+        except InputError as exc:
+            for line in exc.lines():
+                typer.echo(f"error: {line}", err=True)
             raise typer.Exit(2) from None
         scaler = loaded.autoscaler
         if observe_only and scaler is not None:

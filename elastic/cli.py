@@ -1,7 +1,8 @@
 """``elastic-ep``: replay scenarios, validate scenario files, serve the scale API, run the benchmarks.
 
-Exit status: 0 when everything held; 1 when an expectation failed (``replay``) or a file is
-invalid (``validate``); 2 for input the command cannot run (a bad scenario, a missing benchmark).
+Exit status: 0 when everything held; 1 when an expectation failed (``replay``); 2 for input the
+command cannot run (a file that is unreadable, too large, not UTF-8, not YAML, or invalid: one
+line per problem naming the file and the key path; a missing benchmark).
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def replay(
 def validate(files: list[Path] = typer.Argument(..., help="scenario files (YAML)", show_default=False)) -> None:
     """Check scenario files against the schema and the timeline's plan; run nothing.
 
-    Exit 0 when every file is valid, 1 otherwise (each error names the file, the key path and what was expected).
+    Exit 0 when every file is valid, 2 otherwise (each error names the file, the key path and what was expected).
     """
     console, err = _console(), _console(stderr=True)
     bad = 0
@@ -118,7 +119,7 @@ def validate(files: list[Path] = typer.Argument(..., help="scenario files (YAML)
         console.print(f"[green]ok[/] {escape(str(file))}: {escape(scenario.name)}, {scenario.steps} steps, "
                       f"{len(scenario.timeline)} event(s), EP {scenario.initial_ep_size}"
                       f"{' (slow)' if scenario.slow else ''}")
-    raise typer.Exit(EXIT_FAILED if bad else EXIT_OK)
+    raise typer.Exit(EXIT_INVALID if bad else EXIT_OK)
 
 
 # ---------------------------------------------------------------------------------------------

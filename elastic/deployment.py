@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 
 from elastic.config import TimeoutsConfig
 from eplb.config import EPLBConfig
@@ -115,10 +115,19 @@ class DeploymentConfig(BaseModel):
     step_delay_s: float = Field(0.0, ge=0, description="sleep after each decode step (pacing a replay)")
     auto_recover: bool = Field(False, description="after a failure, recover with the living workers without waiting for an operator")
     max_auto_recoveries: int = Field(3, ge=0, description="give up auto-recovery after this many attempts")
+    replace_lost: bool = Field(False, description="after a recovery that shrank the group, scale back to the size "
+                               "it had (when the launcher has capacity)")
+    operation_history: int = Field(100, ge=1, le=100_000, description="finished operations (and per-command "
+                                   "reports, worker errors) the coordinator keeps; older ones are forgotten")
+    idempotency_ttl_s: float = Field(3600.0, gt=0, description="an idempotency key names its operation this long "
+                                     "at most (and never longer than the operation is kept)")
     store_host: str = Field("127.0.0.1", description="the coordinator's address for its TCPStore (default bind and "
                             "advertise address; see launcher)")
     backend: str = Field("gloo", pattern="^(gloo|nccl)$", description="gloo on CPU hosts, nccl on GPU hosts")
     launcher: LauncherConfig = LauncherConfig()
+    max_memory: ByteSize | None = Field(None, description="memory one worker may use, in bytes or with a unit "
+                                        "('8GiB', '512MB'); checked against an estimate before any worker starts "
+                                        "(default: this machine's available memory divided by its local ranks)")
 
     @model_validator(mode="after")
     def _check(self) -> "DeploymentConfig":

@@ -19,13 +19,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from elastic.autoscaler import AutoscalerConfig
 from elastic.config import TimeoutsConfig
 from elastic.deployment import DeploymentConfig, LauncherConfig, TracePhase
 from elastic.faults import PHASES, CorruptBuffer, DelayTransfer, DropHeartbeats, Fault, KillRank, StallRank
+from elastic.preflight import InputError, bound_problems, load_yaml, memory_problems, one_line, read_text
 from eplb.config import EPLBConfig
 from eplb.model import ModelShape
 from eplb.trace import TraceConfig
@@ -49,20 +49,14 @@ class ScenarioProblem(BaseModel):
     message: str
 
     def line(self, source: str) -> str:
-        return f"{source}: {self.path}: {self.message}" if self.path else f"{source}: {self.message}"
+        return one_line(f"{source}: {self.path}: {self.message}" if self.path else f"{source}: {self.message}")
 
 
-class ScenarioError(ValueError):
-    """A scenario file that cannot be run; ``problems`` lists every error found."""
+class ScenarioError(InputError):
+    """A scenario file that cannot be run; ``problems`` lists every error found (one line each)."""
 
-    def __init__(self, source: str, problems: list[ScenarioProblem]):
-        self.source = source
-        self.problems = list(problems)
-        lines = [p.line(source) for p in self.problems]
-        super().__init__("\n".join(lines))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"file": self.source, "problems": [p.model_dump() for p in self.problems]}
+    def __init__(self, source: str, problems: list[Any]):
+        super().__init__(source, problems)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,6 +289,8 @@ class Scenario(_Strict):
     launcher: LauncherConfig = Field(LauncherConfig(), description="how workers start: local, command or ray "
                                      "(elastic.deployment.LauncherConfig)")
     slow: bool = Field(False, description="the test suite marks this replay slow")
+    max_memory: ByteSize | None = Field(None, description="memory one worker may use ('8GiB'; default: this machine's "
+                                        "available memory divided by the initial ranks), checked before anything starts")
 
     @field_validator("timeouts", mode="before")
     @classmethod
@@ -310,7 +306,8 @@ class Scenario(_Strict):
             model=self.model.shape(), eplb=self.eplb.config(self.model.redundant_slots),
             trace=[phase.phase() for phase in self.trace], ep_size=self.initial_ep_size,
             max_ep_size=self.max_ep_size, seed=self.seed, timeouts=self.timeouts,
-            heartbeat_s=self.heartbeat_s, step_delay_s=self.pace_s, launcher=self.launcher, **extra)
+            heartbeat_s=self.heartbeat_s, step_delay_s=self.pace_s, launcher=self.launcher,
+            max_memory=self.max_memory, **extra)
 
     def planned(self) -> list[dict[str, Any]]:
         """The timeline walked in order: per event, the size and generation it finds and leaves."""
@@ -667,27 +664,37 @@ def parse_scenario(data: Any, source: str = "<scenario>") -> Scenario:
         scenario = Scenario.model_validate(data)
     except ValidationError as exc:
         raise ScenarioError(source, _problems_from(exc)) from None
+    out_of_bounds = bound_problems(scenario)
+    if out_of_bounds:  # before the plan: it walks steps and sizes
+        raise ScenarioError(source, out_of_bounds)
     _, problems = _plan(scenario)
     if problems:
         raise ScenarioError(source, problems)
+    too_big = memory_problems(scenario.deployment(), rename=_scenario_key)
+    if too_big:
+        raise ScenarioError(source, too_big)
     return scenario
+
+
+#: a deployment's key paths as a scenario spells them (for the memory check, which reads a deployment)
+_SCENARIO_KEYS = {"eplb.num_redundant_experts": "model.redundant_slots", "eplb.window_size": "eplb.window",
+                  "ep_size": "initial_ep_size"}
+
+
+def _scenario_key(path: str) -> str:
+    if path.startswith("trace[") and path.endswith("].trace.tokens_per_step"):
+        return path.replace("].trace.", "].")
+    return _SCENARIO_KEYS.get(path, path)
 
 
 def load_scenario(path: str | Path) -> Scenario:
     """Read and validate a scenario file; every error names the file and the key path."""
     path = Path(path)
     source = str(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ScenarioError(source, [ScenarioProblem(path="", message=f"cannot read the file: {exc.strerror or exc}")]) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-        what = getattr(exc, "problem", None) or str(exc)
-        raise ScenarioError(source, [ScenarioProblem(path="", message=f"not valid YAML: {where}{what}")]) from None
+    try:  # size, encoding and YAML limits (elastic.preflight) before any parsing work
+        data = load_yaml(read_text(path), source)
+    except InputError as exc:
+        raise ScenarioError(source, exc.problems) from None
     return parse_scenario(data, source)
 
 

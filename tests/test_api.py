@@ -447,7 +447,8 @@ class FakeController:
 
     def snapshot(self):
         return {"state": self.machine.state.value, "generation": 4, "ep_size": 3, "num_physical": 12,
-                "serving": False, "balancedness": None, "step": 7, "in_flight_layer": None, "operation": None,
+                # what the ranks' heartbeats would say: decoding in every state but rescaling
+                "serving": self.machine.state != Phase.RESCALING, "balancedness": None, "step": 7, "in_flight_layer": None, "operation": None,
                 "failure_reason": None, "history": []}
 
     def live_workers(self):
@@ -495,4 +496,4 @@ def test_serve_config_and_cli(tmp_path):
     result = runner.invoke(app, ["serve", "--help"])
     assert result.exit_code == 0 and "--host" in result.output and "--port" in result.output
     result = runner.invoke(app, ["serve", str(bad)])
-    assert result.exit_code == 2 and "invalid config" in result.output
+    assert result.exit_code == 2 and f"error: {bad}: wat: unknown key" in result.output

@@ -67,7 +67,7 @@ def test_validate_names_file_key_path_and_expectation(tmp_path):
     bad = write(tmp_path, FAILING.replace("steps: 40", "steps: forty").replace("eplb: {", "eplb: {colour: red, "),
                 "bad.yaml")
     result = runner.invoke(app, ["validate", str(good), str(bad)])
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # invalid input, as for replay (1 is kept for a failed expectation)
     assert f"ok {good}" in result.output
     assert f"error {bad}: steps: expected an integer, got 'forty'" in result.stderr
     assert f"error {bad}: eplb.colour: unknown key (allowed here: " in result.stderr

@@ -1,0 +1,438 @@
+"""Bad input costs one clear line, never a traceback, a hang or a minute of work (issue 19).
+
+One test per row of the issue's table, the pre-flight limits one by one, the HTTP API's answers
+to oversized and deeply nested bodies, and a property test that feeds ``validate``, ``replay``
+and the deployment loader random bytes, random YAML and mutated shipped scenarios.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import textwrap
+import time
+import tracemalloc
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import typer
+import yaml
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from elastic import preflight
+from elastic.api import create_app, load_serve_config
+from elastic.cli import app
+from elastic.deployment import DeploymentConfig
+from elastic.preflight import InputError
+from elastic.scenario import ScenarioError, load_scenario
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = sorted((ROOT / "scenarios").glob("*.yaml"))
+QUICKSTART = (ROOT / "scenarios" / "quickstart.yaml").read_text()
+runner = CliRunner()
+
+
+def billion_laughs(levels: int = 8) -> str:
+    """A scenario whose unknown key expands to 9**levels strings through nested aliases."""
+    lines = ['a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for i in range(1, levels + 1):
+        prev, cur = chr(ord("a") + i - 1), chr(ord("a") + i)
+        lines.append(f"{cur}: &{cur} [" + ", ".join([f"*{prev}"] * 9) + "]")
+    return "name: laughs\nsteps: 10\n" + "\n".join(lines) + "\n"
+
+
+@pytest.fixture
+def no_workers(monkeypatch):
+    """Any attempt to start a coordinator (workers) fails the test."""
+    import elastic.coordinator
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a coordinator was started")
+
+    monkeypatch.setattr(elastic.coordinator.Coordinator, "__init__", refuse)
+
+
+def one_error_line(output: str, path: Path) -> str:
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert len(lines) == 1, output
+    assert str(path) in lines[0] and "Traceback" not in output
+    return lines[0]
+
+
+# -- the issue's table, row by row ---------------------------------------------------------------
+
+@pytest.mark.parametrize("command", ["validate", "replay"])
+def test_random_bytes_are_one_line_not_utf8_exit_2(tmp_path, command, no_workers):
+    path = tmp_path / "random.yaml"
+    path.write_bytes(b"\x89\xff" + random.Random(19).randbytes(298))
+    result = runner.invoke(app, [command, str(path)])
+    assert result.exit_code == 2, result.output
+    line = one_error_line(result.stderr, path)
+    assert "not UTF-8 text" in line
+
+
+def test_a_billion_laughs_is_refused_fast_in_bounded_memory(tmp_path):
+    path = tmp_path / "laughs.yaml"
+    path.write_text(billion_laughs(8))
+    tracemalloc.start()
+    started = time.perf_counter()
+    try:
+        with pytest.raises(ScenarioError) as info:
+            load_scenario(path)
+        seconds = time.perf_counter() - started
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "aliases" in str(info.value) and str(path) in str(info.value)
+    assert seconds < 0.5, seconds  # was 7 s and 248 MB before the bounded loader
+    assert peak < 16 << 20, peak
+    result = runner.invoke(app, ["validate", str(path)])
+    assert result.exit_code == 2
+    assert "expands to more than 50000 values once its aliases" in one_error_line(result.stderr, path)
+
+
+def test_steps_beyond_the_documented_bound_are_refused(tmp_path):
+    path = tmp_path / "steps.yaml"
+    path.write_text(re.sub(r"(?m)^steps: .*$", "steps: 99999999999999999999", QUICKSTART))
+    result = runner.invoke(app, ["validate", str(path)])
+    assert result.exit_code == 2, result.output
+    line = one_error_line(result.stderr, path)
+    assert f"{path}: steps: expected at most {preflight.MAX_STEPS} (a replay decodes one step at a time" in line
+    # the bound itself is allowed
+    path.write_text(re.sub(r"(?m)^steps: .*$", f"steps: {preflight.MAX_STEPS}", QUICKSTART))
+    assert runner.invoke(app, ["validate", str(path)]).exit_code == 0
+
+
+def test_serve_refuses_a_worker_that_does_not_fit_before_any_process_starts(tmp_path, no_workers):
+    path = tmp_path / "deployment.yaml"
+    path.write_text("ep_size: 2\neplb: {num_redundant_experts: 100000000}\n")
+    typer_app = typer.Typer()
+    from elastic.api import register_cli
+
+    register_cli(typer_app)
+    typer_app.command("other")(lambda: None)  # a second command, so typer keeps "serve" as a subcommand
+    started = time.perf_counter()
+    result = runner.invoke(typer_app, ["serve", str(path)])
+    assert result.exit_code == 2, result.output
+    assert time.perf_counter() - started < 2
+    line = one_error_line(result.stderr, path)
+    assert f"{path}: eplb.num_redundant_experts: a worker would need " in line
+    assert "weights" in line and "staging" in line and "available for 2 local rank(s)" in line
+    assert "fix: a smaller eplb.num_redundant_experts" in line
+
+
+def test_max_memory_is_the_budget_when_set(tmp_path):
+    path = tmp_path / "deployment.yaml"
+    path.write_text("ep_size: 2\nmax_memory: 300MiB\nmodel: {num_experts: 16, hidden_size: 1024, intermediate_size: 2048}\n")
+    with pytest.raises(InputError) as info:
+        load_serve_config(path, available=lambda: 1 << 40)  # the machine has plenty; the budget says no
+    (line,) = info.value.lines()
+    assert f"{path}: model: a worker would need" in line and "but max_memory allows 300.0 MiB" in line
+    # the same deployment within a larger budget loads
+    path.write_text(path.read_text().replace("300MiB", "2GiB"))
+    assert load_serve_config(path, available=lambda: 1 << 20).deployment.max_memory == 2 << 30
+
+
+def test_the_default_budget_is_the_machine_share_of_each_local_rank():
+    config = DeploymentConfig.model_validate({"ep_size": 4, "max_ep_size": 4})
+    need = preflight.estimate_worker_memory(config).total
+    assert not preflight.memory_problems(config, available=lambda: 4 * need)
+    (problem,) = preflight.memory_problems(config, available=lambda: 4 * need - 4)
+    assert problem.path == "ep_size" and "for 4 local rank(s)" in problem.message
+    # workers elsewhere: this machine's memory says nothing about theirs
+    remote = config.model_copy(update={"launcher": config.launcher.model_copy(update={"kind": "ray"})})
+    assert not preflight.memory_problems(remote, available=lambda: 0)
+
+
+def test_a_scenario_that_does_not_fit_names_its_own_key(tmp_path):
+    path = tmp_path / "big.yaml"
+    path.write_text(QUICKSTART.replace("redundant_slots: 4", "redundant_slots: 100004") + "max_memory: 1GiB\n")
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(path)
+    (problem,) = info.value.problems  # in the scenario's words, not the deployment's (eplb.num_redundant_experts)
+    assert problem.path == "model.redundant_slots", problem
+    assert "but max_memory allows 1.0 GiB; fix: a smaller model.redundant_slots" in problem.message
+    path.write_text(QUICKSTART + "max_memory: 1GiB\n")
+    assert load_scenario(path).deployment().max_memory == 1 << 30
+
+
+# -- the pre-flight limits one by one --------------------------------------------------------------
+
+def test_oversized_and_non_regular_files_are_refused_without_reading_them(tmp_path):
+    big = tmp_path / "big.yaml"
+    big.write_bytes(b"#" * (preflight.MAX_FILE_BYTES + 1))
+    with pytest.raises(InputError, match="more than the 1.0 MiB a config file may have"):
+        preflight.read_text(big)
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)  # opening it would block until a writer came
+    started = time.perf_counter()
+    with pytest.raises(InputError, match="not a regular file"):
+        preflight.read_text(fifo)
+    assert time.perf_counter() - started < 1
+    with pytest.raises(InputError, match="not a regular file"):
+        preflight.read_text(tmp_path)
+    with pytest.raises(InputError, match="cannot read the file"):
+        preflight.read_text(tmp_path / "missing.yaml")
+    bom = tmp_path / "bom.yaml"
+    bom.write_bytes(b"\xef\xbb\xbfname: x\n")  # an editor's byte-order mark is fine
+    assert preflight.read_yaml(bom) == {"name": "x"}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("a: " + "[" * 200 + "]" * 200, "nesting deeper than 64 levels"),
+    ("a: &a [1, *a]", "alias *a refers to a node that contains it"),
+    ("a: 2001-13-45", "a value cannot be read (ValueError: month must be in 1..12)"),
+    ("a: !!int 0x", "a value cannot be read"),
+    ("a: !!timestamp 1", "a value cannot be read"),
+    ("a: [1, 2", "not valid YAML: line 2, column 1: while parsing a flow sequence, did not find expected ',' or ']'"),
+    ("a: *nowhere", "found undefined alias"),
+    ("a: 1\n---\nb: 2\n", "expected a single document"),
+    ("x: [" + ", ".join(["1"] * 50_001) + "]", "the document has more than 50000 values"),
+])
+def test_yaml_limits_and_unreadable_values_are_one_input_error(text, message):
+    with pytest.raises(InputError) as info:
+        preflight.load_yaml(text, "f.yaml")
+    assert message in str(info.value) and str(info.value).startswith("f.yaml: not valid YAML")
+    assert "\n" not in str(info.value)
+
+
+def test_modest_aliases_still_load():
+    text = "base: &base {kind: zipf, top_k: 2}\ntrace: [*base, *base, *base]\n"
+    assert preflight.load_yaml(text, "f.yaml")["trace"] == [{"kind": "zipf", "top_k": 2}] * 3
+
+
+@pytest.mark.parametrize("edit, key, message", [
+    (("initial_ep_size: 2", "initial_ep_size: 5000"), "initial_ep_size", "expected at most 4096 (one worker process"),
+    (("steps: 240", "steps: 240\nseed: 99999999999999999999"), "seed", "expected an integer within int64"),
+    (("steps: 240", "steps: 240\npace_s: 1e9"), "pace_s", "expected at most 604800 (a wait or a pace"),
+    (("steps: 240", "steps: 240\nrun_timeout_s: .inf"), "run_timeout_s", "expected a finite number"),
+    (("tokens_per_step: 64", "tokens_per_step: 64\n    seed: -99999999999999999999"), "trace[0].seed",
+     "expected an integer within int64"),
+])
+def test_numeric_bounds_name_the_key_and_the_reason(tmp_path, edit, key, message):
+    path = tmp_path / "s.yaml"
+    path.write_text(QUICKSTART.replace(*edit))
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(path)
+    assert [p.path for p in info.value.problems] == [key]
+    assert message in str(info.value)
+
+
+def test_hook_programs_must_exist(tmp_path):
+    script = tmp_path / "check.sh"
+    script.write_text("#!/bin/sh\nexit 0\n")
+    path = tmp_path / "serve.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        ep_size: 2
+        hooks:
+          before_scale: [{{command: [{script}]}}, {{command: "true && echo ok"}}]
+          after_scale: [{{command: "no-such-program-19 --now"}}]
+        """))
+    with pytest.raises(InputError) as info:
+        load_serve_config(path)
+    assert [p.path for p in info.value.problems] == ["hooks.before_scale[0].command", "hooks.after_scale[0].command"]
+    assert "is not an executable file (chmod +x?)" in info.value.problems[0].message
+    assert "'no-such-program-19' is not on PATH" in info.value.problems[1].message
+    script.chmod(0o755)
+    path.write_text(path.read_text().replace("no-such-program-19", "true"))
+    assert load_serve_config(path).hooks is not None
+
+
+# -- the HTTP API: the same problems in request bodies answer 422 -----------------------------------
+
+class _Controller:
+    """Just enough of a coordinator for the app: a scale call is recorded, never run."""
+
+    def __init__(self):
+        from elastic.machine import Phase
+
+        self.machine = SimpleNamespace(state=Phase.RUNNING, generation=0)
+        self.operations: dict = {}
+        self.scaled: list[int] = []
+
+    def subscribe(self, callback):  # the metrics registry listens; nothing happens here
+        pass
+
+    def snapshot(self):
+        return {"state": "running", "generation": 0, "ep_size": 2, "history": []}
+
+    def scale(self, n, **kwargs):
+        self.scaled.append(n)
+        raise AssertionError("an invalid body reached the controller")
+
+
+def test_the_api_answers_422_to_oversized_and_deeply_nested_bodies():
+    from fastapi.testclient import TestClient
+
+    controller = _Controller()
+    client = TestClient(create_app(controller), raise_server_exceptions=False)
+    json_type = {"content-type": "application/json"}
+    big = b'{"ep_size": 4, "note": "' + b"x" * (preflight.MAX_BODY_BYTES + 1) + b'"}'
+
+    def chunks():
+        for _ in range(20):
+            yield b"x" * (preflight.MAX_BODY_BYTES // 10)
+
+    answers = [client.post("/scale", content=big, headers=json_type),
+               client.post("/scale", content=chunks(), headers=json_type),
+               client.post("/scale", content=b"[" * 5000 + b"]" * 5000, headers=json_type),
+               client.post("/scale", content=b"\xff\xfe", headers=json_type)]
+    assert [r.status_code for r in answers] == [422] * 4, [r.text for r in answers]
+    assert "larger than the 64.0 KiB a request may have" in answers[0].json()["message"]
+    assert "larger than the 64.0 KiB a request may have" in answers[1].json()["message"]
+    assert answers[2].json()["message"] == "body: JSON nested too deeply; send a flat object"
+    assert all(r.json()["error"] == "invalid_request" for r in answers)
+    assert controller.scaled == []
+    assert client.get("/healthz").status_code == 200  # small requests still pass
+
+
+# -- the property test ----------------------------------------------------------------------------
+
+KEYS = ["name", "steps", "model", "eplb", "trace", "timeline", "expect", "initial_ep_size", "max_ep_size",
+        "ep_size", "num_redundant_experts", "layers", "experts", "redundant_slots", "window", "interval",
+        "at_step", "action", "to", "rank", "kind", "tokens_per_step", "top_k", "seed", "launcher", "hooks",
+        "max_memory", "timeouts", "collective", "heartbeat"]
+NASTY = ["99999999999999999999", "-1", "0", ".nan", ".inf", "-.inf", "1e400", "[", "{", "]", "*x", "&x",
+         "!!binary x", "2001-13-45", "!!timestamp 1", "~", "''", "é", "\t", "!!python/object:os.system",
+         "'\\x00'", "?", "- - -", "1.5", "true", "12GiB", "*", "&a [*a]"]
+
+scalars = (st.integers(min_value=-(2 ** 70), max_value=2 ** 70) | st.floats() | st.booleans() | st.none()
+           | st.text(max_size=12) | st.sampled_from(["zipf", "scale", "kill", "async", "local", "2GiB"]))
+trees = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+    st.sampled_from(KEYS) | st.text(max_size=6), inner, max_size=5), max_leaves=25)
+documents = st.dictionaries(st.sampled_from(KEYS), trees, max_size=8)
+
+
+DEPLOYMENT = """\
+ep_size: 2
+max_ep_size: 4
+eplb: {num_redundant_experts: 4, use_async: true, step_interval: 50, window_size: 50}
+model: {num_experts: 16, num_expert_groups: 4}
+trace: [{start_step: 0, trace: {kind: zipf, tokens_per_step: 64}}]
+timeouts: {collective: 10, heartbeat: 15}
+autoscaler: {up_threshold: 100, down_threshold: 10}
+hooks: {before_scale: [{command: "true", timeout_s: 5}]}
+"""
+
+
+@st.composite
+def mutated_shipped(draw):
+    """A shipped scenario (or a deployment) with a few lines changed, dropped, repeated, cut or salted with bytes."""
+    text = draw(st.sampled_from([path.read_text() for path in SHIPPED] + [DEPLOYMENT]))
+    for _ in range(draw(st.integers(1, 3))):
+        lines = text.splitlines() or [""]  # a truncation may have left nothing
+        kind = draw(st.sampled_from(["value", "drop", "bytes", "truncate", "duplicate"]))
+        i = draw(st.integers(0, len(lines) - 1))
+        if kind == "value" and ":" in lines[i]:
+            key = lines[i].split(":", 1)[0]
+            lines[i] = f"{key}: {draw(st.sampled_from(NASTY))}"
+        elif kind == "drop" and lines:
+            del lines[i]
+        elif kind == "duplicate" and lines:
+            lines.insert(i, lines[i])
+        text = "\n".join(lines) + "\n"
+        if kind == "bytes":
+            at = draw(st.integers(0, len(text)))
+            junk = draw(st.binary(min_size=1, max_size=8)).decode("latin-1")
+            text = text[:at] + junk + text[at:]
+        elif kind == "truncate":
+            text = text[:draw(st.integers(0, len(text)))]
+    return text.encode("utf-8", "surrogateescape")
+
+
+@st.composite
+def alias_bombs(draw):
+    """Aliases nested a random number of levels, each level a random number of references wide."""
+    width, levels = draw(st.integers(2, 12)), draw(st.integers(1, 10))
+    lines = ["l0: &l0 [x, x]"] + [f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * width) + "]"
+                                  for i in range(1, levels + 1)]
+    return ("name: bomb\nsteps: 5\n" + "\n".join(lines) + "\n").encode()
+
+
+inputs = (st.binary(max_size=400)
+          | documents.map(lambda d: yaml.safe_dump(d, allow_unicode=True).encode())
+          | mutated_shipped()
+          | alias_bombs())
+
+
+@pytest.fixture(scope="module")
+def serve_app():
+    from elastic.api import register_cli
+
+    typer_app = typer.Typer()
+    register_cli(typer_app)
+    typer_app.command("other")(lambda: None)
+    return typer_app
+
+
+def _no_replay(*args, **kwargs):
+    raise typer.Exit(0)  # a file that got this far parsed; the property is about the input, not the run
+
+
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "60")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(data=inputs)
+def test_no_input_gives_a_traceback_a_hang_or_a_minute_of_work(data, tmp_path_factory, monkeypatch, serve_app):
+    import elastic.coordinator
+    import elastic.replay
+
+    monkeypatch.setattr(elastic.replay, "replay", _no_replay)
+    monkeypatch.setattr(elastic.coordinator.Coordinator, "__init__",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("a coordinator was started")))
+    path = tmp_path_factory.mktemp("fuzz") / "input.yaml"
+    path.write_bytes(data)
+    for argv in (["validate", str(path)], ["replay", str(path), "--json-only"]):
+        started = time.perf_counter()
+        result = runner.invoke(app, argv)
+        seconds = time.perf_counter() - started
+        assert result.exit_code in (0, 2), (argv, result.output, result.exception)
+        assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+        assert "Traceback" not in result.output
+        if result.exit_code == 2:
+            assert all(line.startswith(f"error {path}") for line in result.stderr.splitlines() if line), result.stderr
+        assert seconds < 2, (argv, seconds)
+        event(f"{argv[0]} exit {result.exit_code}")
+    started = time.perf_counter()
+    try:
+        load_serve_config(path)
+        event("deployment loaded")
+    except InputError as exc:
+        assert all(line.startswith(f"{path}: ") and "\n" not in line for line in exc.lines())
+    assert time.perf_counter() - started < 2
+
+
+# -- checkpoint directories ------------------------------------------------------------------------
+
+def _safetensors(path: Path, *, truncate: int = 0) -> None:
+    header = b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}'
+    data = len(header).to_bytes(8, "little") + header + b"\0\0\0\0"
+    path.write_bytes(data[:len(data) - truncate])
+
+
+def test_checkpoint_directories_are_checked_before_a_worker_opens_them(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    assert "is not a directory" in preflight.checkpoint_problems(ckpt)[0].message
+    ckpt.mkdir()
+    assert "config.json: cannot read the file" in preflight.checkpoint_problems(ckpt)[0].message
+    (ckpt / "config.json").write_bytes(b"\xff{}")
+    assert "config.json: not UTF-8 text" in preflight.checkpoint_problems(ckpt)[0].message
+    (ckpt / "config.json").write_text("[" * 5000 + "]" * 5000)
+    assert "config.json is not valid JSON" in preflight.checkpoint_problems(ckpt)[0].message
+    (ckpt / "config.json").write_text('{"model_type": "mixtral"}')
+    assert "has neither model.safetensors nor" in preflight.checkpoint_problems(ckpt)[0].message
+    _safetensors(ckpt / "model.safetensors", truncate=30)
+    (problem,) = preflight.checkpoint_problems(ckpt)
+    assert problem.path == "model.path" and "is not a complete safetensors file" in problem.message
+    _safetensors(ckpt / "model.safetensors")
+    assert preflight.checkpoint_problems(ckpt) == []
+    # a sharded checkpoint: every shard the index names must be there, inside the directory
+    (ckpt / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"a": "model-1.safetensors", "b": "model-2.safetensors", "c": "../../etc/passwd"}}')
+    _safetensors(ckpt / "model-1.safetensors")
+    messages = [p.message for p in preflight.checkpoint_problems(ckpt)]
+    assert messages == ["the index names '../../etc/passwd', outside the checkpoint directory",
+                        "the index names model-2.safetensors, which is missing (incomplete download?)"]
