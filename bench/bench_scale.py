@@ -36,11 +36,12 @@ from bench.common import (BENCH_TIMEOUTS, MiB, RecordingCoordinator, fmt_bytes, 
 from elastic.coordinator import Operation
 from elastic.deployment import DeploymentConfig, TracePhase
 from elastic.mapping import RankMapping
+from elastic.phases import OPERATION_PHASES
 from eplb.config import EPLBConfig
 from eplb.model import ModelShape
 from eplb.trace import TraceConfig
 
-PHASES = ("draining", "suppressed", "rescaling", "resuming")
+PHASES = tuple(str(phase) for phase in OPERATION_PHASES)
 
 
 def deployment(args: argparse.Namespace) -> DeploymentConfig:

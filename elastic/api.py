@@ -20,6 +20,7 @@ its methods). Every app gets its own Prometheus registry.
 
 from __future__ import annotations
 
+import copy
 import logging
 import signal
 import threading
@@ -36,12 +37,13 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from elastic.autoscaler import Autoscaler, AutoscalerConfig
-from elastic.deployment import DeploymentConfig
+from elastic.deployment import DEFAULT_DEPLOYMENT, DeploymentConfig
 from elastic.phases import SERVING_PHASES
 from elastic.errors import ElasticError, InvalidScaleRequest, InvalidTransition, RebalanceFailed, StaleGeneration
 from elastic.hooks import HooksConfig, ScaleHooks
 from elastic.metrics import build_registry
 from elastic.preflight import (
+    MAX_RANKS,
     BodyLimit,
     BodyTooLarge,
     InputError,
@@ -450,24 +452,62 @@ def _config_problem(err: Any) -> InputProblem:
     return InputProblem(where, message)
 
 
-def load_serve_config(path: str | Path, *,
+DEFAULT_SOURCE = "<default deployment>"
+
+
+def _with_overrides(raw: dict[str, Any], overrides: dict[str, Any], *, default: bool) -> dict[str, Any]:
+    """Command-line values over a config: dotted keys (``eplb.num_redundant_experts``) set nested ones.
+
+    On the embedded default deployment a new ``ep_size`` also gets room to scale (``max_ep_size``
+    at least twice it) and redundant slots that divide over it, unless those are given too, so
+    ``serve --ep-size 3`` just works; a file's own values are never changed behind its back.
+    """
+    out = {key: dict(value) if isinstance(value, dict) else value for key, value in raw.items()}
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        *parents, leaf = dotted.split(".")
+        target = out
+        for part in parents:
+            inner = target.setdefault(part, {})
+            if not isinstance(inner, dict):  # the file's own value is wrong: validation names it
+                break
+            target = inner
+        else:
+            target[leaf] = value
+    size = overrides.get("ep_size")
+    if default and isinstance(size, int) and size >= 1:
+        if overrides.get("max_ep_size") is None:
+            out["max_ep_size"] = min(max(out["max_ep_size"], 2 * size), MAX_RANKS)
+        if overrides.get("eplb.num_redundant_experts") is None:
+            experts = out["model"]["num_experts"]
+            redundant = out["eplb"]["num_redundant_experts"]
+            out["eplb"]["num_redundant_experts"] = redundant + (-(experts + redundant)) % size
+    return out
+
+
+def load_serve_config(path: str | Path | None, *, overrides: dict[str, Any] | None = None,
                       available: Callable[[], int | None] = available_memory) -> ServeConfig:
-    """Read a YAML serve config and run its pre-flight checks (:mod:`elastic.preflight`).
+    """Read a YAML serve config (``None``: the embedded default deployment, :data:`DEFAULT_DEPLOYMENT`),
+    lay ``overrides`` over it and run the pre-flight checks (:mod:`elastic.preflight`).
 
     Raises :class:`~elastic.preflight.InputError` (a ``ValueError``) with one line per problem,
     each naming the file and the key path: unreadable, too large, not UTF-8, not YAML, a bad
     field, a number out of bounds, a worker that would not fit its memory budget, a hook
     command whose program is missing.
     """
-    path = Path(path)
-    source = str(path)
-    raw = read_yaml(path)
+    if path is None:
+        source, raw = DEFAULT_SOURCE, copy.deepcopy(DEFAULT_DEPLOYMENT)
+    else:
+        path = Path(path)
+        source = str(path)
+        raw = read_yaml(path)
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise InputError(source, [InputProblem("", f"expected a mapping of DeploymentConfig fields, got "
                                                     f"{type(raw).__name__}")])
-    raw = dict(raw)
+    raw = _with_overrides(raw, overrides or {}, default=path is None)
     sections = {"autoscaler": raw.pop("autoscaler", None), "hooks": raw.pop("hooks", None)}
     try:  # one validation, so every bad field of every section is reported at once
         loaded = ServeConfig.model_validate({"deployment": raw, **{k: v for k, v in sections.items() if v is not None}})
@@ -574,15 +614,28 @@ def register_cli(app: Any) -> None:
 
     @app.command("serve")
     def serve_command(
-        config: Path = typer.Argument(..., help="YAML: DeploymentConfig fields, optional autoscaler: and hooks: sections"),
+        config: Path | None = typer.Argument(None, help="YAML: DeploymentConfig fields, optional autoscaler: and "
+                                             "hooks: sections [default: 2 local ranks of a tiny model]",
+                                             show_default=False),
         host: str = typer.Option("127.0.0.1", help="address to listen on"),
         port: int = typer.Option(8000, min=0, max=65535, help="port to listen on"),
+        ep_size: int | None = typer.Option(None, "--ep-size", help="EP ranks at start (overrides the config)"),
+        max_ep_size: int | None = typer.Option(None, "--max-ep-size", help="most ranks a scale may reach"),
+        num_experts: int | None = typer.Option(None, "--num-experts", help="logical experts per layer"),
+        redundant: int | None = typer.Option(None, "--num-redundant-experts", help="redundant expert slots"),
+        max_memory: str | None = typer.Option(None, "--max-memory", help="memory one worker may use, e.g. 8GiB"),
         observe_only: bool = typer.Option(False, "--observe-only", help="the autoscaler only logs what it would do"),
         log_level: str = typer.Option("info", help="uvicorn log level"),
     ) -> None:
-        """Run a deployment with the scale API (and the autoscaler, when configured)."""
+        """Run a deployment with the scale API (and the autoscaler, when configured).
+
+        Without CONFIG it runs the embedded default deployment: 2 local ranks of a tiny model, async EPLB.
+        The flags override the file or the default.
+        """
+        overrides = {"ep_size": ep_size, "max_ep_size": max_ep_size, "model.num_experts": num_experts,
+                     "eplb.num_redundant_experts": redundant, "max_memory": max_memory}
         try:  # every pre-flight check runs here, before any worker starts
-            loaded = load_serve_config(config)
+            loaded = load_serve_config(config, overrides=overrides)
         except InputError as exc:
             for line in exc.lines():
                 typer.echo(f"error: {line}", err=True)

@@ -42,9 +42,16 @@ def connect(host: str, port: int, timeout_s: float = 60.0) -> dist.TCPStore:
 
 
 class StoreQueue:
-    """A FIFO queue under ``prefix`` in a ``TCPStore``; ``put`` from anywhere, ``get`` from one reader."""
+    """A FIFO queue under ``prefix`` in a ``TCPStore``; ``put`` from anywhere, ``get`` from one reader.
 
-    def __init__(self, store: dist.Store, prefix: str, *, poll_s: float = 0.02, hole_timeout_s: float = 2.0):
+    A producer takes a number (``add`` on the tail) and then writes the item under it. A number
+    taken but never written is a *hole*: with ``hole_timeout_s`` set, the reader skips one after
+    that long (a queue of many producers, any of which may die between the two calls: the
+    reports). With ``None`` it never skips: a slow producer is waited for, and the reader's own
+    deadline decides (a queue of one producer that sends commands in order: an inbox).
+    """
+
+    def __init__(self, store: dist.Store, prefix: str, *, poll_s: float = 0.02, hole_timeout_s: float | None = 2.0):
         self.store = store
         self.prefix = prefix.rstrip("/")
         self.poll_s = poll_s
@@ -77,6 +84,8 @@ class StoreQueue:
             return True, pickle.loads(data)
         # a hole: the number was taken but never written (its producer died in between). Looked
         # for at most every 0.2 s, so an idle poll costs one store call
+        if self.hole_timeout_s is None:
+            return False, None
         now = time.monotonic()
         if now - self._tail_checked < 0.2 and self._hole_since is None:
             return False, None

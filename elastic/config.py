@@ -9,16 +9,14 @@ import math
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-__all__ = ["TIMED_PHASES", "TimeoutsConfig"]
+from elastic.phases import OPERATION_PHASES
+
+__all__ = ["TimeoutsConfig"]
 
 
 # --------------------------------------------------------------------------------------
 # Timeouts
 # --------------------------------------------------------------------------------------
-
-#: Phases of the state machine that have a deadline (``running`` and ``failed`` have none).
-TIMED_PHASES: tuple[str, ...] = ("draining", "suppressed", "rescaling", "resuming")
-
 
 class TimeoutsConfig(BaseModel):
     """Deadlines, all in seconds and all > 0.
@@ -48,4 +46,4 @@ class TimeoutsConfig(BaseModel):
     def for_phase(self, phase: str) -> float | None:
         """The deadline of state-machine phase ``phase`` (a ``Phase`` or its value), or None if untimed."""
         name = getattr(phase, "value", phase)
-        return getattr(self, name) if name in TIMED_PHASES else None
+        return getattr(self, name) if name in OPERATION_PHASES else None  # running and failed have none

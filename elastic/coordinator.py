@@ -6,9 +6,14 @@ Threads, each with one job:
 - the *watchdog* fails an overdue phase, notices dead or silent workers, and fails the
   machine with the reason (never a wait forever);
 - one *operation* thread at a time runs a scale or a recovery phase by phase: it fires the
-  trigger, broadcasts the phase's command, and waits (with the phase deadline) for every
-  worker's ``PhaseDone``. Decisions (what the phase is, which ranks take part) are pure
-  functions of the state; the operation thread only executes them.
+  trigger, sends the phase's command on the :class:`CommandBus`, and waits (with the phase
+  deadline) for every worker's ``PhaseDone``.
+
+Commands reach every worker in the order of their sequence numbers, without gaps: the bus
+takes the number and enqueues under one lock. A worker error is attributed to a command by
+the sequence number the worker had taken up, never by comparing clocks across processes.
+What the coordinator remembers (operations, idempotency keys, reports, events, retired workers,
+retired generations' store keys) is bounded by ``DeploymentConfig.operation_history``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import queue
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Callable
@@ -27,11 +33,13 @@ import torch.distributed as dist
 
 from elastic import protocol as p
 from elastic.deployment import DeploymentConfig
-from elastic.errors import ElasticError, InvalidTransition, InvalidScaleRequest, ScaleConflict, StaleGeneration
+from elastic.errors import (ElasticError, IdempotencyKeyReused, InvalidScaleRequest, InvalidTransition,
+                            RebalanceFailed, ScaleConflict, StaleGeneration)
 from elastic.groups import abort_generation, open_store
 from elastic.launcher import Launcher, WorkerHandle, make_launcher, plan_mapping
-from elastic.machine import Phase, ScaleMachine, Transition
+from elastic.machine import Phase, ScaleMachine
 from elastic.mapping import RankMapping
+from elastic.plans import Attempt, LiveWorker, plan_recovery
 from elastic.worker import WorkerSpec
 
 log = logging.getLogger("elastic.coordinator")
@@ -68,6 +76,9 @@ class Operation:
     idempotency_key: str | None = None
     bytes_moved: int = 0
     paused_seconds: float | None = None
+    #: layers whose maps differed between survivors when a recovery began (a torn commit)
+    diverged_layers: list[int] = field(default_factory=list)
+    cause: str | None = None  # why the control plane started it itself (replace_lost: the recovery it follows)
     done: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property
@@ -89,7 +100,8 @@ class Operation:
             "error": self.error, "released_ranks": list(self.released_ranks),
             "created_at": self.created_at, "finished_at": self.finished_at,
             "idempotency_key": self.idempotency_key, "bytes_moved": self.bytes_moved,
-            "paused_seconds": self.paused_seconds,
+            "paused_seconds": self.paused_seconds, "diverged_layers": list(self.diverged_layers),
+            "cause": self.cause,
         }
 
 
@@ -104,12 +116,41 @@ class WorkerRecord:
     handle: WorkerHandle
     rank: int
     generation: int
-    last_report: float = field(default_factory=time.monotonic)
+    launched_at: float = field(default_factory=time.monotonic)
+    #: when its last report arrived; None until the first one (only ``worker_start`` applies then)
+    last_report: float | None = None
     heartbeat: p.Heartbeat | None = None
     expected_exit: bool = False
     lost_reason: str | None = None
     dead_since: float | None = None
     standby: bool = False  # launched ahead of a scale-up, not yet sent its Rescale: in no group
+    exited_at: float | None = None  # when it was seen gone after an expected exit (then forgotten)
+
+
+class CommandBus:
+    """Gap-free, ordered delivery of commands to the workers.
+
+    Taking the sequence number, choosing the recipients and putting the command in each inbox
+    are one atomic step, so every inbox receives its commands in sequence order. A worker
+    waits (with a deadline) for exactly the next number it lacks and never skips one: the
+    step-boundary agreement on the highest number received then never names a missing one.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seq = itertools.count(1)
+
+    def send(self, make: Callable[[int], p.Command],
+             recipients: Callable[[], list[WorkerRecord]] | list[WorkerRecord]) -> tuple[int, list[WorkerRecord]]:
+        """``make(seq)`` builds the command; ``recipients`` (or the callable's answer, taken under
+        the lock) receive it. Returns the seq and the recipients."""
+        with self._lock:
+            seq = next(self._seq)
+            command = make(seq)
+            records = recipients() if callable(recipients) else list(recipients)
+            for record in records:
+                record.handle.inbox.put(command)
+        return seq, records
 
 
 class Coordinator:
@@ -126,18 +167,20 @@ class Coordinator:
         self.num_physical = config.num_physical
         self.workers: dict[int, WorkerRecord] = {}  # by pid
         self.operations: dict[str, Operation] = {}
-        self._by_key: dict[str, str] = {}
+        self._by_key: dict[str, tuple[str, float]] = {}  # idempotency key -> (operation id, when made)
         self._current: Operation | None = None
         self._lock = threading.RLock()
         self._reports = threading.Condition(self._lock)
-        self._done: dict[int, dict[int, p.PhaseDone]] = {}  # seq -> pid -> report
-        self._errors: list[p.WorkerError] = []
+        history = config.operation_history
+        self._done: dict[int, dict[int, p.PhaseDone]] = {}  # seq -> pid -> report (the newest seqs only)
+        self._errors: deque[p.WorkerError] = deque(maxlen=history)
         self._broken_group: tuple[float, p.WorkerError] | None = None  # the first broken-group report, while unexplained
-        self.events: list[p.WorkerEvent] = []
-        self._seq = itertools.count(1)
+        self.events: deque[p.WorkerEvent] = deque(maxlen=10 * history)
+        self._bus = CommandBus()
         self._standby_ids = itertools.count(-1, -1)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._operation_threads: list[threading.Thread] = []
         self._store: dist.TCPStore | None = None
         self._subscribers: list[Callable[[str, dict[str, Any]], None]] = []
         #: Called with the operation on its thread before a scale touches the machine; raising vetoes
@@ -158,7 +201,9 @@ class Coordinator:
                          threading.Thread(target=self._watchdog, name="coordinator-watchdog", daemon=True)]
         for thread in self._threads:
             thread.start()
-        self._await(0, set(self.workers), "Started", self.config.timeouts.worker_start, fail_machine=False)
+        # the watchdog finds a worker that never reported at worker_start and names it; this wait
+        # ends a moment later so that the reason it raises is the named one
+        self._await(0, set(self.workers), "Started", self.config.timeouts.worker_start + 1.0, fail_machine=False)
         return self
 
     def __enter__(self) -> "Coordinator":
@@ -168,22 +213,31 @@ class Coordinator:
         self.shutdown()
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Retire every worker (a Shutdown, then a kill past ``timeout``), stop the threads, join
+        the operation threads (bounded) and close the store. Safe to call more than once."""
+        deadline = time.monotonic() + timeout
         with self._lock:
             live = [w for w in self.workers.values() if w.handle.is_alive()]
             for w in live:
                 w.expected_exit = True
         if live:
             try:
-                self._broadcast(p.Shutdown, records=live)
+                self._bus.send(lambda seq: p.Shutdown(seq=seq), live)
             except Exception:  # noqa: BLE001 - a queue to a dead process; we kill below anyway
                 pass
-            deadline = time.monotonic() + timeout
             for w in live:
                 w.handle.join(max(0.0, deadline - time.monotonic()))
         self._stop.set()
+        with self._reports:
+            self._reports.notify_all()  # operation threads waiting on reports see the stop at once
         for thread in self._threads:
             thread.join(2)
-        self.launcher.shutdown()
+        self.launcher.shutdown()  # kills whatever did not leave on its Shutdown
+        for thread in list(self._operation_threads):
+            thread.join(max(0.5, deadline - time.monotonic()))
+        if self._store is not None:
+            store, self._store = self._store, None
+            del store  # the TCPStore's server closes with its last reference
 
     def subscribe(self, callback: Callable[[str, dict[str, Any]], None]) -> None:
         """``callback(kind, data)`` for transitions, worker events and errors, operation updates and heartbeats."""
@@ -206,14 +260,16 @@ class Coordinator:
             rank=rank, size=size, generation=generation, store_host=cfg.store_advertise_host, store_port=self._store.port,
             shape=cfg.model, eplb=cfg.eplb, trace=tuple((ph.start_step, ph.trace) for ph in cfg.trace),
             seed=cfg.seed, num_physical=cfg.slots_per_rank * size, backend=cfg.backend,
-            collective_timeout_s=t.collective, join_timeout_s=t.worker_start,
+            # a peer waits a moment longer than worker_start for a rank that never shows up, so the
+            # coordinator names the hung rank (lost at worker_start) before the peer's rendezvous fails
+            collective_timeout_s=t.collective, join_timeout_s=t.worker_start + 2.0,
             heartbeat_s=cfg.heartbeat_s, step_delay_s=cfg.step_delay_s, joining=joining, standby_seq=standby_seq,
             # standing by lasts through draining and suppressed (the scale fails past those)
             standby_timeout_s=t.worker_start + t.draining + t.suppressed,
             faults=tuple(self.faults),
         )
         handle = self.launcher.launch(spec)
-        record = WorkerRecord(handle, rank, generation, standby=joining)
+        record = WorkerRecord(handle, rank, generation, standby=joining, launched_at=time.monotonic())
         with self._lock:
             self.workers[handle.pid] = record
         return record
@@ -226,9 +282,15 @@ class Coordinator:
                 report = source.get(timeout=0.1)
             except queue.Empty:
                 continue
-            except (EOFError, OSError):
+            except (EOFError, OSError, ValueError):  # ValueError: the queue was closed at shutdown
                 return
             self._file(report)
+
+    def _start_operation(self, target: Callable[..., None], op: Operation, *args: Any) -> None:
+        thread = threading.Thread(target=target, args=(op, *args), name=f"operation-{op.id}", daemon=True)
+        with self._lock:
+            self._operation_threads = [t for t in self._operation_threads if t.is_alive()] + [thread]
+        thread.start()
 
     def _file(self, report: p.Report) -> None:
         with self._reports:
@@ -240,6 +302,7 @@ class Coordinator:
                 record.heartbeat = report
             elif isinstance(report, p.PhaseDone):
                 self._done.setdefault(report.seq, {})[report.pid] = report
+                self._forget_old_reports()
                 if report.phase == "Rescale" and report.detail.get("retired") and record is not None:
                     record.expected_exit = True
             elif isinstance(report, p.WorkerError):
@@ -259,7 +322,16 @@ class Coordinator:
                                      "step": report.step, "step_seconds": report.step_seconds,
                                      "balancedness": report.balancedness, "state": report.state,
                                      "in_flight_layer": report.in_flight_layer, "rank_load": report.rank_load,
-                                     "received": time.monotonic()})
+                                     "progress": report.progress, "received": time.monotonic()})
+
+    def _forget_old_reports(self) -> None:
+        """Keep the phase reports of the most recent command seqs (recovery reads a failed
+        attempt's, so they outlive their wait): ``operation_history``, and never fewer than the
+        few dozen an operation and concurrent API calls may still be waiting on. Oldest first by
+        arrival (a standby's "ready" report has a negative seq)."""
+        extra = len(self._done) - max(64, self.config.operation_history)
+        for seq in list(self._done)[:max(0, extra)]:
+            del self._done[seq]
 
     def _note_broken_group(self, report: p.WorkerError) -> None:
         with self._lock:
@@ -303,6 +375,7 @@ class Coordinator:
                         pass
                 self._fail_if_group_broken()
                 self._maybe_auto_recover()
+                self._forget_exited()
                 with self._reports:
                     self._reports.notify_all()
             except Exception:  # noqa: BLE001 - the watchdog must outlive anything it looks at
@@ -331,7 +404,11 @@ class Coordinator:
         threading.Thread(target=attempt, name="coordinator-auto-recover", daemon=True).start()
 
     def _find_lost(self) -> list[WorkerRecord]:
-        silent_after = self.config.timeouts.heartbeat
+        """Workers newly found lost: exited unexpectedly (at once), silent for ``heartbeat`` since
+        their last report, or, before their first report (a process still importing, loading or
+        hung), past ``worker_start`` since their launch. A worker's long preparation reports
+        progress, so ``heartbeat`` governs it from its first report on."""
+        timeouts = self.config.timeouts
         now = time.monotonic()
         newly = []
         with self._lock:
@@ -345,12 +422,54 @@ class Coordinator:
                     if now - record.dead_since < EXIT_GRACE_S:
                         continue
                     record.lost_reason = "exited unexpectedly"
-                elif now - record.last_report > silent_after:
-                    record.lost_reason = f"silent for {now - record.last_report:.1f}s (heartbeat timeout {silent_after}s)"
+                elif record.last_report is None:
+                    if now - record.launched_at <= timeouts.worker_start:
+                        continue
+                    record.lost_reason = (f"sent no report within worker_start ({timeouts.worker_start:g}s) of its "
+                                          f"launch: hung while starting")
+                elif now - record.last_report > timeouts.heartbeat:
+                    record.lost_reason = (f"silent for {now - record.last_report:.1f}s "
+                                          f"(heartbeat timeout {timeouts.heartbeat:g}s)")
                 else:
                     continue
                 newly.append(record)
         return newly
+
+    def _forget_exited(self) -> None:
+        """Drop the records (and launcher handles, inboxes) of workers that left as expected, and
+        the store keys of generations no worker uses any more: a scale cycle leaves nothing behind."""
+        now = time.monotonic()
+        gone = []
+        with self._lock:
+            for pid, record in list(self.workers.items()):
+                if not record.expected_exit or record.handle.is_alive():
+                    continue
+                record.exited_at = record.exited_at or now
+                # kept a moment for its last reports (and for recovery to see it was lost)
+                if now - record.exited_at > max(2.0, 4 * EXIT_GRACE_S) and (self._current is None or self._current.terminal):
+                    gone.append(self.workers.pop(pid))
+        for record in gone:
+            forget = getattr(self.launcher, "forget", None)
+            if forget is not None:
+                forget(record.handle)
+
+    def _delete_retired_generations(self) -> None:
+        """Delete the store keys of generations older than the serving one (after a Resume: no
+        worker is in them, and a recovery starts from the serving one or a newer attempt)."""
+        self._forget_attempts()
+        store = self._store
+        if store is None:
+            return
+        keep_from = self.machine.generation
+        try:
+            keys = store.list_keys()
+        except Exception:  # noqa: BLE001 - an old store without list_keys: the keys stay
+            return
+        for key in keys:
+            if key.startswith("elastic/gen"):
+                number = key[len("elastic/gen"):].split("/", 1)[0]
+                if number.isdigit() and int(number) < keep_from:
+                    store.delete_key(key)
 
     # -- commands --------------------------------------------------------------------------
     def live_workers(self) -> list[WorkerRecord]:
@@ -358,36 +477,37 @@ class Coordinator:
             return sorted((w for w in self.workers.values() if not w.expected_exit and w.lost_reason is None
                            and not w.standby and w.handle.is_alive()), key=lambda w: w.rank)
 
-    def _broadcast(self, command_type: type, records: list[WorkerRecord] | None = None, **fields: Any) -> int:
-        seq = next(self._seq)
-        command = command_type(seq=seq, **fields)
-        for record in records if records is not None else self.live_workers():
-            record.handle.inbox.put(command)
-        return seq
+    def _broadcast(self, command_type: type, records: list[WorkerRecord] | None = None, **fields: Any) -> tuple[int, set[int]]:
+        """Send one command to ``records`` (default: the live workers, chosen under the bus lock);
+        returns its seq and the pids it went to."""
+        seq, sent = self._bus.send(lambda n: command_type(seq=n, **fields),
+                                   records if records is not None else self.live_workers)
+        return seq, {w.handle.pid for w in sent}
 
     def _await(self, seq: int, pids: set[int], phase: str, deadline_s: float, *, fail_machine: bool = True,
-               operation: Operation | None = None, since: float | None = None,
-               broken_ok: bool = False) -> dict[int, p.PhaseDone]:
+               operation: Operation | None = None) -> dict[int, p.PhaseDone]:
         """Wait until every worker in ``pids`` reported ``seq`` done; raise on error, death or deadline.
 
-        An error counts when the worker had taken up this command (or a later one) when it
-        failed, or (unless ``broken_ok``: a recovery expects broken workers) when it happened
-        after ``since`` (default: now, right after the command was sent).
+        An error counts when the worker had taken up this command, or a later one, when it
+        failed (``WorkerError.seq``; a rank whose group broke refuses the commands it then
+        finds, naming each one's seq). Sequence numbers, never clocks: the worker's clock and
+        this one's need not agree.
         """
         deadline = time.monotonic() + deadline_s
-        after = since if since is not None else time.time()
         with self._reports:
             while True:
                 done = self._done.get(seq, {})
                 if pids <= done.keys():
                     return {pid: done[pid] for pid in pids}
-                errors = [e for e in self._errors if e.pid in pids and (e.seq >= seq or (not broken_ok and e.at >= after))]
+                errors = [e for e in self._errors if e.pid in pids and e.seq >= seq]
                 if errors:
                     e = errors[-1]
                     raise OperationFailed(phase, f"rank {e.rank} failed in {e.where}: {e.error_type}: {e.message}")
                 lost = [self.workers[pid] for pid in pids if pid in self.workers and self.workers[pid].lost_reason]
                 if lost:
                     raise OperationFailed(phase, "; ".join(f"rank {w.rank} {w.lost_reason}" for w in lost))
+                if self._stop.is_set():
+                    raise OperationFailed(phase, "the coordinator is shutting down")
                 if fail_machine and self.machine.state == Phase.FAILED:
                     raise OperationFailed(phase, self.machine.failure_reason or "the machine failed")
                 remaining = deadline - time.monotonic()
@@ -412,8 +532,12 @@ class Coordinator:
         Returns the operation; with ``wait`` it has finished (succeeded, failed or no-op).
         """
         with self._lock:
+            self._forget_old_operations()
             if idempotency_key is not None and idempotency_key in self._by_key:
-                return self.operations[self._by_key[idempotency_key]]
+                earlier = self.operations[self._by_key[idempotency_key][0]]
+                if earlier.kind != "scale" or earlier.target_size != ep_size:
+                    raise IdempotencyKeyReused(idempotency_key, earlier.id, f"{earlier.kind} to {earlier.target_size}")
+                return earlier
             ep_size = self.validate_size(ep_size)
             if expected_generation is not None and expected_generation != self.machine.generation:
                 raise StaleGeneration(expected=expected_generation, actual=self.machine.generation)
@@ -439,9 +563,9 @@ class Coordinator:
                 self._current = op
             self.operations[op.id] = op
             if idempotency_key is not None:
-                self._by_key[idempotency_key] = op.id
+                self._by_key[idempotency_key] = (op.id, self.clock())
         if not op.terminal:
-            threading.Thread(target=self._run_operation, args=(op,), name=f"operation-{op.id}", daemon=True).start()
+            self._start_operation(self._run_operation, op)
         if wait:
             op.done.wait(timeout)
         return op
@@ -453,52 +577,59 @@ class Coordinator:
         attempt settles within about one collective timeout), so none is picked by a generation
         it is about to leave.
         """
+        self._check_recoverable()  # refused at once, before any wait
         self._await_settled(self.config.timeouts.collective + 5.0)
+        with self._lock:
+            self._check_recoverable()
+            self._forget_old_operations()
+            live = self.live_workers()
+            attempts = {g: Attempt(n, frozenset(pid for pid, r in self._done.get(seq, {}).items()
+                                                if not r.detail.get("retired")))
+                        for g, (n, seq) in self._attempted.items()}
+            # a pure decision (elastic.plans); it refuses before the state changes when no one survives
+            plan = plan_recovery([LiveWorker(w.handle.pid, w.rank, w.generation) for w in live], attempts,
+                                 self.machine.generation, self.size)
+            problem = self.config.size_problem(plan.new_size)
+            if problem:
+                raise InvalidScaleRequest("ep_size", f"cannot recover with {len(plan.survivors)} living workers: {problem}")
+            survivors = [self.workers[pid] for pid in plan.survivors]
+            lost_ranks = plan.lost_ranks
+            op = Operation(id=f"op-{uuid.uuid4().hex[:12]}", kind="recover", target_size=len(survivors),
+                           from_size=self.size, generation_before=self.machine.generation)
+            keep = set(plan.survivors)
+            for w in self.workers.values():
+                if w.handle.pid not in keep:
+                    w.expected_exit = True  # retired by this recovery: its death is no new failure
+            if plan.generation != self.machine.generation:  # recover from the adopted attempt's layout
+                self.size = plan.base_size
+                self.num_physical = self.config.slots_per_rank * plan.base_size
+            self.machine.recover(operation_id=op.id, reason=f"recover with {len(survivors)} living workers")
+            op.status, op.phase = OperationStatus.RUNNING, Phase.RESCALING.value
+            self._current = op
+            self.operations[op.id] = op
+        self._start_operation(self._run_recovery, op, survivors, lost_ranks)
+        if wait:
+            op.done.wait(timeout)
+        return op
+
+    def _check_recoverable(self) -> None:
         with self._lock:
             if self._current is not None and not self._current.terminal:
                 raise ScaleConflict(self._current.id, self.machine.state, self.machine.allowed())
             if self.machine.state != Phase.FAILED:
                 raise InvalidTransition(self.machine.state, "recover", self.machine.allowed())
-            # Survivors all come from one generation, so no rank is left on a half-made one: the
-            # machine's (last consistent) generation, or a failed attempt's generation that some
-            # ranks had already adopted when a peer died after the final barrier. The one with
-            # the most living workers wins (the newest on a tie); every other worker is retired.
-            live = self.live_workers()
-            sizes = {self.machine.generation: self.size}
-            by_generation = {self.machine.generation: [w for w in live if w.generation == self.machine.generation]}
-            for g, (n, seq) in self._attempted.items():
-                if g > self.machine.generation:  # only ranks that reported adopting it count
-                    adopted = {pid for pid, r in self._done.get(seq, {}).items() if not r.detail.get("retired")}
-                    sizes[g] = n
-                    by_generation[g] = [w for w in live if w.handle.pid in adopted and w.generation == g]
-            # the most living workers wins; on a tie the older (last consistent) generation
-            generation = max(by_generation, key=lambda g: (len(by_generation[g]), -g))
-            survivors, base_size = by_generation[generation], sizes[generation]
-            alive_ranks = {w.rank for w in survivors}
-            lost_ranks = tuple(r for r in range(base_size) if r not in alive_ranks)
-            # refuse before the state changes: a recovery that cannot work must not start
-            if not survivors:
-                raise InvalidScaleRequest("ep_size", "cannot recover: no worker of the last consistent generation is alive")
-            problem = self.config.size_problem(base_size - len(lost_ranks))
-            if problem:
-                raise InvalidScaleRequest("ep_size", f"cannot recover with {len(survivors)} living workers: {problem}")
-            op = Operation(id=f"op-{uuid.uuid4().hex[:12]}", kind="recover", target_size=len(survivors),
-                           from_size=self.size, generation_before=self.machine.generation)
-            keep = {w.handle.pid for w in survivors}
-            for w in self.workers.values():
-                if w.handle.pid not in keep:
-                    w.expected_exit = True  # retired by this recovery: its death is no new failure
-            if generation != self.machine.generation:  # recover from the adopted attempt's layout
-                self.size = base_size
-                self.num_physical = self.config.slots_per_rank * base_size
-            self.machine.recover(operation_id=op.id, reason=f"recover with {len(survivors)} living workers")
-            op.status, op.phase = OperationStatus.RUNNING, Phase.RESCALING.value
-            self._current = op
-            self.operations[op.id] = op
-        threading.Thread(target=self._run_recovery, args=(op, survivors, lost_ranks), name=f"operation-{op.id}", daemon=True).start()
-        if wait:
-            op.done.wait(timeout)
-        return op
+
+    def _forget_old_operations(self) -> None:
+        """Keep the newest ``operation_history`` finished operations; an idempotency key lives as
+        long as its operation, and at most ``idempotency_ttl_s``."""
+        history, ttl = self.config.operation_history, self.config.idempotency_ttl_s
+        finished = sorted((o for o in self.operations.values() if o.terminal), key=lambda o: o.created_at)
+        for op in finished[:max(0, len(finished) - history)]:
+            del self.operations[op.id]
+        now = self.clock()
+        for key, (op_id, made) in list(self._by_key.items()):
+            if op_id not in self.operations or now - made > ttl:
+                del self._by_key[key]
 
     def _await_settled(self, limit_s: float) -> None:
         """Wait (bounded) until no live worker reports being in the middle of a rescale or start."""
@@ -529,6 +660,7 @@ class Coordinator:
             op.status, op.error, op.finished_at = status, error, time.time()
             op.generation_after = self.machine.generation
             data = op.to_dict()
+            self._forget_old_operations()
         self._emit("operation", data)
         op.done.set()
 
@@ -572,7 +704,7 @@ class Coordinator:
             for rank in mapping.joining:  # one by one: a launch that fails leaves the others retirable
                 joining.append(self._launch(rank, mapping.new_size, generation, joining=True, standby_seq=ready))
             # 1. draining: finish in-flight layers, start nothing new; decoding goes on
-            seq = self._broadcast(p.Drain, operation_id=op.id)
+            seq, _ = self._broadcast(p.Drain, records=old, operation_id=op.id)
             if joining:  # the pause starts only once they are ready: the old group decodes meanwhile
                 self._await(ready, {w.handle.pid for w in joining}, "draining", timeouts.worker_start, operation=op)
             self._await(seq, pids, "draining", timeouts.draining, operation=op)
@@ -581,8 +713,8 @@ class Coordinator:
             self._enter(op, Phase.SUPPRESSED.value)
             # a scale down is announced: its placement is computed while the ranks still decode
             down = mapping.new_size < self.size
-            seq = self._broadcast(p.Suppress, operation_id=op.id, new_size=mapping.new_size if down else 0,
-                                  mapping=tuple(mapping.old_to_new) if down else ())
+            seq, _ = self._broadcast(p.Suppress, records=old, operation_id=op.id, new_size=mapping.new_size if down else 0,
+                                     mapping=tuple(mapping.old_to_new) if down else ())
             self._await(seq, pids, "suppressed", timeouts.suppressed, operation=op)
             self.machine.suppressed(reason=f"EPLB threads joined; mapping {mapping}")
             # 3. rescaling: move experts, replace the group (decoding paused)
@@ -592,6 +724,7 @@ class Coordinator:
             self._enter(op, Phase.RESUMING.value)
             self._resume(op)
             self._finish(op, OperationStatus.SUCCEEDED)
+            self._delete_retired_generations()
         except (OperationFailed, ElasticError) as exc:
             self._retire_standby(joining)
             self._fail(op, str(exc))
@@ -615,39 +748,56 @@ class Coordinator:
                 w.handle.kill()
 
     def _fail(self, op: Operation, reason: str) -> None:
+        """The operation failed: the machine goes to ``failed``. If the group was not being
+        replaced (the failure came before ``rescaling``: a phase overran, joining ranks were not
+        ready, a launch failed), the old group is still whole and decoding: its EPLB is stopped
+        on every live rank (bounded), so nothing moves experts while the deployment is failed and
+        a recovery finds every rank ready to rescale at its first attempt."""
+        healthy_group = op.phase in (Phase.DRAINING.value, Phase.SUPPRESSED.value, "before_hooks", "pending")
         if self.machine.state != Phase.FAILED:
             try:
                 self.machine.fail(reason=reason)
             except ElasticError:
                 pass
+        if healthy_group and not self._stop.is_set():
+            self._stop_eplb_everywhere()
         self._finish(op, OperationStatus.FAILED, reason)
+
+    def _stop_eplb_everywhere(self) -> None:
+        try:
+            seq, pids = self._broadcast(p.StopEPLB)
+            self._await(seq, pids, "failed", self.config.timeouts.suppressed, fail_machine=False)
+        except OperationFailed as exc:  # a rank broke or died meanwhile: recovery leaves it out
+            log.warning("stopping the EPLB after a failure: %s", exc)
 
     def _rescale(self, op: Operation, mapping: RankMapping, old: list[WorkerRecord], lost: tuple[int, ...],
                  generation: int, joining: list[WorkerRecord] = ()) -> None:
         """Send the Rescale to the surviving ranks of ``old`` and to the ``joining`` ranks (standing
         by since the operation began) and wait for every one of them."""
-        with self._lock:
-            seq = next(self._seq)
-            self._attempted[generation] = (mapping.new_size, seq)
         new_size = mapping.new_size
         execute_on = "old" if new_size < len(mapping.old_to_new) and not lost else "new"
-        command = p.Rescale(seq=seq, operation_id=op.id, generation=generation, new_size=new_size,
-                            mapping=tuple(mapping.old_to_new), lost=lost, execute_on=execute_on)
         members = [w for w in old if w.rank not in lost] + list(joining)
-        for w in members:
-            w.handle.inbox.put(command)
-            w.standby = False  # in the new group from here on (a failed attempt's recovery retires it)
+
+        def command(seq: int) -> p.Rescale:
+            self._attempted[generation] = (new_size, seq)
+            for w in joining:
+                w.standby = False  # in the new group from here on (a failed attempt's recovery retires it)
+            return p.Rescale(seq=seq, operation_id=op.id, generation=generation, new_size=new_size,
+                             mapping=tuple(mapping.old_to_new), lost=lost, execute_on=execute_on)
+
+        seq, _ = self._bus.send(command, members)
+        self._forget_attempts()
         pids = {w.handle.pid for w in members}
         started = time.monotonic()
         try:
-            reports = self._await(seq, pids, "rescaling", self.config.timeouts.rescaling, operation=op,
-                                  broken_ok=op.kind == "recover")
+            reports = self._await(seq, pids, "rescaling", self.config.timeouts.rescaling, operation=op)
         except OperationFailed as exc:
             # ranks still waiting to join this generation give up now, not at their deadline
             abort_generation(self._store, generation, f"rescale attempt abandoned: {exc}")
             raise
         op.paused_seconds = max(r.detail.get("seconds", 0.0) for r in reports.values())
         op.bytes_moved = sum(r.detail.get("bytes_received", 0) for r in reports.values())
+        op.diverged_layers = sorted({layer for r in reports.values() for layer in r.detail.get("diverged_layers", ())})
         digests = {r.detail["digest"] for r in reports.values() if not r.detail.get("retired")}
         if len(digests) != 1:
             raise OperationFailed("rescaling", f"ranks disagree on the new placement: digests {sorted(digests)}")
@@ -663,10 +813,15 @@ class Coordinator:
         log.info("rescaled to %d ranks (generation %d) in %.2fs", new_size, generation, time.monotonic() - started)
         self.machine.rescaled(generation=generation, reason=f"group of {new_size} formed, experts redistributed")
 
+    def _forget_attempts(self) -> None:
+        """Rescale attempts older than the serving generation can no longer be recovered from."""
+        with self._lock:
+            for g in [g for g in self._attempted if g <= self.machine.generation]:
+                del self._attempted[g]
+
     def _resume(self, op: Operation) -> None:
-        live = self.live_workers()
-        seq = self._broadcast(p.Resume, records=live, operation_id=op.id)
-        self._await(seq, {w.handle.pid for w in live}, "resuming", self.config.timeouts.resuming, operation=op)
+        seq, pids = self._broadcast(p.Resume, operation_id=op.id)
+        self._await(seq, pids, "resuming", self.config.timeouts.resuming, operation=op)
         self.machine.resumed(reason="EPLB group rebuilt and async worker restarted on every rank")
 
     def _run_recovery(self, op: Operation, survivors: list[WorkerRecord], lost_ranks: tuple[int, ...]) -> None:
@@ -681,11 +836,27 @@ class Coordinator:
             self._enter(op, Phase.RESUMING.value)
             self._resume(op)
             self._finish(op, OperationStatus.SUCCEEDED)
+            self._delete_retired_generations()
+            self._maybe_replace_lost(op)
         except (OperationFailed, ElasticError) as exc:
             self._fail(op, str(exc))
         except Exception as exc:  # noqa: BLE001
             log.exception("recovery %s crashed", op.id)
             self._fail(op, f"{type(exc).__name__}: {exc}")
+
+    def _maybe_replace_lost(self, recovery: Operation) -> None:
+        """``replace_lost``: a recovery that shrank the group is followed by a scale back to the
+        size it had, with fresh workers in place of the lost ones, when the launcher has room."""
+        if not self.config.replace_lost or recovery.target_size >= recovery.from_size:
+            return
+        try:
+            op = self.scale(recovery.from_size, wait=False)
+        except ElasticError as exc:  # no capacity, or another operation came first
+            log.warning("not replacing the workers lost before %s: %s", recovery.id, exc)
+            return
+        with self._lock:
+            op.cause = f"replace_lost after {recovery.id}"
+        log.info("replacing lost workers: %s scales %d -> %d", op.id, recovery.target_size, recovery.from_size)
 
     def get_operation(self, operation_id: str) -> dict[str, Any] | None:
         """A consistent copy of one operation (``Operation.to_dict``), or None for an unknown id."""
@@ -705,18 +876,19 @@ class Coordinator:
         every rank then (this one, or one that was already running)."""
         if self.machine.state != Phase.RUNNING:
             raise ScaleConflict(self._current.id if self._current else None, self.machine.state, self.machine.allowed())
-        live = self.live_workers()
-        sent = time.time()  # errors from before this command (a past failure) are not its answer
-        seq = self._broadcast(p.RebalanceNow, records=live)
-        reports = self._await(seq, {w.handle.pid for w in live}, "rebalance", timeout, fail_machine=False, since=sent)
+        seq, pids = self._broadcast(p.RebalanceNow)
+        try:
+            reports = self._await(seq, pids, "rebalance", timeout, fail_machine=False)
+        except OperationFailed as exc:
+            if "did not finish" in exc.reason:
+                raise  # only the confirmation is missing: the command is on its way
+            raise RebalanceFailed(exc.reason) from exc
         return all(r.detail.get("started") for r in reports.values())
 
     def verify(self, timeout: float = 60.0) -> dict[int, dict[str, Any]]:
         """Every rank checks every local slot bit-exactly; returns rank -> its verdict."""
-        live = self.live_workers()
-        sent = time.time()
-        seq = self._broadcast(p.Verify, records=live)
-        reports = self._await(seq, {w.handle.pid for w in live}, "verify", timeout, fail_machine=False, since=sent)
+        seq, pids = self._broadcast(p.Verify)
+        reports = self._await(seq, pids, "verify", timeout, fail_machine=False)
         return {r.rank: {**r.detail, "generation": r.generation, "step": r.step} for r in reports.values()}
 
     def wait_for_step(self, step: int, timeout: float = 60.0) -> int:
@@ -727,11 +899,29 @@ class Coordinator:
                 steps = [w.heartbeat.step if w.heartbeat else 0 for w in self.live_workers()]
                 if steps and min(steps) >= step:
                     return min(steps)
-                if self.machine.state == Phase.FAILED and self._current is None:
+                if (self.machine.state == Phase.FAILED and (self._current is None or self._current.terminal)
+                        and not self._serving(self.live_workers())):  # failed and not decoding: no step comes
                     raise OperationFailed("running", self.machine.failure_reason or "failed")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"workers at steps {steps} did not reach step {step} within {timeout}s")
                 self._reports.wait(0.1)
+
+    def _serving(self, live: list[WorkerRecord]) -> bool:
+        """Whether decoding runs: every rank of the serving group says so in its last heartbeat
+        (the machine's state alone does not tell: a deployment failed on a healthy group goes on
+        decoding, and one whose group broke does not)."""
+        group = [w for w in live if w.generation == self.machine.generation]
+        return bool(group) and all(w.heartbeat is not None and w.heartbeat.state in p.DECODING_MODES for w in group) \
+            and self.machine.state != Phase.RESCALING
+
+    @staticmethod
+    def _eplb_health(eplb: list[dict[str, Any]]) -> dict[str, Any]:
+        """The async EPLB's health over the ranks: degraded when any rank's is, with its last error."""
+        degraded = [e for e in eplb if e.get("health") == "degraded"]
+        last = next((e.get("last_error") for e in degraded or eplb if e.get("last_error")), None)
+        return {"status": "degraded" if degraded else "healthy", "last_error": last,
+                "restarts": max((e.get("restarts", 0) for e in eplb), default=0),
+                "rebalances_failed": max((e.get("rebalances_failed", 0) for e in eplb), default=0)}
 
     def snapshot(self) -> dict[str, Any]:
         """State, generation, size, balancedness, in-flight layer, per-rank status, history tail."""
@@ -744,15 +934,18 @@ class Coordinator:
                 "generation": self.machine.generation,
                 "ep_size": self.size,
                 "num_physical": self.num_physical,
-                "serving": self.machine.state in (Phase.RUNNING, Phase.DRAINING, Phase.SUPPRESSED, Phase.RESUMING),
+                "serving": self._serving(live),
                 "balancedness": min((b.balancedness for b in beats), default=None),
                 "step": min((b.step for b in beats), default=0),
                 "in_flight_layer": next((b.in_flight_layer for b in beats if b.in_flight_layer is not None), None),
                 "operation": self._current.to_dict() if self._current is not None else None,
                 "failure_reason": self.machine.failure_reason,
+                "eplb_health": self._eplb_health(eplb),
                 "ranks": [{"rank": w.rank, "pid": w.handle.pid, "generation": w.generation,
                            "step": w.heartbeat.step if w.heartbeat else 0,
-                           "state": w.heartbeat.state if w.heartbeat else "starting"} for w in live],
+                           "state": str(w.heartbeat.state) if w.heartbeat else p.WorkerMode.STARTING.value,
+                           "progress": list(w.heartbeat.progress) if w.heartbeat and w.heartbeat.progress else None}
+                          for w in live],
                 "rebalances": max((e.get("rebalances_finished", 0) for e in eplb), default=0),
                 "layers_committed": max((e.get("layers_committed", 0) for e in eplb), default=0),
                 "bytes_moved": sum(e.get("bytes_moved", 0) for e in eplb),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 
@@ -99,6 +99,16 @@ class LauncherConfig(BaseModel):
         if self.kind == "command" and self.hosts and all(h.slots for h in self.hosts):
             return sum(h.slots for h in self.hosts)
         return None
+
+
+#: what ``elastic-ep serve`` runs without a file: two local ranks of a tiny reference model (4 layers of 16
+#: experts, 64 KiB each) with async EPLB, room to scale to 4. ``--ep-size`` and friends override it.
+DEFAULT_DEPLOYMENT: dict[str, Any] = {
+    "ep_size": 2,
+    "max_ep_size": 4,
+    "model": {"num_layers": 4, "num_experts": 16, "hidden_size": 64, "intermediate_size": 128},
+    "eplb": {"num_redundant_experts": 4, "use_async": True, "window_size": 100, "step_interval": 100},
+}
 
 
 class DeploymentConfig(BaseModel):

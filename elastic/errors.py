@@ -147,6 +147,25 @@ class InvalidRankMapping(InvalidScaleRequest):
         super().__init__(field, reason, value=value, old_rank=old_rank)
 
 
+class IdempotencyKeyReused(InvalidScaleRequest):
+    """An idempotency key already named another request (``operation_id``): nothing was started."""
+
+    code = "idempotency_key_reused"
+
+    def __init__(self, key: str, operation_id: str, described: str):
+        super().__init__("idempotency_key", f"key {key!r} was used for operation {operation_id} ({described}); "
+                         "use a new key for a different request", operation_id=operation_id)
+
+
+class RebalanceFailed(ElasticError):
+    """A rank could not start the rebalance: ``reason`` names it (the deployment may have failed)."""
+
+    code = "rebalance_failed"
+
+    def __init__(self, reason: str):
+        super().__init__(f"rebalance failed: {reason}", reason=reason)
+
+
 class StaleGeneration(ElasticError):
     """A group generation that does not move forward: ``actual`` was given, at least ``expected`` needed."""
 

@@ -11,7 +11,9 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-PHASES = ("draining", "suppressed", "rescaling", "resuming")
+from elastic.phases import OPERATION_PHASES
+
+PHASES = tuple(str(phase) for phase in OPERATION_PHASES)  # the names a fault's in_phase takes
 
 
 class _Fault(BaseModel):
@@ -47,10 +49,12 @@ class StallRank(_Fault):
 
 
 class DelayTransfer(_Fault):
-    """The async EPLB worker sleeps ``seconds`` before each layer transfer (a slow link)."""
+    """The EPLB (async thread, or the decode loop in sync mode) sleeps ``seconds`` before each
+    layer transfer (a slow link); with ``times``, only before the first ``times`` layers (a hiccup)."""
 
     kind: Literal["delay_transfer"] = "delay_transfer"
     seconds: float = Field(gt=0)
+    times: int | None = Field(None, ge=1, description="delay only this many layer transfers (default: every one)")
 
 
 class DropHeartbeats(_Fault):
@@ -80,5 +84,20 @@ class TornCommit(_Fault):
     at_commit: int = Field(1, ge=1, description="the how-many-th layer commit (counted on this rank) breaks")
 
 
-Fault = Annotated[Union[KillRank, StallRank, DelayTransfer, DropHeartbeats, CorruptBuffer, TornCommit],
+class SlowPrepare(_Fault):
+    """The worker's preparation (joining its first group, or standing by ahead of a scale-up)
+    takes ``seconds`` longer: a slow checkpoint load. It keeps reporting progress meanwhile."""
+
+    kind: Literal["slow_prepare"] = "slow_prepare"
+    seconds: float = Field(gt=0)
+
+
+class HangBeforeStart(_Fault):
+    """The worker process hangs before its first report (an import or a mount that never returns)."""
+
+    kind: Literal["hang_before_start"] = "hang_before_start"
+
+
+Fault = Annotated[Union[KillRank, StallRank, DelayTransfer, DropHeartbeats, CorruptBuffer, TornCommit,
+                        SlowPrepare, HangBeforeStart],
                   Field(discriminator="kind")]

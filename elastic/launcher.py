@@ -125,10 +125,21 @@ class LocalLauncher:
         self._workers.append(worker)
         return worker
 
+    def forget(self, handle: LocalWorker) -> None:
+        """The worker has exited and the coordinator is done with it: release its inbox (a
+        queue's feeder thread and pipe) and its handle."""
+        if handle in self._workers:
+            self._workers.remove(handle)
+        handle.inbox.cancel_join_thread()  # nobody reads it any more: never block on its buffer
+        handle.inbox.close()
+        handle.process.close()
+
     def shutdown(self) -> None:
         for worker in self._workers:
             worker.kill()
         self._workers.clear()
+        self._reports.cancel_join_thread()
+        self._reports.close()
 
 
 # -- hosts and rank mappings ---------------------------------------------------------------------
@@ -272,6 +283,24 @@ class StoreChannelLauncher:
             if self._store is not None:
                 self._store.set(kill_key(worker_id), "1")
         except Exception:  # noqa: BLE001 - the store is gone: so is the worker's reason to live
+            pass
+
+    def forget(self, handle: Any) -> None:
+        """The worker has exited and the coordinator is done with it: drop its handle and its
+        keys in the store (launch record, inbox, kill flag)."""
+        from elastic.remote_worker import worker_prefix
+
+        if handle in self._workers:
+            self._workers.remove(handle)
+        store = self._store
+        if store is None:
+            return
+        prefix = worker_prefix(handle.worker_id)
+        try:
+            for key in store.list_keys():
+                if key.startswith(prefix):
+                    store.delete_key(key)
+        except Exception:  # noqa: BLE001 - the store is going away: nothing left to clean
             pass
 
     def shutdown(self) -> None:

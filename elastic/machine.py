@@ -56,13 +56,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from enum import StrEnum
 from typing import Any
 
 from transitions import MachineError
 from transitions.extensions import LockedMachine
 
 from elastic.config import TimeoutsConfig
+from elastic.phases import Phase
 from elastic.errors import InvalidScaleRequest, InvalidTransition, PhaseTimeout, ScaleConflict, StaleGeneration
 
 __all__ = [
@@ -79,17 +79,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("elastic.machine")
-
-
-class Phase(StrEnum):
-    """States of the control plane. ``str(Phase.RUNNING) == "running"``."""
-
-    RUNNING = "running"  # serving; EPLB on; rebalances every step_interval steps
-    DRAINING = "draining"  # serving; no new rebalance; in-flight layers finish and commit everywhere
-    SUPPRESSED = "suppressed"  # serving; EPLB worker thread flushed and joined on every rank
-    RESCALING = "rescaling"  # paused; mapping fixed, experts redistributed, group replaced
-    RESUMING = "resuming"  # EPLB group rebuilt, async worker restarted, load window carried over
-    FAILED = "failed"  # a phase failed or timed out; reason recorded; waiting for recover
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,27 @@ at the same step even though the commands reach their queues at different times.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
+
+
+class WorkerMode(StrEnum):
+    """What a worker is doing, as its heartbeats say (a ``str``: compares equal to its value)."""
+
+    STARTING = "starting"  # before its first group: connecting, joining, loading weights
+    STANDBY = "standby"  # launched ahead of a scale-up: preparing, then waiting for its Rescale
+    DECODING = "decoding"
+    DRAINING = "draining"  # decoding; the in-flight layer finishes, no new rebalance starts
+    SUPPRESSED = "suppressed"  # decoding; the async EPLB thread is joined
+    RESCALING = "rescaling"  # decoding paused: experts move, the group is replaced
+    RESUMING = "resuming"  # the new group is formed; EPLB restarts at the Resume
+    HALTED = "halted"  # decoding; EPLB stopped because the deployment failed on a healthy group
+    BROKEN = "broken"  # a collective failed: no decoding, waiting for a recovery or shutdown
+
+
+#: the modes in which a rank runs decode steps
+DECODING_MODES = frozenset({WorkerMode.DECODING, WorkerMode.DRAINING, WorkerMode.SUPPRESSED,
+                            WorkerMode.RESUMING, WorkerMode.HALTED})
 
 
 # -- commands (coordinator -> every worker) ---------------------------------------------------
@@ -70,6 +90,13 @@ class Verify(Command):
 
 
 @dataclass(frozen=True)
+class StopEPLB(Command):
+    """The deployment failed while the group is healthy: stop and join the async EPLB thread
+    (an in-flight rebalance is dropped at the same step everywhere) and go on decoding, so a
+    recovery finds every rank ready to rescale."""
+
+
+@dataclass(frozen=True)
 class Shutdown(Command):
     """Leave the decode loop and exit."""
 
@@ -90,7 +117,9 @@ class Heartbeat(Report):
     step_seconds: float = 0.0
     balancedness: float = 1.0
     tokens: int = 0
-    state: str = "decoding"  # decoding | draining | suppressed | broken
+    state: WorkerMode = WorkerMode.DECODING
+    #: a long preparation's progress: (what, done, total), e.g. ("loading weights", 3, 48)
+    progress: tuple[str, int, int] | None = None
     in_flight_layer: int | None = None
     eplb: dict[str, Any] = field(default_factory=dict)
     rank_load: float = 0.0

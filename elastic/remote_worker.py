@@ -31,8 +31,13 @@ log = logging.getLogger("elastic.remote_worker")
 REPORTS_PREFIX = "elastic/reports"
 
 
+def worker_prefix(worker_id: int) -> str:
+    """Every key of one worker starts with this."""
+    return f"elastic/workers/{worker_id}/"
+
+
 def launch_key(worker_id: int) -> str:
-    return f"elastic/workers/{worker_id}/launch"
+    return f"{worker_prefix(worker_id)}launch"
 
 
 def inbox_prefix(worker_id: int) -> str:
@@ -99,7 +104,8 @@ def serve(store_host: str, store_port: int, worker_id: int, *, connect_timeout_s
                      name="remote-worker-watch", daemon=True).start()
     from elastic.worker import worker_main  # after the environment is set: torch reads some of it
 
-    inbox = StoreQueue(connect(store_host, store_port, connect_timeout_s), inbox_prefix(worker_id))
+    # commands come from one producer, in order: a missing number is waited for, never skipped
+    inbox = StoreQueue(connect(store_host, store_port, connect_timeout_s), inbox_prefix(worker_id), hole_timeout_s=None)
     outbox = TaggedOutbox(StoreQueue(connect(store_host, store_port, connect_timeout_s), REPORTS_PREFIX), worker_id)
     try:
         worker_main(record["spec"], inbox, outbox)

@@ -13,6 +13,8 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from elastic.phases import OPERATION_PHASES
+
 if TYPE_CHECKING:
     from elastic.replay import Replayer
     from elastic.scenario import Scenario
@@ -29,7 +31,7 @@ STATE_COLORS = {
 }
 STATE_STYLE = {"running": "green", "draining": "yellow", "suppressed": "dark_orange", "rescaling": "red",
                "resuming": "blue", "failed": "bold red"}
-PHASES = ("draining", "suppressed", "rescaling", "resuming")
+PHASES = tuple(str(phase) for phase in OPERATION_PHASES)
 
 
 # ---------------------------------------------------------------------------------------------

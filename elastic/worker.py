@@ -67,6 +67,9 @@ class WorkerSpec:
     standby_timeout_s: float = 120.0
     standby_seq: int = 0  # the seq its "ready" report carries (PhaseDone, phase "Standby")
     faults: tuple[Any, ...] = field(default_factory=tuple)  # fault injections (tests, scenarios)
+    # the process that built the spec, i.e. the coordinator (the launcher pickles the spec as it is):
+    # a worker that descends from it exits when it dies (elastic.lifetime)
+    coordinator_pid: int = field(default_factory=os.getpid)
 
 
 class BrokenGroup(RuntimeError):
@@ -87,7 +90,8 @@ class Worker:
         self.pending: dict[int, p.Command] = {}
         self.broken = False
         self.stopping = False
-        self.mode = "decoding"
+        self.mode = p.WorkerMode.STARTING
+        self.progress: tuple[str, int, int] | None = None  # a long preparation's (what, done, total)
         self.draining_op: p.Drain | None = None
         self.last_heartbeat = 0.0
         self.tokens_since = 0
@@ -107,6 +111,7 @@ class Worker:
         # (announced scale down, maps then, its placement and layer plans), from Suppress to Rescale
         self._announced: tuple[p.Rescale, Placement, Placement, list[LayerPlan]] | None = None
         self._corrupted = 0
+        self._delayed: dict[Any, int] = {}  # DelayTransfer fault -> layers delayed so far
 
     # -- reporting -------------------------------------------------------------------------
     def _base(self) -> dict[str, Any]:
@@ -149,7 +154,9 @@ class Worker:
     def _hooks(self) -> TransferHooks:
         def before_layer(layer: int) -> None:
             for fault in self._faults(f.DelayTransfer):
-                time.sleep(fault.seconds)
+                if fault.times is None or self._delayed.get(fault, 0) < fault.times:
+                    self._delayed[fault] = self._delayed.get(fault, 0) + 1
+                    time.sleep(fault.seconds)
 
         def after_fill(layer: int, rank_plan: Any, staging: list[torch.Tensor]) -> None:
             for fault in self._faults(f.CorruptBuffer):
@@ -162,23 +169,41 @@ class Worker:
                              verify_staged=(lambda *a: verify(*a)) if verify else None)
 
     # -- startup ---------------------------------------------------------------------------
+    def _slow_prepare(self) -> None:
+        """Fault injection: a preparation that takes longer (a slow checkpoint load), reporting
+        its progress each second, as a real load does."""
+        for fault in self._faults(f.SlowPrepare):
+            total = max(1, int(fault.seconds))
+            for done in range(total):
+                self.progress = ("loading weights (slow_prepare fault)", done, total)
+                time.sleep(fault.seconds / total)
+            self.progress = None
+
     def start(self) -> None:
         spec = self.spec
+        if self._faults(f.HangBeforeStart):
+            while True:  # fault injection: hung before the first report; the coordinator gives up at worker_start
+                time.sleep(1.0)
         if spec.joining:  # a fresh rank: it joins through the rescale
             command = self._standby()
             if command is not None:
                 self._apply_phase_faults(command)
                 self._rescale(command, fresh=True)
             return
-        with self._busy("starting"):
+        with self._busy(p.WorkerMode.STARTING):
+            self._slow_prepare()
+            self.progress = ("joining the group", 0, 1)
             self.group = GroupGeneration.join(self.store, self.generation, self.rank, self.size,
                                               backend=spec.backend, timeout_s=spec.collective_timeout_s,
                                               rendezvous_timeout_s=spec.join_timeout_s)
-        placement = Placement.static(spec.shape.num_layers, spec.shape.num_experts, spec.num_physical)
-        self.model = ReferenceMoE(spec.shape, placement, self.rank, self.size, seed=spec.seed)
+            placement = Placement.static(spec.shape.num_layers, spec.shape.num_experts, spec.num_physical)
+            self.progress = ("loading weights", 0, spec.shape.num_layers)
+            self.model = ReferenceMoE(spec.shape, placement, self.rank, self.size, seed=spec.seed)
+            self.progress = None
         self.eplb = EPLBState(spec.eplb, self.model, placement, self.rank, self.size, on_event=self._eplb_event)
         self.eplb.hooks = self._hooks()
         self._resume_eplb()
+        self.mode = p.WorkerMode.DECODING
         self.report(p.PhaseDone, seq=0, phase="Started", step=self.step, detail={"num_physical": placement.num_physical})
 
     def _standby(self) -> p.Rescale | None:
@@ -190,41 +215,63 @@ class Worker:
         never sends either is given up on after ``standby_timeout_s``.
         """
         spec = self.spec
-        self.mode = "standby"
+        self.mode = p.WorkerMode.STANDBY
         started = time.perf_counter()
-        self._prepared_weights = allocate_weights(spec.shape, spec.num_physical // spec.size)
-        for layer in self._prepared_weights:
-            for tensor in layer:
-                tensor.zero_()  # touch every page: the kernel maps them now, not during the transfer
-        self.comm.set_incoming(self._prepared_weights)  # memory registration (NIXL), also ahead of the pause
+        with self._busy(p.WorkerMode.STANDBY):
+            self._slow_prepare()
+            self._prepared_weights = allocate_weights(spec.shape, spec.num_physical // spec.size)
+            for i, layer in enumerate(self._prepared_weights):
+                self.progress = ("allocating expert weights", i, len(self._prepared_weights))
+                for tensor in layer:
+                    tensor.zero_()  # touch every page: the kernel maps them now, not during the transfer
+            self.progress = ("registering memory", 0, 1)
+            self.comm.set_incoming(self._prepared_weights)  # memory registration (NIXL), also ahead of the pause
+            self.progress = None
         # ready: the coordinator starts the pause only now, so the old group decodes meanwhile
         self.report(p.PhaseDone, seq=spec.standby_seq, phase="Standby", step=self.step,
                     detail={"prepare_seconds": time.perf_counter() - started})
-        return self._wait_for_rescale("standby", "this rank has not joined a group yet", spec.standby_timeout_s)
+        return self._wait_for_rescale(p.WorkerMode.STANDBY, "this rank has not joined a group yet", spec.standby_timeout_s)
 
     def _resume_eplb(self) -> None:
         self._attach_comm(self.group.generation)
         self.eplb.config = self._eplb_config(self.group.hosts)  # num_nodes of this generation's hosts
-        self.eplb.group = self.group.build_eplb_group()
-        self.eplb.start_worker(self.eplb.group)
+        self.eplb.rebuild_group = self._rebuild_eplb_group
+        self.eplb.start_worker(self.group.build_eplb_group(), self.group.generation)
         self.eplb.resume()
 
+    def _rebuild_eplb_group(self) -> Any:
+        """A fresh EPLB group after a failed layer (gloo closes a pair on a timeout, so every later
+        layer on the old one would fail too); every rank calls this at the same agreed step."""
+        old = self.group.eplb_group
+        group = self.group.build_eplb_group()
+        if old is not None:
+            dist.destroy_process_group(old)
+        return group
+
     # -- commands --------------------------------------------------------------------------
+    def _take(self, command: p.Command) -> None:
+        """File a received command. ``received_seq`` is the end of the gap-free run received:
+        every command up to it is here (or done), so agreeing on it never names a missing one."""
+        if command.seq <= self.executed_seq or command.seq in self.pending:
+            return  # a duplicate delivery
+        self.pending[command.seq] = command
+        while self.received_seq + 1 in self.pending:
+            self.received_seq += 1
+
     def _poll_inbox(self, block_until: int | None = None, timeout: float = 0.0) -> None:
-        """Move commands from the queue to ``pending``; with ``block_until``, wait for that seq."""
+        """Move commands from the queue to ``pending``; with ``block_until``, wait (at most
+        ``timeout``) until every command up to that seq is here. Never skips a number."""
         deadline = time.monotonic() + timeout
         while True:
+            waiting = block_until is not None and self.received_seq < block_until
             try:
-                wait = None if block_until is None else max(0.0, deadline - time.monotonic())
-                command = self.inbox.get(block=block_until is not None, timeout=wait)
+                command = self.inbox.get(block=waiting, timeout=max(0.0, deadline - time.monotonic()) if waiting else None)
             except queue.Empty:
                 if block_until is not None and self.received_seq < block_until:
-                    raise TimeoutError(f"command {block_until} did not arrive within {timeout:.1f}s")
+                    raise TimeoutError(f"command {self.received_seq + 1} (of up to {block_until}, agreed by the group) "
+                                       f"did not arrive within {timeout:.1f}s") from None
                 return
-            self.pending[command.seq] = command
-            self.received_seq = max(self.received_seq, command.seq)
-            if block_until is not None and self.received_seq >= block_until:
-                block_until = None  # got it; drain the rest without blocking
+            self._take(command)
 
     def _run_commands_up_to(self, seq: int) -> bool:
         """Execute every command up to ``seq``; False when the group changed (restart the step)."""
@@ -242,7 +289,7 @@ class Worker:
         self._apply_phase_faults(command)
         if isinstance(command, p.Drain):
             self.eplb.begin_drain()
-            self.mode = "draining"
+            self.mode = p.WorkerMode.DRAINING
             self.draining_op = command
             self.drain_started_step = self.step
         elif isinstance(command, p.Suppress):
@@ -252,7 +299,7 @@ class Worker:
             gone = self.eplb.stop_worker(timeout=self.spec.collective_timeout_s)
             if not gone:
                 raise TimeoutError("the async EPLB thread did not stop in time")
-            self.mode = "suppressed"
+            self.mode = p.WorkerMode.SUPPRESSED
             joined = time.perf_counter() - started
             self._announced = None
             if command.mapping:  # a scale down follows: its placement is computed now, not in the pause
@@ -268,7 +315,7 @@ class Worker:
         elif isinstance(command, p.Resume):
             started = time.perf_counter()
             self._resume_eplb()
-            self.mode = "decoding"
+            self.mode = p.WorkerMode.DECODING
             self._done(command, {"seconds": time.perf_counter() - started, "threads": _thread_names()})
         elif isinstance(command, p.RebalanceNow):
             if not self.eplb.draining and self.eplb.all_idle:
@@ -279,6 +326,12 @@ class Worker:
             self._done(command, {"started": under_way or not self.spec.eplb.use_async})
         elif isinstance(command, p.Verify):
             self._done(command, self._verify())
+        elif isinstance(command, p.StopEPLB):
+            self.eplb.begin_drain()  # nothing starts again until a recovery's Resume
+            if not self.eplb.stop_worker(timeout=self.spec.eplb.transfer_timeout_s + self.spec.collective_timeout_s):
+                raise TimeoutError("the async EPLB thread did not stop in time")
+            self.mode = p.WorkerMode.HALTED
+            self._done(command, {"threads": _thread_names()})
         elif isinstance(command, p.Shutdown):
             self.stopping = True
             self._done(command, {})
@@ -311,15 +364,18 @@ class Worker:
 
     # -- rescale ---------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _busy(self, what: str):
-        """While a long blocking phase runs (rendezvous, transfers), a thread keeps reporting
-        liveness so the coordinator can tell "busy" from "gone"; a frozen process still falls silent."""
+    def _busy(self, what: p.WorkerMode):
+        """While a long blocking phase runs (rendezvous, loading, transfers), a thread keeps
+        reporting liveness, and ``self.progress`` when set, so the coordinator can tell "busy"
+        from "gone" and a slow load from a stuck one; a frozen process still falls silent."""
         done = threading.Event()
 
         def beat() -> None:
-            while not done.wait(self.spec.heartbeat_s):
-                self.report(p.Heartbeat, step=self.step, state=what,
+            while True:
+                self.report(p.Heartbeat, step=self.step, state=what, progress=self.progress,
                             balancedness=self.eplb.stats.last_balancedness if self.eplb else 1.0)
+                if done.wait(self.spec.heartbeat_s):
+                    return
 
         thread = threading.Thread(target=beat, name=f"busy-heartbeat-{what}", daemon=True)
         thread.start()
@@ -330,13 +386,13 @@ class Worker:
             thread.join()
 
     def _rescale(self, cmd: p.Rescale, *, fresh: bool) -> None:
-        with self._busy("rescaling"):
+        with self._busy(p.WorkerMode.RESCALING):
             self._rescale_blocking(cmd, fresh=fresh)
 
     def _rescale_blocking(self, cmd: p.Rescale, *, fresh: bool) -> None:
         """Redistribute experts by ``cmd.mapping`` and move to generation ``cmd.generation``."""
         started = time.perf_counter()
-        if self.eplb is not None and self.eplb.worker is not None:
+        if self.eplb is not None and self.eplb.running:
             raise RuntimeError("rescale while the async EPLB worker runs: suppress it first")
         new_rank = cmd.mapping[self.rank] if not fresh else self.rank
         # group destroy + rendezvous; redistribution (wall, and this process's CPU incl. gloo threads)
@@ -380,7 +436,7 @@ class Worker:
         self._adopt(new_rank, cmd, new_placement, new_weights)
         timing["adopt_seconds"] = time.perf_counter() - mark
         self.broken = False
-        self.mode = "resuming"
+        self.mode = p.WorkerMode.RESUMING
         self.report(p.PhaseDone, seq=cmd.seq, operation_id=cmd.operation_id, phase="Rescale", step=self.step,
                     detail={"retired": False, "bytes_received": bytes_moved, "seconds": time.perf_counter() - started,
                             "digest": placement_digest(self.eplb.placement), "num_physical": self.eplb.placement.num_physical,
@@ -577,6 +633,7 @@ class Worker:
         if self.group is not None:
             if self.eplb is not None:
                 self.eplb.group = None
+                self.eplb.rebuild_group = None
             self.group.destroy()
 
     def _retire(self, cmd: p.Rescale, started: float, bytes_moved: int, timing: dict[str, float]) -> None:
@@ -613,10 +670,9 @@ class Worker:
         self.model.install_placement(placement, new_rank, cmd.new_size)
         self.comm.adopt_incoming()  # registrations follow the tensors (old ones deregistered first)
         self.model.replace_weights(weights)
-        self.eplb.placement = placement
-        self.eplb.rank, self.eplb.num_ranks = new_rank, cmd.new_size
-        self.eplb.group = None  # (already released on a healthy rescale; a broken group's goes now)
-        self.eplb.draining = True  # the EPLB stays off until Resume restarts it on the new group
+        # the EPLB stays off until Resume restarts it on the new group; a broken group's EPLB
+        # subgroup is released now (a healthy one went with its group)
+        self.eplb.adopt(placement, new_rank, cmd.new_size)
 
     # -- the decode loop -------------------------------------------------------------------
     def _sync(self) -> list[int]:
@@ -644,7 +700,12 @@ class Worker:
         stalls = len(self.eplb.stats.sync_stall_seconds)
         self._apply_commit_faults(reduced[1 : 1 + CONTROL_WORDS])
         mark, cpu = time.perf_counter(), time.thread_time()
-        self.eplb.after_sync(reduced[1 : 1 + CONTROL_WORDS])
+        try:
+            self.eplb.after_sync(reduced[1 : 1 + CONTROL_WORDS])
+        except Exception as exc:  # noqa: BLE001 - a sync transfer or an EPLB rebuild failed mid-step
+            # ranks may now hold different layers (a sync rebalance moves layer by layer): the
+            # group is no longer consistent, and recovery reads what each rank really holds
+            raise BrokenGroup(f"EPLB failed at step {self.step}: {type(exc).__name__}: {exc}") from exc
         eplb_seconds = self._control_seconds[0] + time.perf_counter() - mark
         eplb_cpu = self._control_seconds[1] + time.thread_time() - cpu
         rebalancing = int(self.eplb.in_flight is not None or len(self.eplb.stats.sync_stall_seconds) != stalls)
@@ -685,7 +746,7 @@ class Worker:
             rank_load = float(physical[:, self.rank * per_rank : (self.rank + 1) * per_rank].sum())
         self.report(p.Heartbeat, step=self.step, step_seconds=step_seconds,
                     balancedness=self.eplb.stats.last_balancedness if self.eplb else 1.0,
-                    tokens=self.tokens_since, state="broken" if self.broken else self.mode,
+                    tokens=self.tokens_since, state=p.WorkerMode.BROKEN if self.broken else self.mode,
                     in_flight_layer=self.eplb.in_flight_layer if self.eplb else None,
                     eplb=self.eplb.stats.as_dict() if self.eplb else {}, rank_load=rank_load,
                     step_timings=tuple(self.step_timings))
@@ -695,7 +756,7 @@ class Worker:
     def broken_loop(self) -> None:
         """After a failed collective: execute commands as they arrive (recovery or shutdown)."""
         while not self.stopping:
-            command = self._wait_for_rescale("broken", "the group is broken, only a rescale or shutdown can follow")
+            command = self._wait_for_rescale(p.WorkerMode.BROKEN, "the group is broken, only a rescale or shutdown can follow")
             if command is None:
                 return
             try:
@@ -720,9 +781,9 @@ class Worker:
                 except queue.Empty:
                     self._maybe_heartbeat(0.0, None, force=True)
                     continue
-            self.received_seq = max(self.received_seq, command.seq)
             if command.seq <= self.executed_seq:
                 continue  # already acted on before the group broke
+            self.received_seq = max(self.received_seq, command.seq)
             self.executed_seq = command.seq
             if isinstance(command, p.Rescale):
                 return command
@@ -731,7 +792,7 @@ class Worker:
                 self._done(command, {})
                 return None
             self.report(p.WorkerError, step=self.step, where=where, error_type="Refused", fatal=False,
-                        message=f"{type(command).__name__} refused: {refusal}")
+                        message=f"{type(command).__name__} refused: {refusal}", seq=command.seq)
         raise TimeoutError(f"{where}: no Rescale arrived within {timeout_s:.0f}s")
 
     def _enter_broken(self, exc: BaseException) -> None:
@@ -739,12 +800,12 @@ class Worker:
         self.broken = True
         self.report(p.WorkerError, step=self.step, where="decode", error_type=type(exc).__name__,
                     message=str(exc), traceback=traceback.format_exc(), fatal=False, seq=self.executed_seq)
-        if self.eplb is not None and self.eplb.worker is not None:
+        if self.eplb is not None and self.eplb.running:
             # a transfer on the EPLB group ends within its own deadline; only then may the group go.
             # That can take a while (a peer's side of the transfer is gone), so keep reporting: a
             # rank waiting here is broken, not lost.
             self.comm.abort(f"the group broke: {exc}")  # a polled wait (NIXL) gives up now, not at its deadline
-            with self._busy("broken"):
+            with self._busy(p.WorkerMode.BROKEN):
                 stopped = self.eplb.stop_worker(timeout=self.spec.eplb.transfer_timeout_s + self.spec.collective_timeout_s)
             if not stopped:
                 raise RuntimeError("the async EPLB thread did not stop: the group cannot be destroyed safely")
@@ -763,8 +824,12 @@ class Worker:
             except BrokenGroup as exc:
                 self._enter_broken(exc)
                 self.broken_loop()
-        if self.eplb is not None and self.eplb.worker is not None:
-            self.eplb.stop_worker(timeout=self.spec.collective_timeout_s)
+        stopped = self.eplb is None or self.eplb.stop_worker(timeout=self.spec.collective_timeout_s)
+        if not stopped:
+            # its thread may still be inside a transfer on the group: tearing the group down under
+            # it is undefined (and gloo may block); the process exits and the OS frees the rest
+            log.warning("rank %d: the async EPLB thread did not stop; leaving without destroying the group", self.rank)
+            return
         if self.group is not None:
             self.group.destroy()
         self.comm.close()  # deregisters every tensor it still holds
@@ -793,6 +858,9 @@ def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any) -> None:
     """Entry point of a worker process."""
     logging.basicConfig(level=os.environ.get("ELASTIC_EP_WORKER_LOG", "WARNING"))
     torch.set_num_threads(1)
+    from elastic.lifetime import watch_coordinator
+
+    watch = watch_coordinator(spec.coordinator_pid)  # a killed coordinator leaves no worker decoding
     worker = None
     try:
         worker = Worker(spec, inbox, outbox)
@@ -804,3 +872,6 @@ def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any) -> None:
                                  where="worker", error_type=type(exc).__name__, message=str(exc),
                                  traceback=traceback.format_exc(), fatal=True))
         raise SystemExit(1)
+    finally:
+        if watch is not None:
+            watch.stop()

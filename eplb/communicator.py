@@ -163,7 +163,12 @@ class Communicator(ABC):
     def abort(self, reason: str) -> None:
         """The group broke: a transfer wait in progress (on another thread) should give up now,
         not at its deadline, so that thread can be joined. Only waits this side polls can: NIXL's
-        do, a gloo or NCCL wait runs out its deadline. Cleared by :meth:`bind` of another generation."""
+        do, a gloo or NCCL wait runs out its deadline. Cleared by :meth:`bind` of another generation
+        or by :meth:`clear_abort`."""
+
+    def clear_abort(self) -> None:
+        """The waits of an aborted layer have given up (its thread was joined): later layers of
+        the same generation may wait again (the EPLB rebuilt its run after a failed layer)."""
 
     def set_weights(self, weights: Sequence[Sequence[torch.Tensor] | None]) -> None:
         """The expert weights peers read from: per layer, the ``[slots, ...]`` tensors (or None)."""
@@ -458,6 +463,9 @@ class NixlCommunicator(Communicator):
     # -- lifecycle ----------------------------------------------------------------------------
     def abort(self, reason: str) -> None:
         self._aborted = reason  # no lock: a layer in flight holds it; its polls read this
+
+    def clear_abort(self) -> None:
+        self._aborted = None
 
     def _check_aborted(self, x: LayerExchange, peers: Sequence[int], waiting: str) -> None:
         if self._aborted is not None:

@@ -26,9 +26,9 @@ import queue
 import threading
 import time
 import traceback
-from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
+from enum import StrEnum
 from typing import Any, Callable, Sequence
 
 import torch
@@ -42,8 +42,9 @@ from eplb.transfer import TransferStats, commit_layer, execute_layer
 log = logging.getLogger("eplb")
 
 __all__ = [
-    "AsyncEPLBWorker", "EPLBState", "EPLBStats", "LoadWindow", "RebalanceJob", "LayerReady",
-    "WorkerFailed", "RebalanceFinished", "balancedness_of", "TransferHooks", "StagedWeightsCorrupt",
+    "AsyncEPLBWorker", "AsyncRun", "EPLBHealth", "EPLBState", "EPLBStats", "EPLBUnavailable", "Finish",
+    "HandshakeMismatch", "LayerReady", "LoadWindow", "Proceed", "RebalanceFinished", "RebalanceJob",
+    "StagedWeightsCorrupt", "TransferHooks", "WorkerFailed", "balancedness_of",
 ]
 
 
@@ -116,7 +117,9 @@ def placement_for(config: EPLBConfig, load: torch.Tensor, num_physical: int, num
 
 
 # --------------------------------------------------------------------------------------------
-# records exchanged with the worker thread (frozen: a record never changes after it is sent)
+# records exchanged with the worker thread (frozen: a record never changes after it is sent).
+# Every handshake record names its rebalance and the group generation it belongs to, so an
+# answer meant for another rebalance or another generation is a loud error, never a step ahead.
 
 @dataclass(frozen=True)
 class RebalanceJob:
@@ -125,16 +128,23 @@ class RebalanceJob:
     placement: Placement  # the placement being served when the job started
     num_ranks: int
     rank: int
+    generation: int = 0
 
 
 @dataclass(frozen=True)
 class Proceed:
     """Decode loop -> worker: the last layer is committed everywhere, transfer the next one."""
 
+    rebalance_id: int
+    generation: int
+
 
 @dataclass(frozen=True)
 class Finish:
     """Decode loop -> worker: commit done, start no further layer (drain, failure or last layer)."""
+
+    rebalance_id: int
+    generation: int
 
 
 @dataclass(frozen=True)
@@ -174,6 +184,10 @@ class WorkerFailed:
     traceback: str
 
 
+class HandshakeMismatch(RuntimeError):
+    """An answer of the decode loop names another rebalance or generation than the one in hand."""
+
+
 # --------------------------------------------------------------------------------------------
 # the async worker thread
 
@@ -196,17 +210,18 @@ class TransferHooks:
 class StagedWeightsCorrupt(RuntimeError):
     """A received layer does not hold what the plan says: it is refused, never committed."""
 
+
 class AsyncEPLBWorker:
     """A background thread per rank that computes placements and fills the staging buffer.
 
     Lifecycle, driven by the decode loop / control plane: :meth:`start`, :meth:`submit` a job,
     answer each :class:`LayerReady` with :meth:`proceed` or :meth:`finish`, :meth:`stop`
-    (join with a timeout). ``restart`` is ``stop`` then a new worker on the new group.
+    (join with a timeout). One thread serves one group generation (``generation``).
     """
 
     def __init__(self, *, config: EPLBConfig, weights: Callable[[], list[list[torch.Tensor]]],
                  staging: list[torch.Tensor], group: Any, rank: int, name: str = "eplb-async",
-                 hooks: TransferHooks | None = None, communicator: Any = None):
+                 hooks: TransferHooks | None = None, communicator: Any = None, generation: int = 0):
         self.config = config
         self.hooks = hooks or TransferHooks()
         self.communicator = communicator  # eplb.communicator.Communicator; None: the group's backend
@@ -214,9 +229,11 @@ class AsyncEPLBWorker:
         self.staging = staging
         self.group = group
         self.rank = rank
+        self.generation = generation
+        self._last_job = 0  # the newest rebalance id this thread took up
         self._inbox: "queue.Queue[object]" = queue.Queue()
         self.events: "queue.Queue[object]" = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name=f"{name}-rank{rank}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"{name}-rank{rank}-g{generation}", daemon=True)
         self.last_progress = time.monotonic()
 
     # -- decode-loop side --------------------------------------------------------------------
@@ -230,11 +247,11 @@ class AsyncEPLBWorker:
     def submit(self, job: RebalanceJob) -> None:
         self._inbox.put(job)
 
-    def proceed(self) -> None:
-        self._inbox.put(Proceed())
+    def proceed(self, rebalance_id: int) -> None:
+        self._inbox.put(Proceed(rebalance_id, self.generation))
 
-    def finish(self) -> None:
-        self._inbox.put(Finish())
+    def finish(self, rebalance_id: int) -> None:
+        self._inbox.put(Finish(rebalance_id, self.generation))
 
     def stop(self, timeout: float) -> bool:
         """Ask the thread to leave and join it; True when it is gone within ``timeout``."""
@@ -247,21 +264,37 @@ class AsyncEPLBWorker:
         self.last_progress = time.monotonic()
         self.events.put(event)
 
+    def _mismatch(self, answer: Proceed | Finish, expected: int | None) -> HandshakeMismatch:
+        want = "no answer (no rebalance in hand)" if expected is None else f"rebalance {expected}"
+        return HandshakeMismatch(f"{type(answer).__name__} for rebalance {answer.rebalance_id} of generation "
+                                 f"{answer.generation} reached the thread of generation {self.generation}, "
+                                 f"which expected {want}")
+
     def _run(self) -> None:
         while True:
             message = self._inbox.get()
             if isinstance(message, Shutdown):
                 return
             if isinstance(message, RebalanceJob):
+                self._last_job = message.rebalance_id
                 if not self._rebalance(message):
                     return
-            # a stray Proceed/Finish (e.g. after a failure) needs no answer
+            elif isinstance(message, (Proceed, Finish)):
+                # an answer to a rebalance that already ended here (it failed, and the decode loop
+                # aborted it everywhere) needs none; anything else is a protocol break
+                if message.generation != self.generation or message.rebalance_id > self._last_job:
+                    exc = self._mismatch(message, None)
+                    log.error("%s", exc)
+                    self._post(WorkerFailed(message.rebalance_id, None, type(exc).__name__, str(exc), ""))
 
     def _rebalance(self, job: RebalanceJob) -> bool:
         """Run one job; False when asked to shut down in the middle."""
         layer: int | None = None
         done = 0
         try:
+            if job.generation != self.generation:
+                raise HandshakeMismatch(f"rebalance {job.rebalance_id} of generation {job.generation} reached the "
+                                        f"thread of generation {self.generation}")
             started = time.perf_counter()
             new = placement_for(self.config, job.load, job.placement.num_physical, job.num_ranks, job.placement)
             changed = tuple(
@@ -294,6 +327,10 @@ class AsyncEPLBWorker:
                 done += 1
                 if isinstance(answer, Shutdown):
                     return False
+                if not isinstance(answer, (Proceed, Finish)) or answer.rebalance_id != job.rebalance_id \
+                        or answer.generation != self.generation:
+                    raise self._mismatch(answer, job.rebalance_id) if isinstance(answer, (Proceed, Finish)) \
+                        else HandshakeMismatch(f"{type(answer).__name__} arrived while layer {layer} waited for its answer")
                 if isinstance(answer, Finish):
                     self._post(RebalanceFinished(job.rebalance_id, done, drained=layer != changed[-1]))
                     return True
@@ -306,6 +343,11 @@ class AsyncEPLBWorker:
 # --------------------------------------------------------------------------------------------
 # the decode loop's side
 
+class EPLBHealth(StrEnum):
+    HEALTHY = "healthy"
+    DEGRADED = "degraded"  # the async EPLB could not be rebuilt after a failure: no rebalance commits
+
+
 @dataclass
 class EPLBStats:
     rebalances_started: int = 0
@@ -314,14 +356,18 @@ class EPLBStats:
     layers_committed: int = 0
     bytes_moved: int = 0
     watchdog_stalls: int = 0
+    restarts: int = 0  # async runs rebuilt (fresh EPLB group, staging and thread) after a failure
     last_balancedness: float = 1.0
     balancedness_before: float | None = None  # window balancedness under the old placement
     last_failure: WorkerFailed | None = None
     placement_seconds: float = 0.0
     sync_stall_seconds: list[float] = field(default_factory=list)
+    health: EPLBHealth = EPLBHealth.HEALTHY
+    last_error: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        d["health"] = self.health.value
         d["last_failure"] = None if self.last_failure is None else {
             "layer": self.last_failure.layer, "error_type": self.last_failure.error_type, "message": self.last_failure.message}
         return d
@@ -332,6 +378,27 @@ NOT_READY = 0  # 1 when this rank has no staged layer waiting (or none in flight
 FAILED = 1  # 1 when this rank's worker reported a failure
 BUSY = 2  # 1 while this rank has a rebalance in flight
 CONTROL_WORDS = 3
+
+
+class EPLBUnavailable(RuntimeError):
+    """The async EPLB failed and could not be rebuilt: the deployment must leave ``running``."""
+
+
+@dataclass
+class AsyncRun:
+    """Everything the async EPLB holds for one group generation: the thread, its staging buffer,
+    the handshake in hand and the pacing countdown. Built fresh by :meth:`EPLBState.start_worker`
+    and dropped whole by :meth:`EPLBState.stop_worker`; only the load window, the placement and
+    the statistics outlive it. So nothing of one generation's handshake can reach the next."""
+
+    generation: int
+    worker: AsyncEPLBWorker
+    staging: list[torch.Tensor]
+    in_flight: int | None = None  # rebalance id being transferred, if any
+    ready: LayerReady | None = None
+    in_flight_layer: int | None = None
+    release_in: int = 0  # pacing: agreed steps until the next layer's transfer starts
+    failure: WorkerFailed | None = None
 
 
 class EPLBState:
@@ -351,59 +418,87 @@ class EPLBState:
         self.window = window or LoadWindow(config.window_size, placement.num_layers, placement.num_logical)
         self.stats = EPLBStats()
         self.on_event = on_event or (lambda kind, data: None)
-        self.worker: AsyncEPLBWorker | None = None
         #: moves the weights (eplb.communicator); None: the group's own backend (gloo / NCCL)
         self.communicator: Any = None
-        self.staging: list[torch.Tensor] = []
+        #: ``rebuild_group()`` -> a fresh EPLB group (a collective over the decode group: every rank
+        #: calls it at the same agreed step). Set by the owner; None: a failed run is not rebuilt.
+        self.rebuild_group: Callable[[], Any] | None = None
+        self.run: AsyncRun | None = None
+        self._sync_staging: list[torch.Tensor] = []
         self.draining = False
-        self.in_flight: int | None = None  # rebalance id being transferred, if any
-        self.ready: LayerReady | None = None
-        self.in_flight_layer: int | None = None
+        self.all_idle = True  # agreed at the last step boundary: no rank has a rebalance in flight
         self._next_id = 0
         self.steps_since_rebalance = 0
-        self.all_idle = True
+
+    # -- what the owner reads ----------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        """An async thread exists (stop it before the group it uses is replaced)."""
+        return self.run is not None
+
+    @property
+    def in_flight(self) -> int | None:
+        return None if self.run is None else self.run.in_flight
+
+    @property
+    def in_flight_layer(self) -> int | None:
+        return None if self.run is None else self.run.in_flight_layer
+
+    @property
+    def staging(self) -> list[torch.Tensor]:
+        return self.run.staging if self.run is not None else self._sync_staging
 
     # -- lifecycle (driven by the control plane) -----------------------------------------------
-    def start_worker(self, group: Any = None) -> None:
-        """Start the async worker on ``group`` (the dedicated EPLB group)."""
+    def start_worker(self, group: Any = None, generation: int = 0) -> None:
+        """Start a fresh async run on ``group`` (the dedicated EPLB group) for ``generation``."""
         if not (self.config.enabled and self.config.use_async):
             return
-        if self.worker is not None and self.worker.alive:
+        if self.run is not None:
             raise RuntimeError("the async EPLB worker is already running")
         self.group = group if group is not None else self.group
         weights = self.model.expert_weights()
-        # one layer of local experts, allocated once per group generation, never per layer
-        self.staging = [torch.empty_like(t) for t in weights[0]]
+        # one layer of local experts, allocated once per run, never per layer
+        staging = [torch.empty_like(t) for t in weights[0]]
         if self.communicator is not None:
-            self.communicator.add_buffer(self.staging)  # NIXL reads land here: registered once per start
-        self.worker = AsyncEPLBWorker(config=self.config, weights=self.model.expert_weights, staging=self.staging,
-                                      group=self.group, rank=self.rank, hooks=self.hooks,
-                                      communicator=self.communicator)
-        self.worker.start()
-        self.draining = False
+            self.communicator.add_buffer(staging)  # NIXL reads land here: registered once per start
+        worker = AsyncEPLBWorker(config=self.config, weights=self.model.expert_weights, staging=staging,
+                                 group=self.group, rank=self.rank, hooks=self.hooks,
+                                 communicator=self.communicator, generation=generation)
+        self.run = AsyncRun(generation, worker, staging)
+        self.all_idle = True
+        worker.start()
 
     def begin_drain(self) -> None:
         """No new rebalance starts; the in-flight layer (if any) still completes and commits."""
         self.draining = True
 
     def stop_worker(self, timeout: float) -> bool:
-        """Join the async thread (after a drain). True when it is gone within ``timeout``."""
-        if self.worker is None:
+        """Join the async thread. True when it is gone within ``timeout``; the whole run (staging,
+        handshake, pacing countdown) goes with it. A rebalance still in flight (the group broke
+        before a drain) dies with its thread: its uncommitted layers are dropped, the committed
+        ones stay."""
+        run = self.run
+        if run is None:
             return True
-        gone = self.worker.stop(timeout)
-        if gone:
-            self.worker = None
-            if self.communicator is not None:
-                self.communicator.remove_buffer(self.staging)  # deregistered before it is freed
-            self.staging = []
-            # a rebalance still in flight (the group broke before a drain) dies with its
-            # thread: its uncommitted layers are dropped, the committed ones stay
-            self.in_flight = self.ready = self.in_flight_layer = None
-            self._failure = None
-        return gone
+        if not run.worker.stop(timeout):
+            return False
+        if self.communicator is not None:
+            self.communicator.remove_buffer(run.staging)  # deregistered before it is freed
+        self.run = None
+        self.all_idle = True
+        return True
 
     def resume(self) -> None:
         self.draining = False
+
+    def adopt(self, placement: Placement, rank: int, num_ranks: int) -> None:
+        """A rescale installed ``placement`` for this rank of a group of ``num_ranks``: the EPLB
+        stays off (draining) until the owner restarts it on the new group."""
+        if self.run is not None:
+            raise RuntimeError("adopt while the async EPLB worker runs: stop it first")
+        self.placement, self.rank, self.num_ranks = placement, rank, num_ranks
+        self.group = None
+        self.draining = True
 
     # -- per step ------------------------------------------------------------------------------
     def record(self, physical_counts: torch.Tensor) -> float:
@@ -414,45 +509,49 @@ class EPLBState:
         self.stats.last_balancedness = balancedness_of(physical_counts, self.num_ranks)
         return self.stats.last_balancedness
 
-    def _drain_events(self) -> None:
-        if self.worker is None:
-            return
+    def _drain_events(self, run: AsyncRun) -> None:
         while True:
             try:
-                event = self.worker.events.get_nowait()
+                event = run.worker.events.get_nowait()
             except queue.Empty:
                 return
-            if getattr(event, "rebalance_id", None) != self.in_flight:
+            if isinstance(event, WorkerFailed) and event.error_type == HandshakeMismatch.__name__:
+                run.failure = event  # a protocol break is never a late record: always acted on
+                self.stats.last_failure = event
+                continue
+            if getattr(event, "rebalance_id", None) != run.in_flight:
                 continue  # a late record of a rebalance already aborted
             if isinstance(event, LayerReady):
-                self.ready = event
+                run.ready = event
             elif isinstance(event, PlacementComputed):
                 self.stats.placement_seconds = event.seconds
                 if event.layers:
-                    self.in_flight_layer = event.layers[0]
+                    run.in_flight_layer = event.layers[0]
             elif isinstance(event, RebalanceFinished):
-                self.in_flight = None
-                self.in_flight_layer = None
+                run.in_flight = None
+                run.in_flight_layer = None
                 self.stats.rebalances_finished += 1
                 self.on_event("rebalance_finished", {"layers": event.layers_transferred, "drained": event.drained})
             elif isinstance(event, WorkerFailed):
                 self.stats.last_failure = event
-                self._failure = event
-
-    _failure: WorkerFailed | None = None
+                run.failure = event
 
     def control(self) -> list[int]:
         """This rank's control words, to be MAX-reduced with every other rank's."""
         words = [0] * CONTROL_WORDS
-        self._drain_events()
-        words[NOT_READY] = 0 if self.ready is not None else 1
-        words[FAILED] = 1 if self._failure is not None else 0
-        words[BUSY] = 1 if self.in_flight is not None else 0
-        if self.worker is not None and self.in_flight is not None and self.ready is None:
-            if time.monotonic() - self.worker.last_progress > self.config.watchdog_s:
+        run = self.run
+        if run is None:  # suppressed or sync: nothing staged, nothing failed, nothing in flight
+            words[NOT_READY] = 1
+            return words
+        self._drain_events(run)
+        words[NOT_READY] = 0 if run.ready is not None else 1
+        words[FAILED] = 1 if run.failure is not None else 0
+        words[BUSY] = 1 if run.in_flight is not None else 0
+        if run.in_flight is not None and run.ready is None:
+            if time.monotonic() - run.worker.last_progress > self.config.watchdog_s:
                 self.stats.watchdog_stalls += 1
-                self.worker.last_progress = time.monotonic()  # count each stall period once
-                self.on_event("watchdog_stall", {"rebalance": self.in_flight, "layer": self.in_flight_layer})
+                run.worker.last_progress = time.monotonic()  # count each stall period once
+                self.on_event("watchdog_stall", {"rebalance": run.in_flight, "layer": run.in_flight_layer})
         return words
 
     def after_sync(self, reduced: list[int]) -> None:
@@ -464,72 +563,102 @@ class EPLBState:
         self.all_idle = not reduced[BUSY]
         if not self.config.enabled:
             return
+        run = self.run
         if reduced[FAILED]:
             self._abort_rebalance()
-        elif self._release_in > 0:
-            self._release_worker()  # pacing: the last commit's worker is still held back
+            self._restart_after_failure()
+        elif run is not None and run.release_in > 0:
+            self._release_worker(run)  # pacing: the last commit's worker is still held back
         elif self.commits_now(reduced):
-            self._commit(self.ready)
+            assert run is not None and run.ready is not None
+            self._commit(run, run.ready)
         self.steps_since_rebalance += 1
         if self.steps_since_rebalance >= self.config.step_interval and not self.draining and self.all_idle:
             self.rebalance_now()
 
     def commits_now(self, reduced: list[int]) -> bool:
         """Whether :meth:`after_sync` with these reduced words commits the in-flight layer."""
-        return (self.config.enabled and not reduced[FAILED] and self._release_in <= 0
-                and self.in_flight is not None and not reduced[NOT_READY])
+        run = self.run
+        return (self.config.enabled and run is not None and not reduced[FAILED] and run.release_in <= 0
+                and run.in_flight is not None and not reduced[NOT_READY])
 
     @property
     def drained(self) -> bool:
         """Every rank's worker has finished (agreed at the last step boundary)."""
         return self.all_idle
 
-    def _commit(self, ready: LayerReady) -> None:
+    def _commit(self, run: AsyncRun, ready: LayerReady) -> None:
         layer = ready.layer
-        commit_layer(ready.rank_plan, self.staging, self.model.expert_weights()[layer])
+        commit_layer(ready.rank_plan, run.staging, self.model.expert_weights()[layer])
         self.placement = self.placement.with_layer(layer, ready.new_row)
         self.model.install_placement(self.placement, self.rank, self.num_ranks)
         self.stats.layers_committed += 1
         self.stats.bytes_moved += ready.stats.bytes_received
-        self.ready = None
-        self.in_flight_layer = None
+        run.ready = None
+        run.in_flight_layer = None
         self.on_event("layer_committed", {"rebalance": ready.rebalance_id, "layer": layer,
                                           "bytes": ready.stats.bytes_received})
         # the next layer starts only `async_layer_interval` steps after this commit (1: at once):
         # spreading a rebalance over more steps leaves more of the machine to the decode loop.
         # The count is of agreed step boundaries, so every rank releases its worker at the same step.
-        self._release_in = self.config.async_layer_interval
-        self._release_worker()
+        run.release_in = self.config.async_layer_interval
+        self._release_worker(run)
         # the worker answers with the next LayerReady or RebalanceFinished; until that arrives
         # the rebalance stays in flight so no new one starts and a drain waits for it
 
-    _release_in = 0
-
-    def _release_worker(self) -> None:
+    def _release_worker(self, run: AsyncRun) -> None:
         """Count down to the next layer's start; a drain ends the rebalance at once instead."""
-        if self._release_in <= 0:
+        if run.release_in <= 0 or run.in_flight is None:
             return
         if self.draining:
-            self._release_in = 0
-            self.worker.finish()
+            run.release_in = 0
+            run.worker.finish(run.in_flight)
             return
-        self._release_in -= 1
-        if self._release_in == 0:
-            self.worker.proceed()
+        run.release_in -= 1
+        if run.release_in == 0:
+            run.worker.proceed(run.in_flight)
 
     def _abort_rebalance(self) -> None:
-        failure = self._failure
-        self._release_in = 0
+        run = self.run
+        failure = None if run is None else run.failure
         self.stats.rebalances_failed += 1
-        self.in_flight = None
-        self.ready = None
-        self.in_flight_layer = None
-        self._failure = None
-        if self.worker is not None:
-            self.worker.finish()
+        if run is not None:
+            if run.in_flight is not None:
+                run.worker.finish(run.in_flight)
+            run.in_flight = run.ready = run.in_flight_layer = run.failure = None
+            run.release_in = 0
         self.on_event("rebalance_failed", {
             "error": "another rank's layer failed" if failure is None else f"{failure.error_type}: {failure.message}",
             "local": failure is not None, "layer": None if failure is None else failure.layer})
+        self.stats.last_error = ("another rank's layer failed" if failure is None
+                                 else f"{failure.error_type}: {failure.message}")
+
+    def _restart_after_failure(self) -> None:
+        """After an agreed failure every rank rebuilds its async run at this same step: a transfer
+        error may have closed the EPLB group's pairs (gloo does on a timeout), and a fresh group,
+        staging buffer and thread let the next rebalance commit on a healthy link. A thread that
+        does not stop (it is stuck in a wait past its own deadline) cannot be rebuilt around: the
+        EPLB is then degraded and :class:`EPLBUnavailable` tells the owner to leave ``running``."""
+        run = self.run
+        if run is None or self.rebuild_group is None:
+            return
+        if self.communicator is not None:
+            self.communicator.abort("the rebalance failed: rebuilding the EPLB group")
+        if not self.stop_worker(timeout=self.config.transfer_timeout_s + 5.0):
+            self.stats.health = EPLBHealth.DEGRADED
+            raise EPLBUnavailable(f"the async EPLB thread did not stop after a failure ({self.stats.last_error})")
+        if self.communicator is not None:
+            self.communicator.clear_abort()
+        try:
+            group = self.rebuild_group()
+        except Exception as exc:  # noqa: BLE001 - the decode group's collective failed too
+            self.stats.health = EPLBHealth.DEGRADED
+            raise EPLBUnavailable(f"the EPLB group could not be rebuilt: {type(exc).__name__}: {exc}") from exc
+        draining = self.draining
+        self.start_worker(group, run.generation)
+        self.draining = draining  # a drain in progress stays one
+        self.stats.restarts += 1
+        self.on_event("eplb_restarted", {"restarts": self.stats.restarts, "after": self.stats.last_error})
 
     def rebalance_now(self) -> None:
         """Start a rebalance (async: hand a job to the worker; sync: move every layer now)."""
@@ -539,25 +668,28 @@ class EPLBState:
         self.stats.rebalances_started += 1
         self._next_id += 1
         if self.config.use_async:
-            if self.worker is None:
+            run = self.run
+            if run is None:
                 return  # suppressed: no worker, nothing starts
-            self.in_flight = self._next_id
+            run.in_flight = self._next_id
             self.all_idle = False
-            self.worker.submit(RebalanceJob(self._next_id, load, self.placement, self.num_ranks, self.rank))
+            run.worker.submit(RebalanceJob(self._next_id, load, self.placement, self.num_ranks, self.rank, run.generation))
             self.on_event("rebalance_started", {"id": self._next_id, "mode": "async"})
         else:
             self._rebalance_sync(load)
 
     def _rebalance_sync(self, load: torch.Tensor) -> None:
+        """Move every changed layer now, in the decode thread. The maps follow the weights layer
+        by layer, so a transfer that fails half-way leaves maps that say what each slot holds."""
         started = time.perf_counter()
         new = placement_for(self.config, load, self.placement.num_physical, self.num_ranks, self.placement)
         slots = self.placement.slots_per_rank(self.num_ranks)
         identity = list(range(self.num_ranks))
         weights = self.model.expert_weights()
-        if not self.staging:
-            self.staging = [torch.empty_like(t) for t in weights[0]]
+        if not self._sync_staging:
+            self._sync_staging = [torch.empty_like(t) for t in weights[0]]
             if self.communicator is not None:
-                self.communicator.add_buffer(self.staging)
+                self.communicator.add_buffer(self._sync_staging)
         timeout = timedelta(seconds=self.config.transfer_timeout_s)
         for layer in range(self.placement.num_layers):
             old_row, new_row = self.placement.physical_to_logical[layer], new.physical_to_logical[layer]
@@ -565,10 +697,13 @@ class EPLBState:
                 continue
             plan = plan_layer(old_row, new_row, slots, slots, identity, identity)
             rank_plan = plan.for_rank(self.rank)
-            stats = execute_layer(plan, self.rank, weights[layer], self.staging, group=self.group,
+            if self.hooks is not None and self.hooks.before_layer is not None:
+                self.hooks.before_layer(layer)
+            stats = execute_layer(plan, self.rank, weights[layer], self._sync_staging, group=self.group,
                                   timeout=timeout, max_ops_per_batch=self.config.max_ops_per_batch, layer=layer,
                                   communicator=self.communicator)
-            commit_layer(rank_plan, self.staging, weights[layer])
+            commit_layer(rank_plan, self._sync_staging, weights[layer])
+            self.placement = self.placement.with_layer(layer, new_row)
             self.stats.layers_committed += 1
             self.stats.bytes_moved += stats.bytes_received
         self.placement = new

@@ -1,0 +1,127 @@
+"""A worker process never outlives its coordinator.
+
+A local worker is not the coordinator's child: the :class:`~elastic.launcher.LocalLauncher`
+forks it from a multiprocessing *forkserver*, which is the coordinator's child. When the
+coordinator is killed (SIGKILL, OOM killer) nothing tells the workers: the forkserver is
+reparented and stays up as long as any worker holds its "alive" pipe, and the workers go on
+decoding. Two mechanisms close that gap, both started by :func:`watch_coordinator` from
+:func:`elastic.worker.worker_main`:
+
+- **A watcher thread** checks every ``interval_s`` that the coordinator's pid is still an
+  ancestor of this process (``/proc/<pid>/stat``, parent by parent). A dead coordinator's
+  children are reparented, so it drops out of the chain at once, and a reused pid can never
+  re-enter it. The process then exits with :data:`ORPHAN_EXIT_CODE`. This covers every worker
+  that descends from the coordinator: forkserver workers, command-launcher workers started
+  here (``ip netns exec``, a plain ``python``), and Ray actors of a cluster that ``ray.init``
+  started from the coordinator.
+- **A parent-death signal** (``prctl(PR_SET_PDEATHSIG, SIGKILL)``, Linux): set only when the
+  parent is the forkserver, so a killed forkserver takes its workers along at once. It is not set
+  when the parent is the coordinator itself: the signal fires when the *thread* that forked the
+  child ends, and the coordinator launches joining workers from short-lived operation threads.
+
+A worker on another host (ssh) or in a Ray actor placed by Ray does not descend from the
+coordinator; its watch is the store's (:mod:`elastic.remote_worker`: it exits once the
+coordinator's store has been unreachable for ``orphan_timeout_s``, 60 s by default).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+
+log = logging.getLogger("elastic.lifetime")
+
+#: exit code of a worker that left because its coordinator is gone (as elastic.remote_worker's)
+ORPHAN_EXIT_CODE = 4
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def parent_of(pid: int) -> int | None:
+    """The parent pid of ``pid`` from ``/proc`` (None: no such process, or no ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")"
+    fields = stat[stat.rfind(b")") + 2:].split()
+    return int(fields[1]) if len(fields) > 1 else None
+
+
+def ancestors(pid: int | None = None) -> list[int]:
+    """The pids above ``pid`` (default: this process), nearest first, up to pid 1 (excluded)."""
+    chain: list[int] = []
+    current = os.getpid() if pid is None else pid
+    while len(chain) < 256:  # a bound, in case /proc changes under us
+        parent = parent_of(current)
+        if parent is None or parent <= 1 or parent in chain:
+            break
+        chain.append(parent)
+        current = parent
+    return chain
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """Ask the kernel to send ``sig`` to this process when its parent ends. Linux only."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+class CoordinatorWatch:
+    """The watcher thread of one worker process; :meth:`stop` ends it (a normal worker exit)."""
+
+    def __init__(self, coordinator_pid: int, interval_s: float):
+        self.coordinator_pid = coordinator_pid
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="coordinator-watch", daemon=True)
+
+    def coordinator_alive(self) -> bool:
+        return self.coordinator_pid in ancestors()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            if not self.coordinator_alive():
+                log.warning("worker %d: coordinator %d is gone, exiting", os.getpid(), self.coordinator_pid)
+                logging.shutdown()
+                os._exit(ORPHAN_EXIT_CODE)  # nothing to hand back: the group's store died with the coordinator
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def watch_coordinator(coordinator_pid: int | None, *, interval_s: float = 0.25) -> CoordinatorWatch | None:
+    """Bound this process's life by the coordinator's (see the module docstring).
+
+    Returns the running watch, or None when there is nothing to watch here: no pid given, no
+    ``/proc``, or the coordinator is not an ancestor (a worker on another host or placed by Ray,
+    whose store watch covers it). Exits at once when this process was started by the
+    coordinator's forkserver but the coordinator is already gone.
+    """
+    if not coordinator_pid:
+        return None
+    parent = multiprocessing.parent_process()  # the process that called Process.start(), if any
+    from_forkserver = parent is not None and parent.pid == coordinator_pid and os.getppid() != coordinator_pid
+    if from_forkserver:
+        # the forkserver is single-threaded, so "parent thread ends" means "forkserver ends"
+        set_parent_death_signal(signal.SIGKILL)
+    if not os.path.exists(f"/proc/{os.getpid()}/stat"):
+        return None
+    watch = CoordinatorWatch(coordinator_pid, interval_s)
+    if not watch.coordinator_alive():
+        if from_forkserver:  # started by it, yet it is gone already (killed while we started)
+            log.warning("worker %d: coordinator %d died before the worker started", os.getpid(), coordinator_pid)
+            os._exit(ORPHAN_EXIT_CODE)
+        return None  # not a descendant: another host, or Ray placed us
+    watch.thread.start()
+    return watch

@@ -1,0 +1,422 @@
+"""Regressions of the control-plane defects that outside probes found (issue 13), and of workers
+that are still starting counted as lost (issue 20). Each test failed on the code before its fix."""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from elastic import protocol as p
+from elastic.channel import StoreQueue
+from elastic.coordinator import Coordinator, OperationFailed, OperationStatus
+from elastic.errors import IdempotencyKeyReused, InvalidTransition, RebalanceFailed
+from elastic.faults import DelayTransfer, HangBeforeStart, SlowPrepare, TornCommit
+from elastic.groups import open_store
+from elastic.launcher import LocalLauncher
+from eplb.config import EPLBConfig
+from eplb.state import AsyncEPLBWorker, Finish, HandshakeMismatch, Proceed, WorkerFailed
+from tests.conftest import running, small_config
+from tests.helpers import assert_consistent, wait_for_state
+
+
+def _until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout}s: {what}")
+
+
+def _eplb(c: Coordinator, key: str) -> list:
+    """``key`` of every live rank's EPLB statistics (from decode heartbeats; busy ones carry none)."""
+    values = [w.heartbeat.eplb[key] for w in c.live_workers() if w.heartbeat is not None and key in w.heartbeat.eplb]
+    return values if len(values) == len(c.live_workers()) else [0]
+
+
+# -- 1. the async EPLB runtime belongs to one generation -----------------------------------------
+
+@pytest.mark.timeout(10)
+def test_an_answer_for_another_rebalance_or_generation_is_a_loud_error_not_a_step_ahead():
+    worker = AsyncEPLBWorker(config=EPLBConfig(use_async=True), weights=lambda: [], staging=[], group=None,
+                             rank=0, generation=3)
+    worker.start()
+    try:
+        worker._inbox.put(Proceed(rebalance_id=1, generation=3))  # no rebalance was ever taken up
+        event = worker.events.get(timeout=5)
+        assert isinstance(event, WorkerFailed) and event.error_type == HandshakeMismatch.__name__, event
+        worker._last_job = 7  # rebalance 7 ended here (failed, aborted everywhere): its late Finish needs no answer
+        worker._inbox.put(Finish(rebalance_id=7, generation=3))
+        worker._inbox.put(Finish(rebalance_id=7, generation=2))  # a record of the previous generation
+        event = worker.events.get(timeout=5)
+        assert isinstance(event, WorkerFailed) and "generation 2" in event.message, event
+        with pytest.raises(queue.Empty):
+            worker.events.get(timeout=0.2)  # and nothing about the late Finish of rebalance 7
+    finally:
+        assert worker.stop(5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_paced_async_eplb_after_a_torn_commit_and_recovery_keeps_every_rank_on_the_same_weights():
+    # the pacing countdown of the broken generation used to leak into the recovered one and send
+    # its thread a Proceed one handshake early: different digests, wrong weights, while "running"
+    config = small_config(eplb=dict(async_layer_interval=3, step_interval=6, window_size=6),
+                          timeouts=dict(collective=2, heartbeat=3))
+    with running(config, faults=[TornCommit(rank=1, at_commit=1, generation=0)]) as c:
+        wait_for_state(c, "failed", timeout=60)
+        assert "group broken, no worker lost" in c.machine.failure_reason
+        op = c.recover(timeout=60)
+        assert op.status == OperationStatus.SUCCEEDED, op.error
+        committed = max(_eplb(c, "layers_committed"))
+        _until(lambda: min(_eplb(c, "layers_committed")) >= committed + 4, 60, "4 more paced layer commits")
+        assert c.machine.state.value == "running"
+        assert_consistent(c, 2)
+
+
+# -- 2. commands reach every worker in order, without gaps ---------------------------------------
+
+class SlowInboxLauncher(LocalLauncher):
+    """A local launcher whose inbox puts take 2 ms, like the store channel of the command launcher."""
+
+    def launch(self, spec):
+        worker = super().launch(spec)
+        inner_put = worker.inbox.put
+
+        def slow_put(item, *args, **kwargs):
+            time.sleep(0.002)
+            inner_put(item, *args, **kwargs)
+
+        worker.inbox.put = slow_put
+        return worker
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_concurrent_api_callers_on_a_slow_channel_never_break_the_group():
+    config = small_config(eplb=dict(step_interval=1000))
+    coordinator = Coordinator(config, launcher=SlowInboxLauncher(capacity=4))
+    with coordinator as c:
+        c.wait_for_step(5)
+        errors: list[BaseException] = []
+
+        def caller() -> None:
+            try:
+                for _ in range(6):
+                    c.rebalance(timeout=30)
+                    c.verify(timeout=30)
+            except BaseException as exc:  # noqa: BLE001 - collected and asserted below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=caller) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        assert not list(c._errors), [f"{e.error_type}: {e.message}" for e in c._errors]
+        assert c.machine.state.value == "running"
+        assert_consistent(c, 2)
+
+
+@pytest.mark.timeout(20)
+def test_an_inbox_waits_for_a_slow_producer_and_never_skips_its_command():
+    store = open_store("127.0.0.1", 0)
+    inbox = StoreQueue(store, "t/inbox", hole_timeout_s=None)
+    store.add("t/inbox/tail", 1)  # a producer took number 1 and is slow to write it
+    StoreQueue(store, "t/inbox").put("second")
+    with pytest.raises(queue.Empty):
+        inbox.get(timeout=2.5)  # longer than the reports queue's hole timeout: still not skipped
+    import pickle
+
+    store.set("t/inbox/1", pickle.dumps("first"))
+    assert [inbox.get(timeout=2), inbox.get(timeout=2)] == ["first", "second"]
+
+
+# -- 3. a failure on a healthy group stops its EPLB; the first recovery succeeds ---------------------
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_a_scale_that_fails_while_the_group_is_healthy_halts_eplb_and_recovers_at_the_first_attempt():
+    # the joining rank takes longer to prepare than worker_start: the scale fails in draining
+    config = small_config(eplb=dict(step_interval=4, window_size=4),
+                          timeouts=dict(worker_start=4, collective=3, heartbeat=4))
+    with running(config, faults=[SlowPrepare(rank=2, seconds=30, generation=1)]) as c:
+        c.wait_for_step(10)
+        op = c.scale(3, timeout=60)
+        assert op.status == OperationStatus.FAILED and "did not finish draining" in op.error, op.error
+        assert c.machine.state.value == "failed"
+        _until(lambda: {str(w.heartbeat.state) for w in c.live_workers()} == {"halted"}, 20, "every rank halted")
+        started = max(_eplb(c, "rebalances_started"))
+        step = c.snapshot()["step"]
+        c.wait_for_step(step + 12, timeout=30)  # decoding goes on ...
+        assert max(_eplb(c, "rebalances_started")) == started  # ... and no rebalance starts
+        assert c.snapshot()["serving"] is True
+        assert all(not w.handle.is_alive() for w in c.workers.values() if w.generation == 1)  # the joiner is retired
+        recovery = c.recover(timeout=60)
+        assert recovery.status == OperationStatus.SUCCEEDED, recovery.error  # at the first attempt
+        assert_consistent(c, 2)
+
+
+# -- 4. a transient transfer error does not turn the EPLB off for good -------------------------------
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_one_transfer_hiccup_rebuilds_the_eplb_group_and_later_rebalances_commit():
+    config = small_config(eplb=dict(transfer_timeout_s=0.5, step_interval=6, window_size=6),
+                          timeouts=dict(collective=4, heartbeat=6))
+    with running(config, faults=[DelayTransfer(rank=1, seconds=1.5, times=1, generation=0)]) as c:
+        _until(lambda: min(_eplb(c, "rebalances_failed") or [0]) >= 1, 60, "the hiccup fails one rebalance")
+        failed_commits = max(_eplb(c, "layers_committed"))
+        _until(lambda: min(_eplb(c, "layers_committed")) >= failed_commits + 3, 60, "commits after the hiccup")
+        health = c.snapshot()["eplb_health"]
+        assert health["status"] == "healthy" and health["restarts"] >= 1, health
+        assert "TransferTimeout" in (health["last_error"] or "") or "failed" in (health["last_error"] or ""), health
+        assert c.machine.state.value == "running"
+        assert_consistent(c, 2)
+
+
+# -- 6. nothing grows with every scale cycle ------------------------------------------------------
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_scale_cycles_leave_no_records_queues_store_keys_or_fds_behind():
+    config = small_config(model=dict(num_layers=2, num_experts=4), eplb=dict(num_redundant_experts=4),
+                          operation_history=4)
+    with running(config) as c:
+        c.wait_for_step(3)
+
+        def cycle() -> None:
+            for size in (3, 2):
+                op = c.scale(size, timeout=60)
+                assert op.status == OperationStatus.SUCCEEDED, op.error
+            time.sleep(2.5)  # retired workers' records are forgotten a moment after they exit
+
+        for _ in range(2):
+            cycle()  # warm up: the forkserver, the store's first keys
+        before = (_open_fds(), threading.active_count(), c._store.num_keys(), len(c.workers))
+        for _ in range(6):
+            cycle()
+        after = (_open_fds(), threading.active_count(), c._store.num_keys(), len(c.workers))
+        assert after[0] <= before[0] + 2, f"fds {before[0]} -> {after[0]}"
+        assert after[1] <= before[1] + 1, f"threads {before[1]} -> {after[1]}"
+        assert after[2] <= before[2] + 4, f"store keys {before[2]} -> {after[2]}"
+        assert after[3] == before[3] == 2, f"worker records {before[3]} -> {after[3]}"
+        assert len(c.operations) <= 4 and len(c.launcher._workers) == 2
+        assert len(c._done) <= 64 and not any(g <= c.machine.generation for g in c._attempted)
+
+
+# -- 7. error attribution uses sequence numbers, never another host's clock ------------------------
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_an_old_error_from_a_worker_with_a_fast_clock_does_not_fail_a_new_command():
+    with running(small_config()) as c:
+        c.wait_for_step(3)
+        w = c.live_workers()[0]
+        # an error the worker reported before the next command was taken up, stamped by a clock
+        # an hour ahead of this host's
+        c._file(p.WorkerError(rank=w.rank, generation=w.generation, pid=w.handle.pid, at=time.time() + 3600,
+                              step=1, where="decode", error_type="Skewed", message="old news", fatal=False,
+                              seq=0))
+        verdict = c.verify(timeout=30)
+        assert sorted(verdict) == [0, 1]
+
+
+# -- 8. API semantics ------------------------------------------------------------------------------
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_idempotency_keys_name_one_request_and_expire():
+    now = [1000.0]
+    config = small_config(idempotency_ttl_s=60)
+    coordinator = Coordinator(config, clock=lambda: now[0] + time.monotonic())
+    with coordinator as c:
+        op = c.scale(3, idempotency_key="k1", timeout=60)
+        assert op.status == OperationStatus.SUCCEEDED, op.error
+        assert c.scale(3, idempotency_key="k1") is op  # the same request: the same operation
+        with pytest.raises(IdempotencyKeyReused, match="op-"):
+            c.scale(2, idempotency_key="k1")
+        assert c.size == 3  # nothing started
+        now[0] += 61  # past the key's lifetime: a new request
+        again = c.scale(2, idempotency_key="k1", timeout=60)
+        assert again is not op and again.status == OperationStatus.SUCCEEDED, again.error
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_recover_is_refused_at_once_when_not_failed_even_while_a_rank_reports_busy():
+    with running(small_config(timeouts=dict(collective=20, heartbeat=25))) as c:
+        c.wait_for_step(3)
+        w = c.live_workers()[0]
+        busy = p.Heartbeat(rank=w.rank, generation=w.generation, pid=w.handle.pid, at=time.time(),
+                           step=w.heartbeat.step, state=p.WorkerMode.RESCALING)
+        c._file(busy)
+        started = time.monotonic()
+        with pytest.raises(InvalidTransition):
+            c.recover()
+        assert time.monotonic() - started < 1.0  # not after collective + 5 s
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_rebalance_says_failed_when_a_rank_refuses_because_its_group_broke():
+    config = small_config(eplb=dict(step_interval=4, window_size=4), timeouts=dict(collective=3, heartbeat=20))
+    with running(config, faults=[TornCommit(rank=1, at_commit=1, generation=0)]) as c:
+        _until(lambda: any(str(w.heartbeat.state) == "broken" for w in c.live_workers() if w.heartbeat), 60,
+               "rank 1 broken")
+        assert c.machine.state.value == "running"  # for one heartbeat deadline, nobody is lost yet
+        with pytest.raises(RebalanceFailed, match="rank 1"):
+            c.rebalance(timeout=15)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_wait_for_step_raises_on_failed_after_an_operation_has_run():
+    config = small_config(timeouts=dict(collective=3, heartbeat=4))
+    with running(config) as c:
+        assert c.scale(3, timeout=60).status == OperationStatus.SUCCEEDED
+        c.live_workers()[1].handle.kill()
+        started = time.monotonic()
+        with pytest.raises(OperationFailed, match="worker lost"):
+            c.wait_for_step(10**9, timeout=60)
+        assert time.monotonic() - started < 30
+
+
+# -- 9. a sync-mode transfer timeout breaks the group; it does not kill the worker -------------------
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_a_sync_transfer_timeout_is_a_broken_group_and_no_rank_counts_as_lost():
+    config = small_config(eplb=dict(use_async=False, transfer_timeout_s=0.5, step_interval=6, window_size=6),
+                          timeouts=dict(collective=3, heartbeat=4))
+    with running(config, faults=[DelayTransfer(rank=1, seconds=2.0, times=1, generation=0)]) as c:
+        wait_for_state(c, "failed", timeout=60)
+        assert "group broken, no worker lost" in c.machine.failure_reason, c.machine.failure_reason
+        assert len(c.live_workers()) == 2
+        op = c.recover(timeout=60)
+        assert op.status == OperationStatus.SUCCEEDED, op.error
+        assert_consistent(c, 2)
+
+
+# -- 10. a worker never tears down a group its EPLB thread may still use -------------------------------
+
+def test_a_worker_whose_eplb_thread_does_not_stop_leaves_without_destroying_the_group():
+    from elastic.worker import Worker
+
+    destroyed = []
+    worker = Worker.__new__(Worker)  # the teardown alone: no process group is needed to decide it
+    worker.stopping, worker.rank, worker.spec = True, 0, SimpleNamespace(collective_timeout_s=0.1)
+    worker.start = lambda: None
+    worker.eplb = SimpleNamespace(stop_worker=lambda timeout: False)
+    worker.group = SimpleNamespace(destroy=lambda: destroyed.append("group"))
+    worker.comm = SimpleNamespace(close=lambda: destroyed.append("comm"))
+    worker.run()
+    assert destroyed == []
+    worker.eplb = SimpleNamespace(stop_worker=lambda timeout: True)
+    worker.run()
+    assert destroyed == ["group", "comm"]
+
+
+# -- 11. shutdown closes the store and joins the operation threads -----------------------------------
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_shutdown_closes_the_store_and_leaves_no_thread_behind():
+    c = Coordinator(small_config())
+    c.start()
+    port = c._store.port
+    c.scale(3, wait=False)
+    c.shutdown()
+    assert not [t.name for t in threading.enumerate() if t.name.startswith(("operation-", "coordinator-"))]
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+# -- issue 20: a worker still starting or loading is not lost ---------------------------------------
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_command_launcher_starts_four_workers_whose_import_outlasts_the_heartbeat():
+    from elastic.deployment import LauncherConfig
+
+    remote = ["{python}", "-m", "elastic.remote_worker", "--store", "{store}", "--worker-id", "{worker_id}"]
+    config = small_config(ep_size=4, max_ep_size=4, model=dict(num_layers=2, num_experts=8),
+                          timeouts=dict(collective=0.5, heartbeat=1.0, worker_start=90),
+                          launcher=LauncherConfig(kind="command", template=remote, hosts=[{"name": "h"}]))
+    started = time.monotonic()
+    with running(config) as c:  # each fresh Python imports torch for longer than 1 s before it reports
+        assert time.monotonic() - started > 1.0
+        assert c.machine.state.value == "running"
+        assert_consistent(c, 4)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_a_worker_that_hangs_before_its_first_report_is_lost_at_worker_start():
+    config = small_config(timeouts=dict(worker_start=4, collective=1, heartbeat=1.5))
+    c = Coordinator(config, faults=(HangBeforeStart(rank=1),))
+    started = time.monotonic()
+    try:
+        with pytest.raises(OperationFailed, match=r"rank 1 .*sent no report within worker_start \(4s\)"):
+            c.start()
+        assert 3.5 < time.monotonic() - started < 15
+    finally:
+        c.shutdown()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_scale_up_whose_joiner_loads_slowly_succeeds_within_worker_start():
+    config = small_config(timeouts=dict(worker_start=30, collective=1.5, heartbeat=2))
+    events = []
+    with running(config, faults=[SlowPrepare(rank=2, seconds=5, generation=1)]) as c:
+        c.subscribe(lambda kind, data: events.append(data) if kind == "heartbeat" and data.get("progress") else None)
+        op = c.scale(3, timeout=60)
+        assert op.status == OperationStatus.SUCCEEDED, op.error
+        assert op.phases["draining"]["seconds"] > 4.5  # the old group decoded while the joiner loaded
+        assert any(e["progress"][0].startswith("loading weights") and e["rank"] == 2 for e in events), events[:3]
+        assert_consistent(c, 3)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_scale_up_whose_joiner_loads_past_worker_start_fails_cleanly_and_retires_it():
+    config = small_config(timeouts=dict(worker_start=3, collective=1.5, heartbeat=2))
+    with running(config, faults=[SlowPrepare(rank=2, seconds=20, generation=1)]) as c:
+        c.wait_for_step(3)
+        op = c.scale(3, timeout=60)
+        assert op.status == OperationStatus.FAILED and "ranks [2] did not finish draining" in op.error, op.error
+        joiner = [w for w in c.workers.values() if w.generation == 1]
+        assert all(not w.handle.is_alive() for w in joiner)
+        assert c.recover(timeout=60).status == OperationStatus.SUCCEEDED
+        assert_consistent(c, 2)
+
+
+# -- lost workers come back (replace_lost) ----------------------------------------------------------
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_with_replace_lost_a_recovery_that_shrank_the_group_is_followed_by_a_scale_back():
+    config = small_config(ep_size=3, max_ep_size=4, model=dict(num_layers=3, num_experts=8),
+                          eplb=dict(num_redundant_experts=4), auto_recover=True, replace_lost=True,
+                          timeouts=dict(collective=3, heartbeat=4))
+    with running(config) as c:
+        c.wait_for_step(5)
+        c.live_workers()[2].handle.kill()
+        wait_for_state(c, "running", timeout=90, generation=2)  # recovery (1), then the scale back (2)
+        ops = c.list_operations()
+        assert [o["kind"] for o in ops[:2]] == ["scale", "recover"], ops[:2]
+        assert ops[0]["target_size"] == 3 and ops[0]["cause"] == f"replace_lost after {ops[1]['id']}"
+        assert ops[1]["target_size"] == 2
+        assert_consistent(c, 3)
