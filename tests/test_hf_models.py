@@ -198,6 +198,7 @@ def body_checkpoint(rank: int, world_size: int, paths: dict[str, str]) -> dict:
     import torch.distributed as dist
 
     from eplb.models.hf import HFMoE, describe, unsharded
+    from eplb.models.kernel import ReplicaDivergence
 
     torch.set_num_threads(1)
     out = {}
@@ -280,6 +281,17 @@ def body_checkpoint(rank: int, world_size: int, paths: dict[str, str]) -> dict:
         r["tripped_verify"] = model.verify()
         model.load_canonical()
         r["repaired"] = model.probe().compare(ref)
+
+        # one replicated weight one ulp off on rank 1 (what another thread count or a bad copy does)
+        emb = model.model.get_input_embeddings().weight
+        if rank == 1:
+            with torch.no_grad():
+                emb.copy_(torch.nextafter(emb, torch.full_like(emb, float("inf"))))
+        try:
+            model.probe()
+            r["diverged"] = "no error"
+        except ReplicaDivergence as exc:
+            r["diverged"] = f"{type(exc).__name__}: {exc}"
         out[arch] = r
     return out
 
@@ -387,3 +399,13 @@ def test_load_recording_and_placement_checks():
     with pytest.raises(ValueError, match="MoE layers"):
         model.install_placement(Placement.static(5, L, 8), 0, 1)
     assert info.expert_bytes == sum(t[0].numel() * t.element_size() for t in model.expert_weights()[0])
+
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("arch", CHECKPOINT_ARCHS)
+def test_ranks_whose_replicated_compute_diverges_fail_with_a_reason(checkpoint_runs, arch):
+    # both ranks refuse at the first MoE layer, instead of gloo aborting on unequal combine sizes
+    for per_rank in checkpoint_runs:
+        assert per_rank[arch]["diverged"].startswith("ReplicaDivergence: MoE layer 0: rank "), per_rank[arch]["diverged"]
+        assert "ranks [" in per_rank[arch]["diverged"]

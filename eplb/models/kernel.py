@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["KERNEL_NAME", "ExpertsContext", "check_row_independent", "ep_experts_forward", "pair_forward", "register"]
+__all__ = ["KERNEL_NAME", "ExpertsContext", "ReplicaDivergence", "check_row_independent", "ep_experts_forward", "pair_forward", "register"]
 
 KERNEL_NAME = "eplb_rowwise"
 
@@ -126,6 +126,38 @@ def _wait(work, timeout: float, what: str) -> None:
         raise TimeoutError(f"{what} did not finish within {timeout}s")
 
 
+class ReplicaDivergence(RuntimeError):
+    """The ranks' replicated compute (attention, router) gave different bits: EP cannot combine."""
+
+
+def _bits_sum(t: torch.Tensor) -> int:
+    """A fingerprint of a tensor's exact bits (integer sum of its bytes as int16 words, position-weighted)."""
+    words = t.detach().contiguous().view(torch.int16).to(torch.int64).reshape(-1)
+    return int((words * (torch.arange(words.numel()) % 65521 + 1)).sum())
+
+
+def _agree(ctx: ExpertsContext, counts: torch.Tensor, hidden: torch.Tensor, ids: torch.Tensor,
+           weights: torch.Tensor) -> None:
+    """Check every rank routed the same pairs from the same bits before sizing the combine.
+
+    Every rank derives the combine's sizes from its own routing; ranks that disagree would post
+    all_gathers of different sizes, which gloo answers by aborting the process. A small fixed-size
+    all_gather of (pairs per rank, fingerprints of the MoE input, the router's choices and weights)
+    turns that into an error naming the layer. Divergence means the replicated compute differs
+    between ranks: e.g. another intra-op thread count (MKL's bits depend on it).
+    """
+    mine = torch.cat([counts.to(torch.int64),
+                      torch.tensor([_bits_sum(hidden), _bits_sum(ids), _bits_sum(weights)], dtype=torch.int64)])
+    everyone = [torch.empty_like(mine) for _ in range(ctx.num_ranks)]
+    work = dist.all_gather(everyone, mine, group=ctx.group, async_op=True)
+    _wait(work, ctx.timeout, f"routing agreement all_gather of MoE layer {ctx.layer}")
+    differ = [r for r, other in enumerate(everyone) if not torch.equal(other, mine)]
+    if differ:
+        raise ReplicaDivergence(
+            f"MoE layer {ctx.layer}: rank {ctx.rank} and ranks {differ} routed different tokens or from different "
+            f"bits (replicated compute diverged: same torch intra-op thread count on every rank?)")
+
+
 def ep_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                        top_k_weights: torch.Tensor) -> torch.Tensor:
     """The ``ALL_EXPERTS_FUNCTIONS`` entry: ``hidden_states [T, H]``, routing ``[T, k]`` -> ``[T, H]``."""
@@ -152,6 +184,7 @@ def ep_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k
     ctx.stats["pairs"] += int(mine.numel())
     if ctx.num_ranks > 1:
         counts = torch.bincount(owner, minlength=ctx.num_ranks)
+        _agree(ctx, counts, hidden_states, top_k_index, top_k_weights)
         width = int(counts.max())
         send = torch.zeros(width, hidden, dtype=out.dtype)
         send[: mine.numel()] = out[mine]
