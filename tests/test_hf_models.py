@@ -351,6 +351,25 @@ def test_kernel_computes_what_transformers_computes(arch):
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch, overrides", [("mixtral", {}), ("qwen3_moe", {"tie_word_embeddings": True})])
+def test_checkpoint_loads_what_transformers_loads(tmp_path, arch, overrides):
+    """Our loader (meta skeleton, non-expert tensors whole, experts one by one) builds the model
+    transformers' from_pretrained builds: mixtral's renamed keys, tied embeddings."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from eplb.models.hf import unsharded
+
+    torch.manual_seed(5)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **tiny_config(arch, overrides))).save_pretrained(tmp_path)
+    ours = unsharded({"kind": "hf", "path": str(tmp_path)})
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    theirs.set_experts_implementation("eager")
+    ids = ours.probe_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(ours.model(input_ids=ids).logits, theirs(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+    assert ours.verify() == []
+
+
 def test_self_check_trips_on_a_row_dependent_kernel():
     from eplb.models.hf import unsharded
     from eplb.models.kernel import check_row_independent
