@@ -74,7 +74,7 @@ def _materialize(model: nn.Module, config) -> None:
             fresh[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=False)
         module, leaf = _owner(model, name)
         module._parameters[leaf] = fresh[id(p)]
-    for path, module in list(model.named_modules()):
+    for module in list(model.modules()):
         meta = {n: b for n, b in module.named_buffers(recurse=False) if b.device.type == "meta"}
         if not meta:
             continue
@@ -213,8 +213,10 @@ class CheckpointSource:
         return model
 
     #: per-expert key names transformers writes for each fused tensor: (HF names, mixtral names)
-    _PER_EXPERT: ClassVar[dict[str, tuple[tuple[str, ...], ...]]] = {"gate_up_proj": (("gate_proj.weight", "up_proj.weight"), ("w1.weight", "w3.weight")),
-                   "down_proj": (("down_proj.weight",), ("w2.weight",))}
+    _PER_EXPERT: ClassVar[dict[str, tuple[tuple[str, ...], ...]]] = {
+        "gate_up_proj": (("gate_proj.weight", "up_proj.weight"), ("w1.weight", "w3.weight")),
+        "down_proj": (("down_proj.weight",), ("w2.weight",)),
+    }
 
     def _per_expert(self, layer: int, expert: int, name: str) -> torch.Tensor:
         """One fused tensor of one expert from per-expert keys (``gate_up_proj`` is ``[gate; up]``)."""
