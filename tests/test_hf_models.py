@@ -428,3 +428,27 @@ def test_ranks_whose_replicated_compute_diverges_fail_with_a_reason(checkpoint_r
     for per_rank in checkpoint_runs:
         assert per_rank[arch]["diverged"].startswith("ReplicaDivergence: MoE layer 0: rank "), per_rank[arch]["diverged"]
         assert "ranks [" in per_rank[arch]["diverged"]
+
+
+def test_serving_helpers_for_both_kinds():
+    from eplb.model import ModelShape
+    from eplb.models.hf import unsharded
+    from eplb.models.serving import DecodeBatches, build_model, model_info
+
+    spec = HFModelConfig(architecture="glm4_moe")
+    sizes = model_info(spec)
+    assert (sizes.kind, sizes.num_moe_layers, sizes.num_logical_experts, sizes.num_expert_groups) == ("hf", 2, 8, 2)
+    assert [tuple(t.shape) for t in sizes.allocate(3)[0]] == [(3, 32, 32), (3, 32, 16)]
+    model = build_model(spec, Placement.static(2, L, L), 0, 1)
+    batches = DecodeBatches(model, batch=2, prompt_len=3, max_new_tokens=3, seed=4)
+    outs = [batches.step() for _ in range(4)]
+    assert [o.new_batch for o in outs] == [True, False, False, True]
+    assert [int(o.logical[0].sum()) for o in outs] == [2 * 3 * 2, 2 * 2, 2 * 2, 2 * 3 * 2]  # pairs per step, top-2
+    want, _ = unsharded(spec).generate(batches.prompts(0), 3)
+    assert torch.equal(torch.stack([o.tokens for o in outs[:3]], dim=1), want)
+
+    shape = ModelShape(num_layers=2, num_experts=8, hidden_size=16, intermediate_size=8)
+    ref = model_info(shape)
+    assert (ref.kind, ref.num_moe_layers, ref.expert_bytes) == ("reference", 2, shape.expert_bytes)
+    joining = build_model(shape, Placement.static(2, 8, 12), 1, 2, joining=True)
+    assert joining.num_local_physical_experts == 6 and len(ref.allocate(6)) == 2
