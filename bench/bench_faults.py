@@ -39,23 +39,27 @@ from rich.console import Console
 from rich.table import Table
 
 BASE: dict[str, Any] = {
-    "model": {"layers": 3, "experts": 8, "redundant_slots": 4, "hidden": 32, "intermediate": 64},
-    "eplb": {"mode": "async", "window": 10, "interval": 10},
+    "deployment": {
+        "model": {"num_layers": 3, "num_experts": 8, "hidden_size": 32, "intermediate_size": 64},
+        "eplb": {"num_redundant_experts": 4, "use_async": True, "window_size": 10, "step_interval": 10},
+        "timeouts": {"collective": 3, "heartbeat": 4},
+        "auto_recover": True,
+        "ep_size": 3,
+        "max_ep_size": 3,
+    },
     "trace": [{"at_step": 0, "kind": "zipf", "zipf_exponent": [1.0, 1.4], "tokens_per_step": 32}],
-    "timeouts": {"collective": 3, "heartbeat": 4},
     "run_timeout_s": 90,
     "steps": 60,
-    "auto_recover": True,
-    "initial_ep_size": 3,
-    "max_ep_size": 3,
 }
+TIMEOUTS = BASE["deployment"]["timeouts"]
 
 AT = 25  # the step faults fire at / the scale starts at
 
 
 def _phase_kill(phase: str, rank: int, start: int, to: int, **extra: Any) -> dict[str, Any]:
-    return {"initial_ep_size": start, "timeline": [{"at_step": AT, "action": "kill", "rank": rank, "in_phase": phase, **extra},
-                                                    {"at_step": AT, "action": "scale", "to": to}]}
+    return {"deployment": {"ep_size": start},
+            "timeline": [{"at_step": AT, "action": "kill", "rank": rank, "in_phase": phase, **extra},
+                         {"at_step": AT, "action": "scale", "to": to}]}
 
 
 CASES: list[tuple[str, str, dict[str, Any]]] = [
@@ -70,17 +74,17 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
     ("dropped_heartbeats", "rank 1 stops reporting at step 25",
      {"timeline": [{"at_step": AT, "action": "drop_heartbeats", "rank": 1}],
       # any report is a sign of life (EPLB events too): no rebalance, so rank 1 sends nothing at all
-      "eplb": {**BASE["eplb"], "interval": 100000}}),
+      "deployment": {"eplb": {"step_interval": 100000}}}),
     ("torn_commit", "rank 1 breaks before its 2nd commit; rank 0 commits",
-     {"initial_ep_size": 2, "eplb": {**BASE["eplb"], "mode": "async"},
+     {"deployment": {"ep_size": 2},
       "trace": [{"at_step": 0, "kind": "drift", "drift_period": 20, "zipf_exponent": [1.0, 1.4], "tokens_per_step": 32}],
       "faults": [{"kind": "torn_commit", "rank": 1, "at_commit": 2, "generation": 0}]}),
     ("corrupt_buffer", "rank 0 corrupts its first received layer",
-     {"initial_ep_size": 2, "auto_recover": False, "eplb": {**BASE["eplb"], "verify_transfers": True},
+     {"deployment": {"ep_size": 2, "auto_recover": False, "eplb": {"verify_transfers": True}},
       "trace": [{"at_step": 0, "kind": "drift", "drift_period": 20, "zipf_exponent": [1.0, 1.4], "tokens_per_step": 32}],
       "faults": [{"kind": "corrupt_buffer", "rank": 0, "times": 1}]}),
     ("slow_transfer", "200 ms per layer on every rank",
-     {"initial_ep_size": 2, "auto_recover": False,
+     {"deployment": {"ep_size": 2, "auto_recover": False},
       "trace": [{"at_step": 0, "kind": "drift", "drift_period": 20, "zipf_exponent": [1.0, 1.4], "tokens_per_step": 32}],
       "faults": [{"kind": "delay_transfer", "rank": r, "seconds": 0.2} for r in range(2)]}),
 ]
@@ -89,7 +93,9 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
 def _scenario(name: str, change: dict[str, Any]):
     from elastic.scenario import parse_scenario
 
-    data = {**BASE, **change, "name": f"bench_{name}"}
+    deployment = {**BASE["deployment"], **change.get("deployment", {})}
+    deployment["eplb"] = {**BASE["deployment"]["eplb"], **change.get("deployment", {}).get("eplb", {})}
+    data = {**BASE, **change, "deployment": deployment, "name": f"bench_{name}"}
     return parse_scenario(data, source=f"bench_faults:{name}")
 
 
@@ -174,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=170)
     cases = [c for c in CASES if args.only is None or c[0] in args.only.split(",")]
     console.print(f"[bold]bench_faults[/bold]: {len(cases)} case(s), 3 layers x (8 experts + 4 redundant), "
-                  f"collective deadline {BASE['timeouts']['collective']} s, heartbeat {BASE['timeouts']['heartbeat']} s, "
+                  f"collective deadline {TIMEOUTS['collective']} s, heartbeat {TIMEOUTS['heartbeat']} s, "
                   "auto_recover")
     rows = []
     t0 = time.monotonic()

@@ -117,7 +117,7 @@ def validate(files: list[Path] = typer.Argument(..., help="scenario files (YAML)
             _print_scenario_error(err, exc)
             continue
         console.print(f"[green]ok[/] {escape(str(file))}: {escape(scenario.name)}, {scenario.steps} steps, "
-                      f"{len(scenario.timeline)} event(s), EP {scenario.initial_ep_size}"
+                      f"{len(scenario.timeline)} event(s), EP {scenario.deployment.ep_size}"
                       f"{' (slow)' if scenario.slow else ''}")
     raise typer.Exit(EXIT_INVALID if bad else EXIT_OK)
 

@@ -47,9 +47,10 @@ if TYPE_CHECKING:  # deployment imports nothing from here at run time, so no cyc
     from elastic.hooks import HooksConfig
 
 __all__ = [
-    "LIMITS", "MAX_BODY_BYTES", "MAX_FILE_BYTES", "MAX_YAML_DEPTH", "MAX_YAML_NODES", "BodyLimit", "BodyTooLarge", "InputError", "InputProblem", "Limit",
-    "MemoryEstimate", "available_memory", "bound_problems", "checkpoint_problems", "estimate_worker_memory", "format_bytes",
-    "hook_problems", "load_yaml", "memory_budget", "memory_problems", "one_line", "read_text", "read_yaml",
+    "LIMITS", "MAX_BODY_BYTES", "MAX_FILE_BYTES", "MAX_YAML_DEPTH", "MAX_YAML_NODES", "BodyLimit",
+    "BodyTooLarge", "InputError", "InputProblem", "Limit", "MemoryEstimate", "available_memory",
+    "bound_problems", "checkpoint_problems", "estimate_worker_memory", "format_bytes", "hook_problems",
+    "load_yaml", "memory_budget", "memory_problems", "one_line", "read_text", "read_yaml",
 ]
 
 #: config files (scenarios, deployments) are a few KiB; a larger one is a mistake (a log, a checkpoint)
@@ -266,14 +267,14 @@ _SECONDS = Limit(MAX_SECONDS, "a wait or a pace of more than a week is a typo")
 #: the memory estimate judges them together, against the memory there is.
 LIMITS: dict[str, Limit] = {
     "Scenario.steps": _STEPS,
-    "Scenario.initial_ep_size": _RANKS, "Scenario.max_ep_size": _RANKS, "ScaleEvent.to": _RANKS,
+    "ScaleEvent.to": _RANKS,
     "DeploymentConfig.ep_size": _RANKS, "DeploymentConfig.max_ep_size": _RANKS,
     "AutoscalerConfig.max_size": _RANKS, "AutoscalerConfig.min_size": _RANKS,
     "TimeoutsConfig.*": _SECONDS,
-    "Scenario.pace_s": _SECONDS, "Scenario.heartbeat_s": _SECONDS, "Scenario.run_timeout_s": _SECONDS,
+    "Scenario.run_timeout_s": _SECONDS,
     "DeploymentConfig.heartbeat_s": _SECONDS, "DeploymentConfig.step_delay_s": _SECONDS,
     "EPLBConfig.transfer_timeout_s": _SECONDS, "EPLBConfig.watchdog_s": _SECONDS,
-    "EPLBSpec.transfer_timeout_s": _SECONDS, "ScaleEvent.transfer_wait_s": _SECONDS, "StallEvent.seconds": _SECONDS,
+    "ScaleEvent.transfer_wait_s": _SECONDS, "StallEvent.seconds": _SECONDS,
     "AutoscalerConfig.up_after_s": _SECONDS, "AutoscalerConfig.down_after_s": _SECONDS,
     "AutoscalerConfig.cooldown_s": _SECONDS,
 }
@@ -444,10 +445,12 @@ class MemoryBudget:
     explanation: str
 
 
-def memory_budget(config: DeploymentConfig, *, available: Callable[[], int | None] = available_memory) -> MemoryBudget | None:
-    """What one worker may use: ``max_memory``, else (local workers only) this machine's share."""
+def memory_budget(config: DeploymentConfig, *, available: Callable[[], int | None] = available_memory,
+                  key: str = "max_memory") -> MemoryBudget | None:
+    """What one worker may use: ``max_memory`` (spelled ``key`` in the file), else (local workers only)
+    this machine's share."""
     if config.max_memory is not None:
-        return MemoryBudget(int(config.max_memory), f"max_memory allows {format_bytes(int(config.max_memory))}")
+        return MemoryBudget(int(config.max_memory), f"{key} allows {format_bytes(int(config.max_memory))}")
     if config.launcher.kind != "local":
         return None  # the workers' machines are elsewhere: only max_memory can say what they hold
     free = available()
@@ -461,7 +464,7 @@ def memory_budget(config: DeploymentConfig, *, available: Callable[[], int | Non
 def memory_problems(config: DeploymentConfig, *, rename: Callable[[str], str] = lambda p: p,
                     available: Callable[[], int | None] = available_memory) -> list[InputProblem]:
     """The deployment's worker does not fit its budget: one problem naming the knob of the largest part."""
-    budget = memory_budget(config, available=available)
+    budget = memory_budget(config, available=available, key=rename("max_memory"))
     if budget is None:
         return []
     estimate = estimate_worker_memory(config)

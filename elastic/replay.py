@@ -209,7 +209,7 @@ class Replayer:
                               "balancedness": self.recorder.last_balancedness, "rebalances": snap["rebalances"]})
 
     def _phase_budget(self) -> float:
-        t = self.scenario.timeouts
+        t = self.scenario.deployment.timeouts
         return t.draining + t.suppressed + t.rescaling + t.resuming + t.worker_start + 5.0
 
     def _wait_until(self, predicate: Callable[[], bool], timeout: float, poll: float = 0.02) -> bool:
@@ -246,7 +246,7 @@ class Replayer:
 
     def _recovering(self) -> bool:
         """Whether a failure will be recovered without the timeline (auto_recover)."""
-        if not self.scenario.auto_recover:
+        if not self.scenario.deployment.auto_recover:
             return False
         if "auto_recover" in type(self.coordinator.config).model_fields:
             return True
@@ -258,7 +258,7 @@ class Replayer:
     def _verify(self, after: str) -> dict[str, Any]:
         entry: dict[str, Any] = {"after": after, "t": self._now(), "step": self._snapshot()["step"]}
         try:
-            ranks = self.coordinator.verify(timeout=max(30.0, self.scenario.timeouts.collective))
+            ranks = self.coordinator.verify(timeout=max(30.0, self.scenario.deployment.timeouts.collective))
         except Exception as exc:  # noqa: BLE001 - a verification that cannot run is a failed one
             entry.update(ok=False, error=f"{type(exc).__name__}: {exc}", ranks={})
         else:
@@ -327,7 +327,7 @@ class Replayer:
         return _Outcome(True, f"recovered with {op.target_size} ranks", extra)
 
     def _failure_budget(self) -> float:
-        t = self.scenario.timeouts
+        t = self.scenario.deployment.timeouts
         return t.heartbeat + t.collective + 10.0
 
     def _failures(self) -> int:
@@ -344,7 +344,7 @@ class Replayer:
             return _Outcome(False, f"{what} but the deployment did not fail")
         with self.recorder.lock:
             reason = next(t["reason"] for t in reversed(self.recorder.transitions) if t["dest"] == "failed")
-        if self.scenario.auto_recover:
+        if self.scenario.deployment.auto_recover:
             self._recovering()
             recovered = self._wait_until(lambda: self._state() == "running" and not self._op_running(), self._phase_budget())
             if not recovered:
@@ -425,7 +425,7 @@ class Replayer:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         s = self.scenario
         started_wall = time.time()
-        self.coordinator = Coordinator(s.deployment(), faults=s.fault_records())
+        self.coordinator = Coordinator(s.deployment_config(), faults=s.fault_records())
         self.recorder.attach(self.coordinator)
         progress = threading.Thread(target=self._progress_loop, name="replay-progress", daemon=True)
         final: dict[str, Any] = {}

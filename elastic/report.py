@@ -169,7 +169,7 @@ def build_report(replayer: "Replayer", *, final: dict[str, Any], started_wall: f
         worker_errors = [dict(e) for e in rec.worker_errors]
     for t in transitions:
         t["step"] = step_at(t["t"])
-    window = max(3, min(20, s.eplb.interval // 2))
+    window = max(3, min(20, s.deployment.eplb.step_interval // 2))
     rebalances = _rebalances(worker_events, samples, transitions, window)
     operations = _operations(replayer, transitions, step_at)
     autoscaler = replayer.autoscaler.status() if replayer.autoscaler is not None else None
@@ -553,7 +553,7 @@ class LiveDisplay:
     def __enter__(self) -> "LiveDisplay":
         self.progress_bar.start()
         self.task = self.progress_bar.add_task(self.scenario.name, total=self.scenario.steps, state="[dim]starting[/]",
-                                               ep=self.scenario.initial_ep_size, bal="—")
+                                               ep=self.scenario.deployment.ep_size, bal="—")
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -19,15 +19,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from elastic.autoscaler import AutoscalerConfig
-from elastic.config import TimeoutsConfig
-from elastic.deployment import DeploymentConfig, LauncherConfig, TracePhase
+from elastic.deployment import DeploymentConfig, TracePhase
 from elastic.faults import PHASES, CorruptBuffer, DelayTransfer, DropHeartbeats, Fault, KillRank, StallRank
 from elastic.preflight import InputError, bound_problems, load_yaml, memory_problems, one_line, read_text
-from eplb.config import EPLBConfig
-from eplb.model import ModelShape
 from eplb.trace import TraceConfig
 
 __all__ = [
@@ -64,48 +61,6 @@ class ScenarioError(InputError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ModelSpec(_Strict):
-    """The MoE model: its shape decides how much a transfer moves."""
-
-    layers: int = Field(4, ge=1, description="MoE layers")
-    experts: int = Field(16, ge=1, description="logical experts per layer")
-    redundant_slots: int = Field(0, ge=0, description="physical slots beyond one per expert, at the initial EP size")
-    groups: int = Field(1, ge=1, description="expert groups (hierarchical policy)")
-    hidden: int = Field(64, ge=1, description="hidden size; an expert is hidden x intermediate (w1) + intermediate x hidden (w2)")
-    intermediate: int = Field(128, ge=1, description="intermediate size of an expert")
-    dtype: str = "float32"
-
-    def shape(self) -> ModelShape:
-        return ModelShape(num_layers=self.layers, num_experts=self.experts, num_expert_groups=self.groups,
-                          hidden_size=self.hidden, intermediate_size=self.intermediate, dtype=self.dtype)
-
-
-class EPLBSpec(_Strict):
-    enabled: bool = True
-    mode: Literal["async", "sync"] = Field("async", description="async: background transfer, one layer committed per step")
-    policy: str = Field("default", description="a policy of eplb.algorithm.POLICIES")
-    policy_options: dict[str, Any] = Field(default_factory=dict)
-    window: int = Field(100, ge=1, description="steps of load in the sliding window")
-    interval: int = Field(50, ge=1, description="steps between rebalances")
-    verify_transfers: bool = False
-    transfer_timeout_s: float = Field(30.0, gt=0)
-
-    @field_validator("policy")
-    @classmethod
-    def _known_policy(cls, value: str) -> str:
-        from eplb.algorithm import POLICIES
-
-        if value not in POLICIES:
-            raise ValueError(f"expected one of {', '.join(repr(p) for p in sorted(POLICIES))}, got {value!r}")
-        return value
-
-    def config(self, redundant: int) -> EPLBConfig:
-        return EPLBConfig(enabled=self.enabled, num_redundant_experts=redundant, window_size=self.window,
-                          step_interval=self.interval, use_async=self.mode == "async", policy=self.policy,
-                          policy_options=dict(self.policy_options), verify_transfers=self.verify_transfers,
-                          transfer_timeout_s=self.transfer_timeout_s)
 
 
 class TraceSpec(TraceConfig):
@@ -241,6 +196,17 @@ EVENT_ACTIONS = ("scale", "kill", "stall", "drop_heartbeats", "recover", "rebala
 FAULT_EVENTS = (KillEvent, StallEvent, DropHeartbeatsEvent)
 #: a replay's deadlines unless the scenario overrides them: a dead peer is noticed in seconds
 REPLAY_TIMEOUTS: dict[str, float] = {"collective": 10.0, "heartbeat": 15.0, "worker_start": 60.0}
+#: a replay paces steps by 10 ms and samples every worker every 10 ms, so events land near their step
+REPLAY_DEPLOYMENT: dict[str, Any] = {"step_delay_s": 0.01, "heartbeat_s": 0.01}
+
+
+def _replay_defaults(deployment: dict[str, Any]) -> dict[str, Any]:
+    """A scenario's deployment over the replay's defaults (pacing, sampling, short deadlines)."""
+    out = {**REPLAY_DEPLOYMENT, **deployment}
+    timeouts = deployment.get("timeouts", {})
+    if isinstance(timeouts, dict):  # anything else is left for the schema to name
+        out["timeouts"] = {**REPLAY_TIMEOUTS, **timeouts}
+    return out
 STATES = ("running", "draining", "suppressed", "rescaling", "resuming", "failed")
 
 
@@ -266,48 +232,37 @@ class Expectations(_Strict):
 
 
 class Scenario(_Strict):
+    """A replay: a deployment (every ``DeploymentConfig`` field, under ``deployment:``) plus the
+    scenario's own keys: the load (``trace``), how long it runs, the timeline, the faults, the
+    autoscaler and the expectations."""
+
     name: str = Field(min_length=1)
     description: str = ""
-    model: ModelSpec = ModelSpec()
-    eplb: EPLBSpec = EPLBSpec()
-    initial_ep_size: int = Field(2, ge=1)
-    max_ep_size: int = Field(4, ge=1, description="the launcher's capacity")
+    deployment: DeploymentConfig = Field(
+        default_factory=lambda: DeploymentConfig.model_validate(_replay_defaults({})),
+        description="the deployment replayed (elastic.deployment.DeploymentConfig, its names and defaults; a replay "
+                    "defaults step_delay_s and heartbeat_s to 0.01 s and uses short timeouts); its load is the "
+                    "scenario's trace")
     trace: list[TraceSpec] = Field(default_factory=lambda: [TraceSpec()], min_length=1)
     steps: int = Field(ge=1, description="decode steps to run")
-    seed: int = 0
-    pace_s: float = Field(0.01, ge=0, description="sleep after each decode step, so events land near their step")
-    heartbeat_s: float = Field(0.01, gt=0, description="how often each worker reports (the sampling period)")
-    auto_recover: bool = Field(False, description="recover by itself as soon as a failure is seen")
     autoscaler: AutoscalerConfig | None = Field(
         None, description="run elastic.autoscaler with this config (its 'enabled' is the state at step 0)")
     faults: list[Fault] = Field(default_factory=list, description="extra fault injections (elastic.faults records)")
     timeline: list[Event] = Field(default_factory=list)
     expect: Expectations = Expectations()
-    timeouts: TimeoutsConfig = Field(TimeoutsConfig(**REPLAY_TIMEOUTS),
-                                     description="overrides of the replay's deadlines (elastic.config.TimeoutsConfig)")
     run_timeout_s: float = Field(300.0, gt=0, description="the whole replay's deadline")
-    launcher: LauncherConfig = Field(LauncherConfig(), description="how workers start: local, command or ray "
-                                     "(elastic.deployment.LauncherConfig)")
     slow: bool = Field(False, description="the test suite marks this replay slow")
-    max_memory: ByteSize | None = Field(None, description="memory one worker may use ('8GiB'; default: this machine's "
-                                        "available memory divided by the initial ranks), checked before anything starts")
 
-    @field_validator("timeouts", mode="before")
+    @field_validator("deployment", mode="before")
     @classmethod
-    def _over_replay_defaults(cls, value: Any) -> Any:
-        return {**REPLAY_TIMEOUTS, **value} if isinstance(value, dict) else value
+    def _replay_deployment(cls, value: Any) -> Any:
+        return _replay_defaults(value) if isinstance(value, dict) else value
 
     # -- what it runs ---------------------------------------------------------------------------
-    def deployment(self) -> DeploymentConfig:
-        extra: dict[str, Any] = {}
-        if "auto_recover" in DeploymentConfig.model_fields:
-            extra["auto_recover"] = self.auto_recover
-        return DeploymentConfig(
-            model=self.model.shape(), eplb=self.eplb.config(self.model.redundant_slots),
-            trace=[phase.phase() for phase in self.trace], ep_size=self.initial_ep_size,
-            max_ep_size=self.max_ep_size, seed=self.seed, timeouts=self.timeouts,
-            heartbeat_s=self.heartbeat_s, step_delay_s=self.pace_s, launcher=self.launcher,
-            max_memory=self.max_memory, **extra)
+    def deployment_config(self) -> DeploymentConfig:
+        """What the replay runs: the embedded deployment with the scenario's trace as its load."""
+        fields = self.deployment.model_dump(exclude_unset=True, exclude={"trace"})  # unset: defaults stay defaults
+        return DeploymentConfig.model_validate({**fields, "trace": [p.phase().model_dump() for p in self.trace]})
 
     def planned(self) -> list[dict[str, Any]]:
         """The timeline walked in order: per event, the size and generation it finds and leaves."""
@@ -322,7 +277,8 @@ class Scenario(_Strict):
 
     def stall_loses_rank(self, seconds: float) -> bool:
         """Whether a stall this long outlasts a deadline (the rank is lost) rather than a hiccup."""
-        return seconds >= min(self.timeouts.collective, self.timeouts.heartbeat)
+        timeouts = self.deployment.timeouts
+        return seconds >= min(timeouts.collective, timeouts.heartbeat)
 
     def has_delay(self) -> bool:
         return any(isinstance(f, DelayTransfer) for f in self.faults)
@@ -338,14 +294,13 @@ def _plan(s: Scenario) -> tuple[list[dict[str, Any]], list[ScenarioProblem]]:
     def problem(path: str, message: str) -> None:
         problems.append(ScenarioProblem(path=path, message=message))
 
-    physical = s.model.experts + s.model.redundant_slots
-    if s.initial_ep_size > s.max_ep_size:
-        problem("initial_ep_size", f"expected at most max_ep_size={s.max_ep_size}, got {s.initial_ep_size}")
-    if physical % s.initial_ep_size:
-        problem("initial_ep_size", f"expected a size that divides the {physical} physical slots "
-                f"(experts {s.model.experts} + redundant_slots {s.model.redundant_slots}), got {s.initial_ep_size}")
-    if s.model.experts % s.model.groups:
-        problem("model.groups", f"expected a divisor of experts={s.model.experts}, got {s.model.groups}")
+    d = s.deployment  # its own validation already holds: sizes divide, ep_size <= max_ep_size, groups divide
+    experts, max_size = d.model.num_experts, d.max_ep_size
+    from eplb.algorithm import POLICIES
+
+    if d.eplb.policy not in POLICIES:  # EPLBConfig takes any name; the workers would fail on it
+        problem("deployment.eplb.policy", f"expected one of {', '.join(repr(p) for p in sorted(POLICIES))}, "
+                f"got {d.eplb.policy!r}")
     starts = [t.at_step for t in s.trace]
     if starts[0] != 0:
         problem("trace[0].at_step", f"expected 0 (the first regime starts the run), got {starts[0]}")
@@ -355,38 +310,38 @@ def _plan(s: Scenario) -> tuple[list[dict[str, Any]], list[ScenarioProblem]]:
         elif starts[i] >= s.steps:
             problem(f"trace[{i}].at_step", f"expected a step before the end of the run (steps={s.steps}), got {starts[i]}")
     for i, t in enumerate(s.trace):
-        if t.top_k > s.model.experts:
-            problem(f"trace[{i}].top_k", f"expected at most experts={s.model.experts}, got {t.top_k}")
+        if t.top_k > experts:
+            problem(f"trace[{i}].top_k", f"expected at most deployment.model.num_experts={experts}, got {t.top_k}")
     if problems:
         return plan, problems
 
-    per_rank = physical // s.initial_ep_size
-    size, generation, failed, failed_by = s.initial_ep_size, 0, False, None
+    per_rank = d.slots_per_rank
+    size, generation, failed, failed_by = d.ep_size, 0, False, None
     autoscaler = s.autoscaler is not None and s.autoscaler.enabled
     scaled_by_autoscaler = autoscaler  # from then on size and generation are decided at run time
     previous_step = 0
     if s.autoscaler is not None:
-        hi = s.autoscaler.max_size if s.autoscaler.max_size is not None else s.max_ep_size
-        if hi > s.max_ep_size:
-            problem("autoscaler.max_size", f"expected at most max_ep_size={s.max_ep_size}, got {hi}")
-        if "min_size" in s.autoscaler.model_fields_set and per_rank * s.autoscaler.min_size < s.model.experts:
+        hi = s.autoscaler.max_size if s.autoscaler.max_size is not None else max_size
+        if hi > max_size:
+            problem("autoscaler.max_size", f"expected at most deployment.max_ep_size={max_size}, got {hi}")
+        if "min_size" in s.autoscaler.model_fields_set and per_rank * s.autoscaler.min_size < experts:
             problem("autoscaler.min_size", f"expected a size whose {per_rank} slots per rank hold the "
-                    f"{s.model.experts} experts, got {s.autoscaler.min_size}")
+                    f"{experts} experts, got {s.autoscaler.min_size}")
 
     def size_problem(n: int) -> str | None:
-        if n > s.max_ep_size:
-            return f"expected at most max_ep_size={s.max_ep_size}, got {n}"
-        if per_rank * n < s.model.experts:
-            return (f"expected a size whose {per_rank} slots per rank hold the {s.model.experts} experts "
-                    f"(at least {-(-s.model.experts // per_rank)}), got {n}")
+        if n > max_size:
+            return f"expected at most deployment.max_ep_size={max_size}, got {n}"
+        if per_rank * n < experts:
+            return (f"expected a size whose {per_rank} slots per rank hold the {experts} experts "
+                    f"(at least {-(-experts // per_rank)}), got {n}")
         return None
 
     for i, fault in enumerate(s.faults):
-        if fault.rank >= s.max_ep_size:
-            problem(f"faults[{i}].rank", f"expected a rank below max_ep_size={s.max_ep_size}, got {fault.rank}")
-        if isinstance(fault, CorruptBuffer) and not s.eplb.verify_transfers:
-            problem(f"faults[{i}]", "expected eplb.verify_transfers: true with a corrupt_buffer fault (only a verified "
-                    "transfer catches the corrupted layer), got false")
+        if fault.rank >= max_size:
+            problem(f"faults[{i}].rank", f"expected a rank below deployment.max_ep_size={max_size}, got {fault.rank}")
+        if isinstance(fault, CorruptBuffer) and not d.eplb.verify_transfers:
+            problem(f"faults[{i}]", "expected deployment.eplb.verify_transfers: true with a corrupt_buffer fault (only "
+                    "a verified transfer catches the corrupted layer), got false")
         if isinstance(fault, KillRank) and fault.in_phase is not None and s.autoscaler is None \
                 and not any(isinstance(e, ScaleEvent) for e in s.timeline):
             problem(f"faults[{i}].in_phase", f"expected a scale event in the timeline to die in (a {fault.in_phase} "
@@ -411,7 +366,7 @@ def _plan(s: Scenario) -> tuple[list[dict[str, Any]], list[ScenarioProblem]]:
             previous_step = event.at_step
         if failed and not isinstance(event, RecoverEvent):
             problem(where, f"expected a recover event first: the deployment is failed after {failed_by} "
-                    f"(or set auto_recover: true), got a {event.action} event")
+                    f"(or set deployment.auto_recover: true), got a {event.action} event")
         elif isinstance(event, ScaleEvent):
             why = size_problem(event.to)
             if why:
@@ -424,8 +379,8 @@ def _plan(s: Scenario) -> tuple[list[dict[str, Any]], list[ScenarioProblem]]:
                 size, generation = event.to, generation + 1
             phase_kill = None
         elif isinstance(event, KillEvent) and event.in_phase is not None:
-            if not s.auto_recover:
-                problem(f"{where}.in_phase", "expected auto_recover: true with a kill in a phase (the failed scale "
+            if not d.auto_recover:
+                problem(f"{where}.in_phase", "expected deployment.auto_recover: true with a kill in a phase (the failed scale "
                         "is recovered by the coordinator itself), got false")
             elif scaled_by_autoscaler and event.generation is None and s.autoscaler is not None:
                 problem(f"{where}.generation", "expected an explicit generation: the autoscaler may have scaled "
@@ -445,17 +400,17 @@ def _plan(s: Scenario) -> tuple[list[dict[str, Any]], list[ScenarioProblem]]:
                 problem(f"{where}.generation", "expected an explicit generation: the autoscaler may have scaled "
                         "before this kill, so the timeline cannot tell which generation the rank dies in")
             elif scaled_by_autoscaler:
-                failed, failed_by = (False, None) if s.auto_recover else (True, where)
+                failed, failed_by = (False, None) if d.auto_recover else (True, where)
             elif event.rank >= size:
                 problem(f"{where}.rank", f"expected a rank of the group of {size} at that point (0..{size - 1}), got {event.rank}")
-            elif s.auto_recover and (size - 1 < 1 or size_problem(size - 1)):
+            elif d.auto_recover and (size - 1 < 1 or size_problem(size - 1)):
                 problem(where, f"expected a kill the survivors can recover from (auto_recover): {size - 1} rank(s) "
                         "cannot hold the model")
             else:
                 if event.generation is not None:
                     generation = event.generation
                 entry["generation"] = generation
-                if s.auto_recover:
+                if d.auto_recover:
                     size, generation = size - 1, generation + 1
                 else:
                     failed, failed_by = True, where
@@ -480,15 +435,14 @@ def _plan(s: Scenario) -> tuple[list[dict[str, Any]], list[ScenarioProblem]]:
                 "phase only happens during a scale), got none")
     if failed and s.expect.final_state not in (None, "failed"):
         problem("expect.final_state", f"expected 'failed' or null: {failed_by} leaves the deployment failed "
-                f"(add a recover event or auto_recover: true), got {s.expect.final_state!r}")
-    try:
-        s.deployment()
-    except ValidationError as exc:  # anything the deployment still refuses
-        for err in exc.errors():
-            text = err["msg"].removeprefix("Value error, ")
-            path = _path(tuple(err["loc"])) or next((k for k in ("timeouts", "trace", "model", "eplb")
-                                                     if text.startswith(k) or f" {k}." in text), "")
-            problem(path, f"the deployment built from this scenario is invalid: {text}")
+                f"(add a recover event or deployment.auto_recover: true), got {s.expect.final_state!r}")
+    if not problems:
+        try:
+            s.deployment_config()
+        except ValidationError as exc:  # what the deployment still refuses with the scenario's trace as its load
+            for err in exc.errors():
+                text = err["msg"].removeprefix("Value error, ")
+                problem("trace" if "trace" in text else "deployment", f"the deployment with this trace is invalid: {text}")
     return plan, problems
 
 
@@ -501,8 +455,9 @@ def _plan_phase_kill(s: Scenario, armed: tuple[int, KillEvent], scale: ScaleEven
         problem(f"{where}.in_phase", f"expected the next scale to change the size (a scale to {size} ranks is a no-op "
                 f"and has no {kill.in_phase} phase), got a scale to {scale.to}")
         return size, generation
-    if kill.after_layers is not None and kill.after_layers >= s.model.layers:
-        problem(f"{where}.after_layers", f"expected fewer than the model's {s.model.layers} layers, got {kill.after_layers}")
+    layers = s.deployment.model.num_layers
+    if kill.after_layers is not None and kill.after_layers >= layers:
+        problem(f"{where}.after_layers", f"expected fewer than the model's {layers} layers, got {kill.after_layers}")
     # which group the rank belongs to when the phase's command reaches it
     joining = kill.in_phase == "rescaling" and kill.rank >= size
     if kill.in_phase == "resuming":
@@ -660,6 +615,9 @@ def parse_scenario(data: Any, source: str = "<scenario>") -> Scenario:
     """Validate a mapping (already parsed YAML) into a :class:`Scenario`; raise :class:`ScenarioError`."""
     if not isinstance(data, dict):
         raise ScenarioError(source, [ScenarioProblem(path="", message=f"expected a mapping of keys at the top level, got {type(data).__name__}")])
+    moved = old_style_problems(data)
+    if moved:  # the old vocabulary: say where each key went rather than "unknown key"
+        raise ScenarioError(source, moved)
     try:
         scenario = Scenario.model_validate(data)
     except ValidationError as exc:
@@ -670,21 +628,64 @@ def parse_scenario(data: Any, source: str = "<scenario>") -> Scenario:
     _, problems = _plan(scenario)
     if problems:
         raise ScenarioError(source, problems)
-    too_big = memory_problems(scenario.deployment(), rename=_scenario_key)
+    too_big = memory_problems(scenario.deployment_config(), rename=_scenario_key)
     if too_big:
         raise ScenarioError(source, too_big)
     return scenario
 
 
-#: a deployment's key paths as a scenario spells them (for the memory check, which reads a deployment)
-_SCENARIO_KEYS = {"eplb.num_redundant_experts": "model.redundant_slots", "eplb.window_size": "eplb.window",
-                  "ep_size": "initial_ep_size"}
-
-
 def _scenario_key(path: str) -> str:
+    """A deployment's key path as a scenario spells it (the memory check reads the deployment it runs)."""
     if path.startswith("trace[") and path.endswith("].trace.tokens_per_step"):
-        return path.replace("].trace.", "].")
-    return _SCENARIO_KEYS.get(path, path)
+        return path.replace("].trace.", "].")  # the load is the scenario's own trace
+    return f"deployment.{path}"
+
+
+# -- the old vocabulary (before scenarios embedded a deployment) -------------------------------------
+
+#: top-level keys of an old scenario -> where they live now, under ``deployment:``
+MOVED_KEYS: dict[str, str] = {
+    "initial_ep_size": "ep_size", "max_ep_size": "max_ep_size", "seed": "seed", "pace_s": "step_delay_s",
+    "heartbeat_s": "heartbeat_s", "auto_recover": "auto_recover", "timeouts": "timeouts", "launcher": "launcher",
+    "max_memory": "max_memory",
+}
+#: ``model:`` and ``eplb:`` keys of an old scenario -> their DeploymentConfig path (vLLM's names)
+MOVED_MODEL_KEYS: dict[str, str] = {
+    "layers": "model.num_layers", "experts": "model.num_experts", "groups": "model.num_expert_groups",
+    "hidden": "model.hidden_size", "intermediate": "model.intermediate_size", "dtype": "model.dtype",
+    "redundant_slots": "eplb.num_redundant_experts",
+}
+MOVED_EPLB_KEYS: dict[str, str] = {
+    "mode": "eplb.use_async", "window": "eplb.window_size", "interval": "eplb.step_interval",
+    "enabled": "eplb.enabled", "policy": "eplb.policy", "policy_options": "eplb.policy_options",
+    "verify_transfers": "eplb.verify_transfers", "transfer_timeout_s": "eplb.transfer_timeout_s",
+}
+_NEW_STYLE = "a scenario embeds its deployment under deployment:, with DeploymentConfig's names"
+
+
+def old_style_problems(data: dict[str, Any]) -> list[ScenarioProblem]:
+    """One problem per key of the old vocabulary, naming the key that replaces it."""
+    problems = []
+    for section, table in (("model", MOVED_MODEL_KEYS), ("eplb", MOVED_EPLB_KEYS)):
+        if section not in data:
+            continue
+        value = data[section]
+        known = [k for k in value if isinstance(k, str) and k in table] if isinstance(value, dict) else []
+        if not known:
+            problems.append(ScenarioProblem(path=section, message=f"moved: write deployment.{section} ({_NEW_STYLE})"))
+        for key in known:
+            new = f"deployment.{table[key]}"
+            if key == "mode":
+                new += ": true (mode: async) or false (mode: sync)"
+            problems.append(ScenarioProblem(path=f"{section}.{key}", message=f"moved: write {new} ({_NEW_STYLE})"))
+    for key, new in MOVED_KEYS.items():
+        if key in data:
+            problems.append(ScenarioProblem(path=key, message=f"moved: write deployment.{new} ({_NEW_STYLE})"))
+    deployment = data.get("deployment")
+    if isinstance(deployment, dict) and "trace" in deployment:
+        problems.append(ScenarioProblem(path="deployment.trace", message="a scenario's load is its top-level "
+                                        "trace: (regimes with at_step); move it there"))
+    return problems
 
 
 def load_scenario(path: str | Path) -> Scenario:

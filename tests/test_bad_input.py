@@ -150,14 +150,17 @@ def test_the_default_budget_is_the_machine_share_of_each_local_rank():
 
 def test_a_scenario_that_does_not_fit_names_its_own_key(tmp_path):
     path = tmp_path / "big.yaml"
-    path.write_text(QUICKSTART.replace("redundant_slots: 4", "redundant_slots: 100004") + "max_memory: 1GiB\n")
+    budget = "deployment:\n  max_memory: 1GiB\n"
+    path.write_text(QUICKSTART.replace("num_redundant_experts: 4", "num_redundant_experts: 100004")
+                    .replace("deployment:\n", budget))
     with pytest.raises(ScenarioError) as info:
         load_scenario(path)
-    (problem,) = info.value.problems  # in the scenario's words, not the deployment's (eplb.num_redundant_experts)
-    assert problem.path == "model.redundant_slots", problem
-    assert "but max_memory allows 1.0 GiB; fix: a smaller model.redundant_slots" in problem.message
-    path.write_text(QUICKSTART + "max_memory: 1GiB\n")
-    assert load_scenario(path).deployment().max_memory == 1 << 30
+    (problem,) = info.value.problems  # the key path as the scenario spells it: under deployment:
+    assert problem.path == "deployment.eplb.num_redundant_experts", problem
+    assert "but deployment.max_memory allows 1.0 GiB; fix: a smaller deployment.eplb.num_redundant_experts" \
+        in problem.message
+    path.write_text(QUICKSTART.replace("deployment:\n", budget))
+    assert load_scenario(path).deployment_config().max_memory == 1 << 30
 
 
 # -- the pre-flight limits one by one --------------------------------------------------------------
@@ -206,9 +209,11 @@ def test_modest_aliases_still_load():
 
 
 @pytest.mark.parametrize("edit, key, message", [
-    (("initial_ep_size: 2", "initial_ep_size: 5000"), "initial_ep_size", "expected at most 4096 (one worker process"),
-    (("steps: 240", "steps: 240\nseed: 99999999999999999999"), "seed", "expected an integer within int64"),
-    (("steps: 240", "steps: 240\npace_s: 1e9"), "pace_s", "expected at most 604800 (a wait or a pace"),
+    (("max_ep_size: 4", "max_ep_size: 5000"), "deployment.max_ep_size", "expected at most 4096 (one worker process"),
+    (("max_ep_size: 4", "max_ep_size: 4\n  seed: 99999999999999999999"), "deployment.seed",
+     "expected an integer within int64"),
+    (("max_ep_size: 4", "max_ep_size: 4\n  step_delay_s: 1e9"), "deployment.step_delay_s",
+     "expected at most 604800 (a wait or a pace"),
     (("steps: 240", "steps: 240\nrun_timeout_s: .inf"), "run_timeout_s", "expected a finite number"),
     (("tokens_per_step: 64", "tokens_per_step: 64\n    seed: -99999999999999999999"), "trace[0].seed",
      "expected an integer within int64"),
@@ -292,7 +297,8 @@ def test_the_api_answers_422_to_oversized_and_deeply_nested_bodies():
 
 # -- the property test ----------------------------------------------------------------------------
 
-KEYS = ["name", "steps", "model", "eplb", "trace", "timeline", "expect", "initial_ep_size", "max_ep_size",
+KEYS = ["name", "steps", "deployment", "model", "eplb", "trace", "timeline", "expect", "initial_ep_size", "max_ep_size",
+        "num_layers", "num_experts", "use_async", "window_size", "step_interval", "step_delay_s",
         "ep_size", "num_redundant_experts", "layers", "experts", "redundant_slots", "window", "interval",
         "at_step", "action", "to", "rank", "kind", "tokens_per_step", "top_k", "seed", "launcher", "hooks",
         "max_memory", "timeouts", "collective", "heartbeat"]
@@ -373,8 +379,9 @@ def _no_replay(*args, **kwargs):
     raise typer.Exit(0)  # a file that got this far parsed; the property is about the input, not the run
 
 
-@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "60")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow])
+# FUZZ_EXAMPLES=1500 for a longer hunt; the suite keeps it small (about 3 s on 2 cores)
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "60")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=inputs)
 def test_no_input_gives_a_traceback_a_hang_or_a_minute_of_work(data, tmp_path_factory, monkeypatch, serve_app):
     import elastic.coordinator

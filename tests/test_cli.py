@@ -22,10 +22,11 @@ SHIPPED = sorted((ROOT / "scenarios").glob("*.yaml"))
 FAILING = """\
 name: expects_too_much
 description: two ranks for 40 steps; the expectation wants three.
-model: {layers: 2, experts: 8, redundant_slots: 4, hidden: 16, intermediate: 32}
-eplb: {mode: async, window: 10, interval: 10}
-initial_ep_size: 2
-max_ep_size: 3
+deployment:
+  model: {num_layers: 2, num_experts: 8, hidden_size: 16, intermediate_size: 32}
+  eplb: {num_redundant_experts: 4, use_async: true, window_size: 10, step_interval: 10}
+  ep_size: 2
+  max_ep_size: 3
 trace:
   - {at_step: 0, kind: zipf, tokens_per_step: 16}
 steps: 40
@@ -70,7 +71,7 @@ def test_validate_names_file_key_path_and_expectation(tmp_path):
     assert result.exit_code == 2  # invalid input, as for replay (1 is kept for a failed expectation)
     assert f"ok {good}" in result.output
     assert f"error {bad}: steps: expected an integer, got 'forty'" in result.stderr
-    assert f"error {bad}: eplb.colour: unknown key (allowed here: " in result.stderr
+    assert f"error {bad}: deployment.eplb.colour: unknown key (allowed here: " in result.stderr
 
 
 def test_replay_of_an_invalid_file_exits_2_and_runs_nothing(tmp_path, monkeypatch):
@@ -78,10 +79,10 @@ def test_replay_of_an_invalid_file_exits_2_and_runs_nothing(tmp_path, monkeypatc
 
     monkeypatch.setattr(elastic.coordinator.Coordinator, "__init__",
                         lambda *a, **k: (_ for _ in ()).throw(AssertionError("started")))
-    bad = write(tmp_path, FAILING.replace("initial_ep_size: 2", "initial_ep_size: 5"))
+    bad = write(tmp_path, FAILING.replace("  ep_size: 2", "  ep_size: 6"))
     result = runner.invoke(app, ["replay", str(bad), "--report-dir", str(tmp_path / "out")])
     assert result.exit_code == 2, result.output
-    assert f"error {bad}: initial_ep_size: expected at most max_ep_size=3, got 5" in result.stderr
+    assert f"error {bad}: deployment: ep_size=6 exceeds max_ep_size=3" in result.stderr
     assert not (tmp_path / "out").exists()
     missing = runner.invoke(app, ["replay", str(tmp_path / "nope.yaml")])
     assert missing.exit_code == 2 and "cannot read the file" in missing.stderr

@@ -157,10 +157,10 @@ def test_remote_worker_command_line():
 def test_scenario_chooses_the_launcher():
     from elastic.scenario import ScenarioError, parse_scenario
 
-    s = parse_scenario({"name": "x", "steps": 10, "launcher": {"kind": "ray", "address": "auto"}})
-    assert s.deployment().launcher.kind == "ray"
-    with pytest.raises(ScenarioError, match="launcher: address: only for kind 'ray'"):
-        parse_scenario({"name": "x", "steps": 10, "launcher": {"address": "auto"}})
+    s = parse_scenario({"name": "x", "steps": 10, "deployment": {"launcher": {"kind": "ray", "address": "auto"}}})
+    assert s.deployment_config().launcher.kind == "ray"
+    with pytest.raises(ScenarioError, match="deployment.launcher: address: only for kind 'ray'"):
+        parse_scenario({"name": "x", "steps": 10, "deployment": {"launcher": {"address": "auto"}}})
 
 
 # -- helpers for the multi-process tests ---------------------------------------------------------

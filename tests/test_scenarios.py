@@ -22,10 +22,11 @@ REQUIRED = {"quickstart", "scale_up_under_skew", "scale_down_under_drift", "scal
 
 GOOD = """\
 name: tiny
-model: {layers: 2, experts: 8, redundant_slots: 4, hidden: 16, intermediate: 32}
-eplb: {mode: async, window: 10, interval: 10}
-initial_ep_size: 2
-max_ep_size: 3
+deployment:
+  model: {num_layers: 2, num_experts: 8, hidden_size: 16, intermediate_size: 32}
+  eplb: {num_redundant_experts: 4, use_async: true, window_size: 10, step_interval: 10}
+  ep_size: 2
+  max_ep_size: 3
 trace:
   - {at_step: 0, kind: zipf, tokens_per_step: 16}
 steps: 60
@@ -59,10 +60,50 @@ def test_the_required_scenarios_ship_and_validate():
 
 def test_a_good_scenario_parses_into_a_deployment(tmp_path):
     scenario = load_scenario(write(tmp_path, GOOD))
-    deployment = scenario.deployment()
+    deployment = scenario.deployment_config()
     assert deployment.ep_size == 2 and deployment.num_physical == 12
     assert deployment.eplb.use_async and deployment.eplb.step_interval == 10
     assert [e["size_after"] for e in scenario.planned()] == [3, 3]
+    # the scenario's trace is the deployment's load; the replay's pacing and deadlines are its defaults
+    assert [(p.start_step, p.trace.tokens_per_step) for p in deployment.trace] == [(0, 16)]
+    assert (deployment.step_delay_s, deployment.heartbeat_s, deployment.timeouts.collective) == (0.01, 0.01, 10.0)
+
+
+def test_an_old_style_scenario_names_the_new_keys(tmp_path):
+    """Before scenarios embedded a deployment they had their own names; each one gets its new key."""
+    old = write(tmp_path, GOOD.replace("""deployment:
+  model: {num_layers: 2, num_experts: 8, hidden_size: 16, intermediate_size: 32}
+  eplb: {num_redundant_experts: 4, use_async: true, window_size: 10, step_interval: 10}
+  ep_size: 2
+  max_ep_size: 3
+""", """model: {layers: 2, experts: 8, redundant_slots: 4}
+eplb: {mode: async, interval: 10}
+initial_ep_size: 2
+pace_s: 0.02
+"""))
+    error = problems_of(old)
+    assert [(p.path, p.message.split(" (")[0]) for p in error.problems] == [
+        ("model.layers", "moved: write deployment.model.num_layers"),
+        ("model.experts", "moved: write deployment.model.num_experts"),
+        ("model.redundant_slots", "moved: write deployment.eplb.num_redundant_experts"),
+        ("eplb.mode", "moved: write deployment.eplb.use_async: true"),
+        ("eplb.interval", "moved: write deployment.eplb.step_interval"),
+        ("initial_ep_size", "moved: write deployment.ep_size"),
+        ("pace_s", "moved: write deployment.step_delay_s"),
+    ]
+    assert "with DeploymentConfig's names" in str(error)
+    inner = write(tmp_path, GOOD.replace("  max_ep_size: 3\n", "  max_ep_size: 3\n  trace: []\n"), "inner.yaml")
+    assert f"{inner}: deployment.trace: a scenario's load is its top-level trace:" in str(problems_of(inner))
+
+
+def test_every_deployment_option_can_be_set_in_a_scenario(tmp_path):
+    text = GOOD.replace("step_interval: 10}", "step_interval: 10, async_layer_interval: 3, communicator: gloo}")
+    text = text.replace("  max_ep_size: 3\n", "  max_ep_size: 3\n  seed: 7\n  max_memory: 1GiB\n"
+                        "  timeouts: {collective: 4, heartbeat: 5}\n")
+    deployment = load_scenario(write(tmp_path, text)).deployment_config()
+    assert (deployment.eplb.async_layer_interval, deployment.eplb.communicator, deployment.seed) == (3, "gloo", 7)
+    assert deployment.max_memory == 1 << 30
+    assert (deployment.timeouts.collective, deployment.timeouts.heartbeat, deployment.timeouts.worker_start) == (4, 5, 60)
 
 
 # -- malformed files: one clear message per error, naming the file and the key path ----------------
@@ -70,13 +111,15 @@ def test_a_good_scenario_parses_into_a_deployment(tmp_path):
 @pytest.mark.parametrize(
     "change, path, expected",
     [
-        ({"model": {"layers": 2, "experts": 8, "colour": "red"}}, "model.colour", "unknown key (allowed here: "),
+        ({"deployment": {"model": {"num_experts": 8, "colour": "red"}}}, "deployment.model.colour",
+         "unknown key (allowed here: "),
         ({"stepz": 10}, "stepz", "unknown key"),
-        ({"eplb": {"mode": "fast"}}, "eplb.mode", "expected 'async' or 'sync', got 'fast'"),
-        ({"eplb": {"window": 0}}, "eplb.window", "expected a value >= 1, got 0"),
+        ({"deployment": {"eplb": {"use_async": "fast"}}}, "deployment.eplb.use_async", "expected true or false, got 'fast'"),
+        ({"deployment": {"eplb": {"window_size": 0}}}, "deployment.eplb.window_size", "expected a value >= 1, got 0"),
+        ({"deployment": {"eplb": {"policy": "nope"}}}, "deployment.eplb.policy", "expected one of 'default', "),
         ({"steps": "many"}, "steps", "expected an integer, got 'many'"),
         ({"expect": {"final_ep_size": "two"}}, "expect.final_ep_size", "expected an integer, got 'two'"),
-        ({"timeouts": {"rescaling": -1}}, "timeouts.rescaling", "expected a value > 0"),
+        ({"deployment": {"timeouts": {"rescaling": -1}}}, "deployment.timeouts.rescaling", "expected a value > 0"),
         ({"trace": [{"at_step": 0, "kind": "zipf", "top_k": "x"}]}, "trace[0].top_k", "expected an integer"),
         ({"faults": [{"kind": "delay_transfer", "rank": 0}]}, "faults[0].seconds", "this key is required"),
     ],
@@ -84,12 +127,15 @@ def test_a_good_scenario_parses_into_a_deployment(tmp_path):
 def test_schema_errors_name_the_file_the_key_path_and_the_expectation(tmp_path, change, path, expected):
     import yaml
 
+    def merge(into: dict, change: dict) -> None:
+        for key, value in change.items():
+            if isinstance(value, dict) and isinstance(into.get(key), dict):
+                merge(into[key], value)
+            else:
+                into[key] = value
+
     data = yaml.safe_load(GOOD)
-    for key, value in change.items():
-        if isinstance(value, dict) and isinstance(data.get(key), dict):
-            data[key] = {**data[key], **value}
-        else:
-            data[key] = value
+    merge(data, change)
     file = write(tmp_path, yaml.safe_dump(data))
     error = problems_of(file)
     lines = str(error).splitlines()
@@ -124,7 +170,7 @@ def test_the_plan_pass_refuses_what_cannot_run(tmp_path):
   - {at_step: 16, action: autoscaler, enabled: true}
 """))
     text = str(problems_of(file))
-    assert f"{file}: timeline[0].to: expected at most max_ep_size=3, got 8" in text
+    assert f"{file}: timeline[0].to: expected at most deployment.max_ep_size=3, got 8" in text
     assert f"{file}: timeline[1].rank: expected a rank of the group of 2 at that point (0..1), got 5" in text
     assert f"{file}: timeline[2]: expected a failure to recover from" in text
     assert f"{file}: timeline[3].at_step: expected events in step order (>= 14), got 11" in text
@@ -144,8 +190,9 @@ def test_a_kill_without_recovery_must_expect_failed(tmp_path):
 
 def test_fault_events_and_faults_are_validated(tmp_path):
     base = GOOD.replace("timeline:\n  - {at_step: 20, action: scale, to: 3}\n  - {at_step: 40, action: rebalance}\n", "")
-    base = base.replace("expect: {final_ep_size: 3}", "auto_recover: true\nexpect: {final_ep_size: 2}")
-    text = base.replace("max_ep_size: 3", "max_ep_size: 3\ntimeline:\n"
+    base = base.replace("  max_ep_size: 3\n", "  max_ep_size: 3\n  auto_recover: true\n")
+    base = base.replace("expect: {final_ep_size: 3}", "expect: {final_ep_size: 2}")
+    text = base.replace("steps: 60", "steps: 60\ntimeline:\n"
                         "  - {at_step: 10, action: kill, rank: 1, in_phase: draining, after_layers: 1}\n"
                         "  - {at_step: 12, action: kill, rank: 1, in_phase: suppressing}\n"
                         "  - {at_step: 14, action: stall, rank: 0}\n"
@@ -156,7 +203,7 @@ def test_fault_events_and_faults_are_validated(tmp_path):
     assert f"{file}: timeline[1].in_phase: expected 'draining', 'suppressed', 'rescaling' or 'resuming'" in error
     assert f"{file}: timeline[2].seconds: expected a value: this key is required" in error
     # the plan pass: a phase kill needs a scale to die in; corrupt_buffer needs verify_transfers
-    text = base.replace("max_ep_size: 3", "max_ep_size: 3\ntimeline:\n"
+    text = base.replace("steps: 60", "steps: 60\ntimeline:\n"
                         "  - {at_step: 10, action: kill, rank: 1, in_phase: draining}\n"
                         "  - {at_step: 12, action: rebalance}\n"
                         "  - {at_step: 14, action: kill, rank: 2, in_phase: resuming}\n"
@@ -165,10 +212,10 @@ def test_fault_events_and_faults_are_validated(tmp_path):
     error = str(problems_of(file))
     assert f"{file}: timeline[0].in_phase: expected the next event to be a scale to die in" in error
     assert f"{file}: timeline[2].in_phase: expected a scale event after this kill to die in" in error
-    assert f"{file}: faults[0]: expected eplb.verify_transfers: true with a corrupt_buffer fault" in error
-    assert f"{file}: faults[1].rank: expected a rank below max_ep_size=3, got 7" in error
+    assert f"{file}: faults[0]: expected deployment.eplb.verify_transfers: true with a corrupt_buffer fault" in error
+    assert f"{file}: faults[1].rank: expected a rank below deployment.max_ep_size=3, got 7" in error
     # a good one: pinned to the generation the rank is in when the phase's command reaches it
-    ok = load_scenario(write(tmp_path, base.replace("max_ep_size: 3", "max_ep_size: 3\ntimeline:\n"
+    ok = load_scenario(write(tmp_path, base.replace("steps: 60", "steps: 60\ntimeline:\n"
                              "  - {at_step: 10, action: kill, rank: 2, in_phase: resuming}\n"
                              "  - {at_step: 10, action: scale, to: 3}\n"
                              "  - {at_step: 30, action: drop_heartbeats, rank: 0, generation: 3}\n"), "ok.yaml"))
@@ -179,8 +226,8 @@ def test_fault_events_and_faults_are_validated(tmp_path):
 
 
 def test_a_size_that_cannot_hold_the_model_is_refused(tmp_path):
-    text = GOOD.replace("max_ep_size: 3", "max_ep_size: 4").replace("initial_ep_size: 2", "initial_ep_size: 4")
-    text = text.replace("redundant_slots: 4", "redundant_slots: 0").replace("to: 3", "to: 1")
+    text = GOOD.replace("max_ep_size: 3", "max_ep_size: 4").replace("ep_size: 2", "ep_size: 4")
+    text = text.replace("num_redundant_experts: 4", "num_redundant_experts: 0").replace("to: 3", "to: 1")
     text = text.replace("expect: {final_ep_size: 3}", "expect: {final_ep_size: 1}")
     error = problems_of(write(tmp_path, text))
     assert "timeline[0].to: expected a size whose 2 slots per rank hold the 8 experts (at least 4), got 1" in str(error)
@@ -211,7 +258,7 @@ def test_an_invalid_scenario_runs_nothing(tmp_path, monkeypatch):
 
 def test_parse_scenario_takes_a_mapping():
     scenario = parse_scenario({"name": "x", "steps": 10})
-    assert isinstance(scenario, Scenario) and scenario.initial_ep_size == 2
+    assert isinstance(scenario, Scenario) and scenario.deployment.ep_size == 2
     with pytest.raises(ScenarioError, match="<scenario>: steps: expected a value: this key is required"):
         parse_scenario({"name": "x"})
 
