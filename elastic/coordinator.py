@@ -303,7 +303,7 @@ class Coordinator:
             elif isinstance(report, p.PhaseDone):
                 self._done.setdefault(report.seq, {})[report.pid] = report
                 self._forget_old_reports()
-                if report.phase == "Rescale" and report.detail.get("retired") and record is not None:
+                if isinstance(report.result, p.RescaleDone) and report.result.retired and record is not None:
                     record.expected_exit = True
             elif isinstance(report, p.WorkerError):
                 self._errors.append(report)
@@ -584,7 +584,7 @@ class Coordinator:
             self._forget_old_operations()
             live = self.live_workers()
             attempts = {g: Attempt(n, frozenset(pid for pid, r in self._done.get(seq, {}).items()
-                                                if not r.detail.get("retired")))
+                                                if isinstance(r.result, p.RescaleDone) and not r.result.retired))
                         for g, (n, seq) in self._attempted.items()}
             # a pure decision (elastic.plans); it refuses before the state changes when no one survives
             plan = plan_recovery([LiveWorker(w.handle.pid, w.rank, w.generation) for w in live], attempts,
@@ -795,13 +795,15 @@ class Coordinator:
             # ranks still waiting to join this generation give up now, not at their deadline
             abort_generation(self._store, generation, f"rescale attempt abandoned: {exc}")
             raise
-        op.paused_seconds = max(r.detail.get("seconds", 0.0) for r in reports.values())
-        op.bytes_moved = sum(r.detail.get("bytes_received", 0) for r in reports.values())
-        op.diverged_layers = sorted({layer for r in reports.values() for layer in r.detail.get("diverged_layers", ())})
-        digests = {r.detail["digest"] for r in reports.values() if not r.detail.get("retired")}
+        results = {pid: r.result for pid, r in reports.items() if isinstance(r.result, p.RescaleDone)}
+        op.paused_seconds = max(r.seconds for r in results.values())
+        op.bytes_moved = sum(r.bytes_received for r in results.values())
+        op.diverged_layers = sorted({layer for r in results.values() for layer in r.diverged_layers})
+        kept = [r for r in results.values() if not r.retired]
+        digests = {r.digest for r in kept}
         if len(digests) != 1:
             raise OperationFailed("rescaling", f"ranks disagree on the new placement: digests {sorted(digests)}")
-        retired = [self.workers[pid] for pid, r in reports.items() if r.detail.get("retired")]
+        retired = [self.workers[pid] for pid, r in results.items() if r.retired]
         for w in retired:
             w.expected_exit = True
             if not w.handle.join(max(1.0, self.config.timeouts.collective)):
@@ -809,7 +811,7 @@ class Coordinator:
         op.released_ranks = sorted(w.rank for w in retired)
         with self._lock:
             self.size = new_size
-            self.num_physical = next(iter(r.detail["num_physical"] for r in reports.values() if not r.detail.get("retired")))
+            self.num_physical = kept[0].num_physical
         log.info("rescaled to %d ranks (generation %d) in %.2fs", new_size, generation, time.monotonic() - started)
         self.machine.rescaled(generation=generation, reason=f"group of {new_size} formed, experts redistributed")
 
@@ -883,7 +885,7 @@ class Coordinator:
             if "did not finish" in exc.reason:
                 raise  # only the confirmation is missing: the command is on its way
             raise RebalanceFailed(exc.reason) from exc
-        return all(r.detail.get("started") for r in reports.values())
+        return all(isinstance(r.result, p.RebalanceAck) and r.result.started for r in reports.values())
 
     def verify(self, timeout: float = 60.0) -> dict[int, dict[str, Any]]:
         """Every rank checks every local slot bit-exactly; returns rank -> its verdict."""

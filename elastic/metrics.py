@@ -53,7 +53,7 @@ class CoordinatorCollector(Collector):
         generation = GaugeMetricFamily(PREFIX + "generation", "generation of the current process group")
         size = GaugeMetricFamily(PREFIX + "ep_size", "EP ranks in the current group")
         physical = GaugeMetricFamily(PREFIX + "physical_slots", "physical expert slots over all ranks")
-        serving = GaugeMetricFamily(PREFIX + "serving", "1 while decoding runs (every state but rescaling and failed)")
+        serving = GaugeMetricFamily(PREFIX + "serving", "1 while decoding runs (every rank of the serving group says so)")
         balancedness = GaugeMetricFamily(PREFIX + "balancedness", "lowest balancedness (mean/max load) over ranks")
         step = GaugeMetricFamily(PREFIX + "step", "decode step of the slowest rank")
         in_flight = GaugeMetricFamily(PREFIX + "in_flight_layer", "layer of the async rebalance being transferred, -1 for none")
@@ -65,6 +65,12 @@ class CoordinatorCollector(Collector):
         scale_bytes = CounterMetricFamily(PREFIX + "scale_bytes_moved", "bytes moved by scale and recovery operations")
         rank_load = GaugeMetricFamily(PREFIX + "rank_load", "tokens routed to a rank's slots in its last step", labels=["rank"])
         rank_step = GaugeMetricFamily(PREFIX + "rank_step_seconds", "a rank's last decode step time", labels=["rank"])
+        eplb_healthy = GaugeMetricFamily(PREFIX + "eplb_healthy", "1 while the async EPLB can commit rebalances, 0 when "
+                                         "degraded (it failed and could not be rebuilt; /state says why)")
+        eplb_restarts = CounterMetricFamily(PREFIX + "eplb_restarts", "async EPLB runs rebuilt after a failed layer "
+                                            "(most of any rank)")
+        eplb_failed = CounterMetricFamily(PREFIX + "eplb_rebalances_failed", "rebalances aborted on every rank after a "
+                                          "rank's layer failed (most of any rank)")
         if snap is not None:
             for phase in Phase:
                 state.add_metric([phase.value], 1.0 if snap["state"] == phase.value else 0.0)
@@ -81,6 +87,10 @@ class CoordinatorCollector(Collector):
             layers.add_metric([], snap.get("layers_committed") or 0)
             eplb_bytes.add_metric([], snap.get("bytes_moved") or 0)
             stalls.add_metric([], snap.get("watchdog_stalls") or 0)
+            health = snap.get("eplb_health") or {}
+            eplb_healthy.add_metric([], 0.0 if health.get("status") == "degraded" else 1.0)
+            eplb_restarts.add_metric([], health.get("restarts") or 0)
+            eplb_failed.add_metric([], health.get("rebalances_failed") or 0)
             counts: dict[tuple[str, str], int] = {(k, s): 0 for k in ("scale", "recover") for s in OPERATION_STATUSES}
             for op in ops:
                 key = (op["kind"], op["status"])
@@ -92,7 +102,8 @@ class CoordinatorCollector(Collector):
                 rank_load.add_metric([str(hb.rank)], float(hb.rank_load))
                 rank_step.add_metric([str(hb.rank)], float(hb.step_seconds))
         yield from (state, generation, size, physical, serving, balancedness, step, in_flight, rebalances, layers,
-                    eplb_bytes, stalls, operations, scale_bytes, rank_load, rank_step)
+                    eplb_bytes, stalls, operations, scale_bytes, rank_load, rank_step, eplb_healthy, eplb_restarts,
+                    eplb_failed)
         scaler = self.autoscaler
         enabled = GaugeMetricFamily(PREFIX + "autoscaler_enabled", "1 when the autoscaler is on", labels=["observe_only"])
         decisions = CounterMetricFamily(PREFIX + "autoscaler_decisions", "autoscaler decisions by what became of them",

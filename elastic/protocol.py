@@ -8,9 +8,10 @@ at the same step even though the commands reach their queues at different times.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 
 class WorkerMode(StrEnum):
@@ -71,7 +72,7 @@ class Rescale(Command):
     new_size: int = 0
     mapping: tuple[int, ...] = ()
     lost: tuple[int, ...] = ()
-    execute_on: str = "new"  # "old": move over the old group first (scale down); "new": form the new group first
+    execute_on: Literal["old", "new"] = "new"  # "old": move over the old group first (scale down); "new": form the new group first
 
 
 @dataclass(frozen=True)
@@ -128,15 +129,135 @@ class Heartbeat(Report):
     step_timings: tuple[tuple[int, float, float, float, int], ...] = ()
 
 
+# -- results: one type per command, carried by PhaseDone --------------------------------------
+
+@dataclass(frozen=True)
+class Result:
+    """What a worker reports once it has done what a command asked."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as plain data (tuples as lists), as JSON and the reports show them."""
+        return _plain(dataclasses.asdict(self))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class Started(Result):
+    """The worker joined the first group and decodes (seq 0)."""
+
+    num_physical: int = 0
+
+
+@dataclass(frozen=True)
+class StandbyReady(Result):
+    """A rank launched ahead of a scale-up has its weights allocated and registered (a negative seq)."""
+
+    prepare_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class DrainDone(Result):
+    layers_committed: int = 0
+    steps_while_draining: int = 0
+
+
+@dataclass(frozen=True)
+class SuppressDone(Result):
+    join_seconds: float = 0.0
+    placement_seconds: float = 0.0  # the announced scale down's placement and plans
+    announced: bool = False
+    threads: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RescaleDone(Result):
+    retired: bool = False  # this rank left the group
+    bytes_received: int = 0
+    seconds: float = 0.0  # the whole rescale on this rank (the pause)
+    digest: str | None = None  # of the new maps (None: retired)
+    num_physical: int | None = None
+    diverged_layers: tuple[int, ...] = ()  # layers whose survivors' maps differed (a torn commit)
+    placement_before: list[list[int]] | None = None
+    placement_after: list[list[int]] | None = None
+    timing: dict[str, Any] = field(default_factory=dict)  # group/placement/transfer/barrier/adopt seconds
+
+    def as_dict(self) -> dict[str, Any]:
+        out = super().as_dict()
+        return {**out, **out.pop("timing")}
+
+
+@dataclass(frozen=True)
+class ResumeDone(Result):
+    seconds: float = 0.0
+    threads: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RebalanceAck(Result):
+    started: bool = False  # a rebalance is under way on every rank (this one, or one already running)
+
+
+@dataclass(frozen=True)
+class VerifyResult(Result):
+    mismatched: tuple[tuple[int, int], ...] = ()  # (layer, physical slot) holding the wrong weights
+    digest: str = ""
+    replica_min: int = 0
+    num_physical: int = 0
+    size: int = 0
+    threads: tuple[str, ...] = ()
+    process_groups: int = 0
+    rss_bytes: int = 0
+    expert_weight_bytes: int = 0
+    staging_bytes: int = 0
+    communicator: dict[str, Any] = field(default_factory=dict)
+    hosts: tuple[str, ...] = ()
+    num_nodes: int = 1
+
+
+@dataclass(frozen=True)
+class EPLBStopped(Result):
+    threads: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ShutdownDone(Result):
+    pass
+
+
+#: the result type of each command
+RESULT_OF: dict[type[Command], type[Result]] = {
+    Drain: DrainDone, Suppress: SuppressDone, Rescale: RescaleDone, Resume: ResumeDone,
+    RebalanceNow: RebalanceAck, Verify: VerifyResult, StopEPLB: EPLBStopped, Shutdown: ShutdownDone,
+}
+_PHASE_OF_RESULT = {result: command.__name__ for command, result in RESULT_OF.items()}
+_PHASE_OF_RESULT.update({Started: "Started", StandbyReady: "Standby"})
+
+
 @dataclass(frozen=True)
 class PhaseDone(Report):
-    """The worker finished what a command asked (``phase`` is the command's class name)."""
+    """The worker finished what command ``seq`` asked; ``result`` is that command's result type."""
 
     seq: int = 0
     operation_id: str | None = None
-    phase: str = ""
     step: int = 0
-    detail: dict[str, Any] = field(default_factory=dict)
+    result: Result = field(default_factory=Result)
+
+    @property
+    def phase(self) -> str:
+        """The command's class name (``"Started"`` and ``"Standby"`` for the two reports without one)."""
+        return _PHASE_OF_RESULT.get(type(self.result), "")
+
+    @property
+    def detail(self) -> dict[str, Any]:
+        """The result as a plain dict (reports, benchmarks)."""
+        return self.result.as_dict()
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ they arrive (a recovery ``Rescale`` or ``Shutdown``) instead of at agreed step b
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import queue
@@ -22,6 +23,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -35,7 +37,7 @@ from eplb.plan import LayerPlan, holders_from_mapping, plan_layer
 from eplb.state import CONTROL_WORDS, EPLBState, LoadWindow, TransferHooks, placement_for
 from eplb.trace import PhasedTrace, TraceConfig
 from eplb.transfer import commit_layer, execute_layer, materialize
-from elastic import faults as f
+from elastic.fault_injector import FaultInjector
 from elastic import protocol as p
 from elastic.groups import GroupGeneration, connect_store, num_nodes_of
 
@@ -76,6 +78,28 @@ class BrokenGroup(RuntimeError):
     """A collective of the decode loop failed: the group cannot be used any more."""
 
 
+class UndoLog:
+    """What a rescale overwrote in a surviving rank's weights, so a rescale that fails before
+    adoption puts the slots back and the old placement matches the weights again."""
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[int, int, list[torch.Tensor]]] = []  # (layer, local slot, previous contents)
+
+    def save(self, layer: int, slots: Sequence[int], weights: list[torch.Tensor]) -> None:
+        """Keep the current contents of ``slots`` of one layer before they are overwritten."""
+        self._saved += [(layer, j, [t[j].clone() for t in weights]) for j in slots]
+
+    def replay(self, weights: list[list[torch.Tensor]]) -> None:
+        """Put back everything saved (newest first) and forget it."""
+        for layer, slot, saved in reversed(self._saved):
+            for tensor, value in zip(weights[layer], saved):
+                tensor[slot].copy_(value)
+        self._saved.clear()
+
+    def __len__(self) -> int:
+        return len(self._saved)
+
+
 class Worker:
     def __init__(self, spec: WorkerSpec, inbox: Any, outbox: Any):
         self.spec = spec
@@ -104,14 +128,39 @@ class Worker:
         self.store = connect_store(spec.store_host, spec.store_port, spec.join_timeout_s)
         self.comm = make_communicator(spec.eplb.communicator, spec.backend)  # moves expert weights
         self.group: GroupGeneration | None = None
-        self.model: ReferenceMoE | None = None
-        self.eplb: EPLBState | None = None
-        self._fired: set[Any] = set()
+        # the model and the EPLB state exist once this rank is in a group (a joining rank gets
+        # them at its first rescale); ``eplb``/``model`` raise before that, ``_eplb``/``_model`` tell
+        self._model: ReferenceMoE | None = None
+        self._eplb: EPLBState | None = None
+        self.faults = FaultInjector(spec.faults, lambda: (self.rank, self.generation))
         self._prepared_weights: list[list[torch.Tensor]] | None = None  # a joining rank's, allocated while standing by
         # (announced scale down, maps then, its placement and layer plans), from Suppress to Rescale
         self._announced: tuple[p.Rescale, Placement, Placement, list[LayerPlan]] | None = None
-        self._corrupted = 0
-        self._delayed: dict[Any, int] = {}  # DelayTransfer fault -> layers delayed so far
+
+    @property
+    def eplb(self) -> EPLBState:
+        if self._eplb is None:
+            raise RuntimeError(f"rank {self.rank} has no EPLB state yet: it has not joined a group")
+        return self._eplb
+
+    @eplb.setter
+    def eplb(self, state: EPLBState) -> None:
+        self._eplb = state
+
+    @property
+    def model(self) -> ReferenceMoE:
+        if self._model is None:
+            raise RuntimeError(f"rank {self.rank} has no model yet: it has not joined a group")
+        return self._model
+
+    @model.setter
+    def model(self, model: ReferenceMoE) -> None:
+        self._model = model
+
+    def _in_group(self) -> GroupGeneration:
+        if self.group is None:
+            raise RuntimeError(f"rank {self.rank} is in no group")
+        return self.group
 
     # -- reporting -------------------------------------------------------------------------
     def _base(self) -> dict[str, Any]:
@@ -124,74 +173,31 @@ class Worker:
         self.report(p.WorkerEvent, step=self.step, kind=kind, data=data)
 
     # -- faults (tests and scenarios only) -----------------------------------------------
-    def _faults(self, kind: type) -> list[Any]:
-        return [x for x in self.spec.faults if isinstance(x, kind) and x.rank == self.rank
-                and (x.generation is None or x.generation == self.generation)]
-
-    def _apply_step_faults(self) -> None:
-        for fault in self._faults(f.KillRank):
-            if fault.at_step is not None and self.step >= fault.at_step:
-                os._exit(17)
-        for fault in self._faults(f.StallRank):
-            if self.step >= fault.at_step and fault not in self._fired:
-                self._fired.add(fault)
-                time.sleep(fault.seconds)
-
-    def _apply_phase_faults(self, command: p.Command) -> None:
-        phase = {p.Drain: "draining", p.Suppress: "suppressed", p.Rescale: "rescaling", p.Resume: "resuming"}.get(type(command))
-        for fault in self._faults(f.KillRank):
-            if phase is not None and fault.in_phase == phase and fault.after_layers is None:
-                os._exit(17)
-
     def _apply_commit_faults(self, reduced: list[int]) -> None:
-        if not self.eplb.commits_now(reduced):
-            return
-        for fault in self._faults(f.TornCommit):
-            if self.eplb.stats.layers_committed + 1 == fault.at_commit:
-                raise BrokenGroup(f"fault injection: the step-{self.step} all-reduce broke on this rank only, "
-                                  f"before commit {fault.at_commit} (the other ranks commit)")
+        if self.eplb.commits_now(reduced) and self.faults.torn_commit(self.eplb.stats.layers_committed + 1):
+            raise BrokenGroup(f"fault injection: the step-{self.step} all-reduce broke on this rank only, "
+                              f"before commit {self.eplb.stats.layers_committed + 1} (the other ranks commit)")
 
     def _hooks(self) -> TransferHooks:
-        def before_layer(layer: int) -> None:
-            for fault in self._faults(f.DelayTransfer):
-                if fault.times is None or self._delayed.get(fault, 0) < fault.times:
-                    self._delayed[fault] = self._delayed.get(fault, 0) + 1
-                    time.sleep(fault.seconds)
-
-        def after_fill(layer: int, rank_plan: Any, staging: list[torch.Tensor]) -> None:
-            for fault in self._faults(f.CorruptBuffer):
-                if self._corrupted < fault.times and rank_plan.changed_slots:
-                    self._corrupted += 1
-                    staging[0][rank_plan.changed_slots[0]].add_(1.0)
-
         verify = self.model.verify_staged if self.spec.eplb.verify_transfers else None
-        return TransferHooks(before_layer=before_layer, after_fill=after_fill,
+        return TransferHooks(before_layer=self.faults.before_layer, after_fill=self.faults.after_fill,
                              verify_staged=(lambda *a: verify(*a)) if verify else None)
 
-    # -- startup ---------------------------------------------------------------------------
-    def _slow_prepare(self) -> None:
-        """Fault injection: a preparation that takes longer (a slow checkpoint load), reporting
-        its progress each second, as a real load does."""
-        for fault in self._faults(f.SlowPrepare):
-            total = max(1, int(fault.seconds))
-            for done in range(total):
-                self.progress = ("loading weights (slow_prepare fault)", done, total)
-                time.sleep(fault.seconds / total)
-            self.progress = None
+    def _set_progress(self, progress: tuple[str, int, int] | None) -> None:
+        self.progress = progress
 
+    # -- startup ---------------------------------------------------------------------------
     def start(self) -> None:
         spec = self.spec
-        if self._faults(f.HangBeforeStart):
-            while True:  # fault injection: hung before the first report; the coordinator gives up at worker_start
-                time.sleep(1.0)
+        self.faults.hang_before_start()
         if spec.joining:  # a fresh rank: it joins through the rescale
             command = self._standby()
             if command is not None:
-                self._apply_phase_faults(command)
+                self.faults.at_command(command)
                 self._rescale(command, fresh=True)
             return
         with self._busy(p.WorkerMode.STARTING):
-            self._slow_prepare()
+            self.faults.slow_prepare(self._set_progress)
             self.progress = ("joining the group", 0, 1)
             self.group = GroupGeneration.join(self.store, self.generation, self.rank, self.size,
                                               backend=spec.backend, timeout_s=spec.collective_timeout_s,
@@ -200,11 +206,11 @@ class Worker:
             self.progress = ("loading weights", 0, spec.shape.num_layers)
             self.model = ReferenceMoE(spec.shape, placement, self.rank, self.size, seed=spec.seed)
             self.progress = None
-        self.eplb = EPLBState(spec.eplb, self.model, placement, self.rank, self.size, on_event=self._eplb_event)
-        self.eplb.hooks = self._hooks()
+        self.eplb = EPLBState(spec.eplb, self.model, placement, self.rank, self.size, on_event=self._eplb_event,
+                              hooks=self._hooks(), communicator=self.comm)
         self._resume_eplb()
         self.mode = p.WorkerMode.DECODING
-        self.report(p.PhaseDone, seq=0, phase="Started", step=self.step, detail={"num_physical": placement.num_physical})
+        self.report(p.PhaseDone, seq=0, step=self.step, result=p.Started(num_physical=placement.num_physical))
 
     def _standby(self) -> p.Rescale | None:
         """Launched ahead of a scale-up: allocate the weights and fault their pages in now, while
@@ -218,7 +224,7 @@ class Worker:
         self.mode = p.WorkerMode.STANDBY
         started = time.perf_counter()
         with self._busy(p.WorkerMode.STANDBY):
-            self._slow_prepare()
+            self.faults.slow_prepare(self._set_progress)
             self._prepared_weights = allocate_weights(spec.shape, spec.num_physical // spec.size)
             for i, layer in enumerate(self._prepared_weights):
                 self.progress = ("allocating expert weights", i, len(self._prepared_weights))
@@ -228,22 +234,23 @@ class Worker:
             self.comm.set_incoming(self._prepared_weights)  # memory registration (NIXL), also ahead of the pause
             self.progress = None
         # ready: the coordinator starts the pause only now, so the old group decodes meanwhile
-        self.report(p.PhaseDone, seq=spec.standby_seq, phase="Standby", step=self.step,
-                    detail={"prepare_seconds": time.perf_counter() - started})
+        self.report(p.PhaseDone, seq=spec.standby_seq, step=self.step,
+                    result=p.StandbyReady(prepare_seconds=time.perf_counter() - started))
         return self._wait_for_rescale(p.WorkerMode.STANDBY, "this rank has not joined a group yet", spec.standby_timeout_s)
 
     def _resume_eplb(self) -> None:
-        self._attach_comm(self.group.generation)
-        self.eplb.config = self._eplb_config(self.group.hosts)  # num_nodes of this generation's hosts
-        self.eplb.rebuild_group = self._rebuild_eplb_group
-        self.eplb.start_worker(self.group.build_eplb_group(), self.group.generation)
+        group = self._in_group()
+        self._attach_comm(group.generation)
+        # the config of this generation: num_nodes of its hosts
+        self.eplb.start_worker(group.build_eplb_group(), group.generation, config=self._eplb_config(group.hosts),
+                               rebuild_group=self._rebuild_eplb_group)
         self.eplb.resume()
 
     def _rebuild_eplb_group(self) -> Any:
         """A fresh EPLB group after a failed layer (gloo closes a pair on a timeout, so every later
         layer on the old one would fail too); every rank calls this at the same agreed step."""
-        old = self.group.eplb_group
-        group = self.group.build_eplb_group()
+        old = self._in_group().eplb_group
+        group = self._in_group().build_eplb_group()
         if old is not None:
             dist.destroy_process_group(old)
         return group
@@ -286,81 +293,98 @@ class Worker:
         return True
 
     def _execute(self, command: p.Command) -> None:
-        self._apply_phase_faults(command)
-        if isinstance(command, p.Drain):
-            self.eplb.begin_drain()
-            self.mode = p.WorkerMode.DRAINING
-            self.draining_op = command
-            self.drain_started_step = self.step
-        elif isinstance(command, p.Suppress):
-            if not self.eplb.drained:
-                raise RuntimeError("suppress before the drain finished: a transfer is still in flight")
-            started = time.perf_counter()
-            gone = self.eplb.stop_worker(timeout=self.spec.collective_timeout_s)
-            if not gone:
-                raise TimeoutError("the async EPLB thread did not stop in time")
-            self.mode = p.WorkerMode.SUPPRESSED
-            joined = time.perf_counter() - started
-            self._announced = None
-            if command.mapping:  # a scale down follows: its placement is computed now, not in the pause
-                announced = p.Rescale(seq=command.seq, new_size=command.new_size, mapping=command.mapping, execute_on="old")
-                base = self.eplb.placement
-                placement = self._next_placement(announced, base, base.physical_to_logical)
-                plans = self._layer_plans(announced, base.physical_to_logical, placement)
-                self._announced = (announced, base, placement, plans)
-            self._done(command, {"join_seconds": joined, "threads": _thread_names(), "announced": bool(command.mapping),
-                                 "placement_seconds": time.perf_counter() - started - joined})
-        elif isinstance(command, p.Rescale):
-            self._rescale(command, fresh=False)
-        elif isinstance(command, p.Resume):
-            started = time.perf_counter()
-            self._resume_eplb()
-            self.mode = p.WorkerMode.DECODING
-            self._done(command, {"seconds": time.perf_counter() - started, "threads": _thread_names()})
-        elif isinstance(command, p.RebalanceNow):
-            if not self.eplb.draining and self.eplb.all_idle:
-                self.eplb.rebalance_now()
-            # under way counts as started: in flight here, or still busy on another rank (agreed
-            # BUSY) after this rank's own worker already finished
-            under_way = self.eplb.in_flight is not None or not self.eplb.all_idle
-            self._done(command, {"started": under_way or not self.spec.eplb.use_async})
-        elif isinstance(command, p.Verify):
-            self._done(command, self._verify())
-        elif isinstance(command, p.StopEPLB):
-            self.eplb.begin_drain()  # nothing starts again until a recovery's Resume
-            if not self.eplb.stop_worker(timeout=self.spec.eplb.transfer_timeout_s + self.spec.collective_timeout_s):
-                raise TimeoutError("the async EPLB thread did not stop in time")
-            self.mode = p.WorkerMode.HALTED
-            self._done(command, {"threads": _thread_names()})
-        elif isinstance(command, p.Shutdown):
-            self.stopping = True
-            self._done(command, {})
-        else:
+        """Run one command (at its agreed step): the handler its type names in ``_HANDLERS``."""
+        self.faults.at_command(command)
+        handler = self._HANDLERS.get(type(command))
+        if handler is None:
             raise TypeError(f"unknown command {command!r}")
+        handler(self, command)
 
-    def _done(self, command: p.Command, detail: dict[str, Any]) -> None:
-        self.report(p.PhaseDone, seq=command.seq, operation_id=command.operation_id,
-                    phase=type(command).__name__, step=self.step, detail=detail)
+    def _on_drain(self, command: p.Drain) -> None:
+        self.eplb.begin_drain()
+        self.mode = p.WorkerMode.DRAINING
+        self.draining_op = command  # reported done at the step the agreed BUSY reads 0
+        self.drain_started_step = self.step
 
-    def _verify(self) -> dict[str, Any]:
+    def _on_suppress(self, command: p.Suppress) -> None:
+        if not self.eplb.drained:
+            raise RuntimeError("suppress before the drain finished: a transfer is still in flight")
+        started = time.perf_counter()
+        if not self.eplb.stop_worker(timeout=self.spec.collective_timeout_s):
+            raise TimeoutError("the async EPLB thread did not stop in time")
+        self.mode = p.WorkerMode.SUPPRESSED
+        joined = time.perf_counter() - started
+        self._announced = None
+        if command.mapping:  # a scale down follows: its placement is computed now, not in the pause
+            announced = p.Rescale(seq=command.seq, new_size=command.new_size, mapping=command.mapping, execute_on="old")
+            base = self.eplb.placement
+            placement = self._next_placement(announced, base, base.physical_to_logical)
+            plans = self._layer_plans(announced, base.physical_to_logical, placement)
+            self._announced = (announced, base, placement, plans)
+        self._done(command, p.SuppressDone(join_seconds=joined, threads=_thread_names(), announced=bool(command.mapping),
+                                           placement_seconds=time.perf_counter() - started - joined))
+
+    def _on_rescale(self, command: p.Rescale) -> None:
+        self._rescale(command, fresh=False)
+
+    def _on_resume(self, command: p.Resume) -> None:
+        started = time.perf_counter()
+        self._resume_eplb()
+        self.mode = p.WorkerMode.DECODING
+        self._done(command, p.ResumeDone(seconds=time.perf_counter() - started, threads=_thread_names()))
+
+    def _on_rebalance_now(self, command: p.RebalanceNow) -> None:
+        if not self.eplb.draining and self.eplb.all_idle:
+            self.eplb.rebalance_now()
+        # under way counts as started: in flight here, or still busy on another rank (agreed
+        # BUSY) after this rank's own worker already finished
+        under_way = self.eplb.in_flight is not None or not self.eplb.all_idle
+        self._done(command, p.RebalanceAck(started=under_way or not self.spec.eplb.use_async))
+
+    def _on_verify(self, command: p.Verify) -> None:
+        self._done(command, self._verify())
+
+    def _on_stop_eplb(self, command: p.StopEPLB) -> None:
+        self.eplb.begin_drain()  # nothing starts again until a recovery's Resume
+        if not self.eplb.stop_worker(timeout=self.spec.eplb.transfer_timeout_s + self.spec.collective_timeout_s):
+            raise TimeoutError("the async EPLB thread did not stop in time")
+        self.mode = p.WorkerMode.HALTED
+        self._done(command, p.EPLBStopped(threads=_thread_names()))
+
+    def _on_shutdown(self, command: p.Shutdown) -> None:
+        self.stopping = True
+        self._done(command, p.ShutdownDone())
+
+    #: one handler per command type: the whole of what a worker does with its commands
+    _HANDLERS: dict[type, Any] = {
+        p.Drain: _on_drain, p.Suppress: _on_suppress, p.Rescale: _on_rescale, p.Resume: _on_resume,
+        p.RebalanceNow: _on_rebalance_now, p.Verify: _on_verify, p.StopEPLB: _on_stop_eplb,
+        p.Shutdown: _on_shutdown,
+    }
+
+    def _done(self, command: p.Command, result: p.Result) -> None:
+        assert isinstance(result, p.RESULT_OF[type(command)]), (command, result)
+        self.report(p.PhaseDone, seq=command.seq, operation_id=command.operation_id, step=self.step, result=result)
+
+    def _verify(self) -> p.VerifyResult:
         placement = self.eplb.placement
         from torch.distributed import distributed_c10d
 
-        return {
-            "threads": _thread_names(),
-            "process_groups": len(distributed_c10d._world.pg_map),
-            "rss_bytes": _rss_bytes(),
-            "expert_weight_bytes": sum(t.numel() * t.element_size() for layer in self.model.expert_weights() for t in layer),
-            "staging_bytes": sum(t.numel() * t.element_size() for t in self.eplb.staging),
-            "mismatched": self.model.verify(),
-            "digest": placement_digest(placement),
-            "replica_min": int(placement.replica_count.min()),
-            "num_physical": placement.num_physical,
-            "size": self.size,
-            "communicator": self.comm.stats(),
-            "hosts": list(self.group.hosts) if self.group is not None else [],
-            "num_nodes": self.eplb.config.policy_options.get("num_nodes", 1),
-        }
+        return p.VerifyResult(
+            threads=tuple(_thread_names()),
+            process_groups=len(distributed_c10d._world.pg_map),
+            rss_bytes=_rss_bytes(),
+            expert_weight_bytes=sum(t.numel() * t.element_size() for layer in self.model.expert_weights() for t in layer),
+            staging_bytes=sum(t.numel() * t.element_size() for t in self.eplb.staging),
+            mismatched=tuple(self.model.verify()),
+            digest=placement_digest(placement),
+            replica_min=int(placement.replica_count.min()),
+            num_physical=placement.num_physical,
+            size=self.size,
+            communicator=self.comm.stats(),
+            hosts=tuple(self.group.hosts) if self.group is not None else (),
+            num_nodes=self.eplb.config.policy_options.get("num_nodes", 1),
+        )
 
     # -- rescale ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -373,7 +397,7 @@ class Worker:
         def beat() -> None:
             while True:
                 self.report(p.Heartbeat, step=self.step, state=what, progress=self.progress,
-                            balancedness=self.eplb.stats.last_balancedness if self.eplb else 1.0)
+                            balancedness=self._eplb.stats.last_balancedness if self._eplb else 1.0)
                 if done.wait(self.spec.heartbeat_s):
                     return
 
@@ -392,7 +416,7 @@ class Worker:
     def _rescale_blocking(self, cmd: p.Rescale, *, fresh: bool) -> None:
         """Redistribute experts by ``cmd.mapping`` and move to generation ``cmd.generation``."""
         started = time.perf_counter()
-        if self.eplb is not None and self.eplb.running:
+        if self._eplb is not None and self._eplb.running:
             raise RuntimeError("rescale while the async EPLB worker runs: suppress it first")
         new_rank = cmd.mapping[self.rank] if not fresh else self.rank
         # group destroy + rendezvous; redistribution (wall, and this process's CPU incl. gloo threads)
@@ -437,11 +461,11 @@ class Worker:
         timing["adopt_seconds"] = time.perf_counter() - mark
         self.broken = False
         self.mode = p.WorkerMode.RESUMING
-        self.report(p.PhaseDone, seq=cmd.seq, operation_id=cmd.operation_id, phase="Rescale", step=self.step,
-                    detail={"retired": False, "bytes_received": bytes_moved, "seconds": time.perf_counter() - started,
-                            "digest": placement_digest(self.eplb.placement), "num_physical": self.eplb.placement.num_physical,
-                            "placement_before": held.tolist(), "diverged_layers": diverged,
-                            "placement_after": self.eplb.placement.physical_to_logical.tolist(), **timing})
+        self.report(p.PhaseDone, seq=cmd.seq, operation_id=cmd.operation_id, step=self.step, result=p.RescaleDone(
+            retired=False, bytes_received=bytes_moved, seconds=time.perf_counter() - started,
+            digest=placement_digest(self.eplb.placement), num_physical=self.eplb.placement.num_physical,
+            placement_before=held.tolist(), diverged_layers=tuple(diverged),
+            placement_after=self.eplb.placement.physical_to_logical.tolist(), timing=timing))
 
     def _join(self, cmd: p.Rescale, new_rank: int) -> GroupGeneration:
         spec = self.spec
@@ -480,7 +504,7 @@ class Worker:
         """
         survivors = [n for old, n in enumerate(cmd.mapping) if n >= 0 and old not in cmd.lost]
         source = min(survivors)
-        payload = [None]
+        payload: list[Any] = [None]
         if new_rank == source:
             payload = [{
                 "step": self.step,
@@ -491,7 +515,7 @@ class Worker:
             }]
         dist.broadcast_object_list(payload, src=source)
         state = payload[0]
-        own = [None] * cmd.new_size
+        own: list[Any] = [None] * cmd.new_size
         dist.all_gather_object(own, None if fresh else (self.rank, self.eplb.placement.physical_to_logical))
         self.step = state["step"]
         base = Placement.from_physical_to_logical(state["p2l"], self.spec.shape.num_experts)
@@ -504,13 +528,11 @@ class Worker:
         if fresh:
             self.model = ReferenceMoE(self.spec.shape, base, 0, 1, seed=self.spec.seed, materialize=False)
             self.model.replace_weights([])
-            self.eplb = EPLBState(self.spec.eplb, self.model, base, new_rank, cmd.new_size,
-                                  window=LoadWindow.from_state(state["window"]), on_event=self._eplb_event)
-            self.eplb.hooks = self._hooks()
-            self.eplb.stats = state["stats"]
-            self.eplb.steps_since_rebalance = state["steps_since_rebalance"]
+            self.eplb = EPLBState(self.spec.eplb, self.model, base, new_rank, cmd.new_size, on_event=self._eplb_event,
+                                  hooks=self._hooks(), communicator=self.comm)
+            self.eplb.carry_over(LoadWindow.from_state(state["window"]), state["stats"], state["steps_since_rebalance"])
         else:
-            self.eplb.window = LoadWindow.from_state(state["window"])
+            self.eplb.carry_over(LoadWindow.from_state(state["window"]))
         return base, held
 
     def _announced_plan(self, cmd: p.Rescale, base: Placement) -> tuple[Placement, list[LayerPlan]] | None:
@@ -535,7 +557,7 @@ class Worker:
         """The placement for the new group: same slots per rank, a policy run on the carried window,
         slot-aligned to what the surviving ranks hold (``held``), so they keep those slots in place."""
         per_rank = old.num_physical // len(cmd.mapping)
-        hosts = self.group.hosts
+        hosts = self._in_group().hosts
         if cmd.execute_on == "old":  # computed on the old group: the hosts of the survivors, in new rank order
             hosts = tuple(hosts[old] for _, old in sorted((new, old) for old, new in enumerate(cmd.mapping) if new >= 0))
         config = self._eplb_config(hosts)
@@ -568,35 +590,37 @@ class Worker:
         networked = any(plan.num_transfers for plan in plans)
         if not networked and (in_place or my_new_rank < 0) and all(
                 plan.for_rank(executing_rank).is_idle for plan in plans):
-            return old_weights if in_place else None, 0, [], False  # nothing moves anywhere, nothing here changes
+            return old_weights if in_place else None, 0, UndoLog(), False  # nothing moves anywhere, nothing here changes
+        staging: list[torch.Tensor] = []
+        weights: list[list[torch.Tensor]] | None = None
         if in_place:
+            assert old_weights is not None
             weights = old_weights
             staging = [torch.empty_like(t) for t in old_weights[0]]
         else:
-            weights = None
             if my_new_rank >= 0:
                 prepared, self._prepared_weights = self._prepared_weights, None
                 fits = prepared is not None and all(t.shape[0] == per_rank for layer in prepared for t in layer)
                 weights = prepared if fits else self.model.allocate(per_rank)
-        undo: list[tuple[int, int, list[torch.Tensor]]] = []
+        undo = UndoLog()
         self._comm_for_rescale(cmd, None if in_place else weights, staging if in_place else None)
         received = 0
         timeout = timedelta(seconds=self.spec.eplb.transfer_timeout_s)
         try:
             for layer in range(held.shape[0]):
-                if any(k.after_layers == layer for k in self._faults(f.KillRank)):
-                    os._exit(17)  # fault injection: die mid-redistribution
+                self.faults.mid_rescale(layer)
                 plan = plans[layer]
                 rank_plan = plan.for_rank(executing_rank)
                 target = staging if in_place else ([] if weights is None else weights[layer])
                 stats = execute_layer(
                     plan, executing_rank, None if old_weights is None else old_weights[layer], target,
                     group=None, timeout=timeout, max_ops_per_batch=self.spec.eplb.max_ops_per_batch, layer=layer,
-                    reload_fn=lambda expert, layer=layer: self.model.canonical_expert(layer, expert),
+                    reload_fn=functools.partial(self._canonical, layer),
                     communicator=self.comm,
                 )
                 if in_place:
-                    undo += [(layer, j, [t[j].clone() for t in weights[layer]]) for j in rank_plan.changed_slots]
+                    assert weights is not None
+                    undo.save(layer, rank_plan.changed_slots, weights[layer])
                     commit_layer(rank_plan, staging, weights[layer])
                 elif weights is not None:
                     materialize(rank_plan, None if old_weights is None else old_weights[layer], weights[layer])
@@ -606,12 +630,15 @@ class Worker:
             raise
         return weights, received, undo, networked
 
+    def _canonical(self, layer: int, expert: int) -> list[torch.Tensor]:
+        """The checkpoint's weights of one expert (what an expert lost with its rank is reloaded from)."""
+        return self.model.canonical_expert(layer, expert)
+
     def _attach_comm(self, generation: int) -> None:
         """The communicator follows the group generation: NIXL forgets the peers of the previous
         one and exchanges metadata through this one's store at its first transfer."""
         self.comm.bind(generation, dist.PrefixStore(f"elastic/gen{generation}/", self.store))
         self.comm.set_weights(self.model.expert_weights())  # registrations follow the tensors
-        self.eplb.communicator = self.comm
 
     def _comm_for_rescale(self, cmd: p.Rescale, incoming, staging) -> None:
         """Before a rescale's first transfer: bind the executing generation; register the weights a
@@ -631,32 +658,26 @@ class Worker:
         group was destroyed when it broke, and its subgroup is released only at adoption
         (see :meth:`_enter_broken`)."""
         if self.group is not None:
-            if self.eplb is not None:
-                self.eplb.group = None
-                self.eplb.rebuild_group = None
+            if self._eplb is not None:
+                self._eplb.release_group()
             self.group.destroy()
 
     def _retire(self, cmd: p.Rescale, started: float, bytes_moved: int, timing: dict[str, float]) -> None:
         """This rank has no place in the new group: report it and leave the decode loop."""
-        self.report(p.PhaseDone, seq=cmd.seq, operation_id=cmd.operation_id, phase="Rescale", step=self.step,
-                    detail={"retired": True, "bytes_received": bytes_moved,
-                            "seconds": time.perf_counter() - started, **timing})
+        self.report(p.PhaseDone, seq=cmd.seq, operation_id=cmd.operation_id, step=self.step, result=p.RescaleDone(
+            retired=True, bytes_received=bytes_moved, seconds=time.perf_counter() - started, timing=timing))
         self.stopping = True
 
-    def _barrier_or_undo(self, undo: list[tuple[int, int, list[torch.Tensor]]]) -> None:
+    def _barrier_or_undo(self, undo: UndoLog) -> None:
         try:
             dist.barrier()
         except BaseException:
             self._undo(undo)
             raise
 
-    def _undo(self, undo: list[tuple[int, int, list[torch.Tensor]]]) -> None:
-        """Put back the slot contents a failed rescale overwrote (newest first)."""
-        weights = self.model.expert_weights()
-        for layer, slot, saved in reversed(undo):
-            for tensor, value in zip(weights[layer], saved):
-                tensor[slot].copy_(value)
-        undo.clear()
+    def _undo(self, undo: UndoLog) -> None:
+        """Put back the slot contents a failed rescale overwrote."""
+        undo.replay(self.model.expert_weights())
 
     def _eplb_config(self, hosts: tuple[str, ...]) -> EPLBConfig:
         """The EPLB config with ``num_nodes`` derived from the group's hosts, unless the config pins it."""
@@ -688,7 +709,7 @@ class Worker:
         return control.tolist()
 
     def decode_step(self) -> None:
-        self._apply_step_faults()
+        self.faults.at_step(self.step)
         reduced = self._sync()
         try:
             if not self._run_commands_up_to(reduced[0]) or self.stopping:
@@ -711,8 +732,8 @@ class Worker:
         rebalancing = int(self.eplb.in_flight is not None or len(self.eplb.stats.sync_stall_seconds) != stalls)
         if self.draining_op is not None and self.eplb.drained:
             op, self.draining_op = self.draining_op, None
-            self._done(op, {"layers_committed": self.eplb.stats.layers_committed,
-                            "steps_while_draining": self.step - self.drain_started_step})
+            self._done(op, p.DrainDone(layers_committed=self.eplb.stats.layers_committed,
+                                       steps_while_draining=self.step - self.drain_started_step))
         started = time.perf_counter()
         logical = self.trace.token_counts(self.step, self.rank)
         physical = self.model.route(logical)
@@ -734,7 +755,7 @@ class Worker:
             time.sleep(self.spec.step_delay_s)
 
     def _maybe_heartbeat(self, step_seconds: float, physical: torch.Tensor | None, force: bool = False) -> None:
-        if any(self.step >= fault.from_step for fault in self._faults(f.DropHeartbeats)):
+        if self.faults.drops_heartbeat(self.step):
             return
         now = time.monotonic()
         if not force and now - self.last_heartbeat < self.spec.heartbeat_s:
@@ -745,10 +766,10 @@ class Worker:
             per_rank = physical.shape[1] // self.size
             rank_load = float(physical[:, self.rank * per_rank : (self.rank + 1) * per_rank].sum())
         self.report(p.Heartbeat, step=self.step, step_seconds=step_seconds,
-                    balancedness=self.eplb.stats.last_balancedness if self.eplb else 1.0,
+                    balancedness=self._eplb.stats.last_balancedness if self._eplb else 1.0,
                     tokens=self.tokens_since, state=p.WorkerMode.BROKEN if self.broken else self.mode,
-                    in_flight_layer=self.eplb.in_flight_layer if self.eplb else None,
-                    eplb=self.eplb.stats.as_dict() if self.eplb else {}, rank_load=rank_load,
+                    in_flight_layer=self._eplb.in_flight_layer if self._eplb else None,
+                    eplb=self._eplb.stats.as_dict() if self._eplb else {}, rank_load=rank_load,
                     step_timings=tuple(self.step_timings))
         self.tokens_since = 0
         self.step_timings = []
@@ -789,7 +810,7 @@ class Worker:
                 return command
             if isinstance(command, p.Shutdown):
                 self.stopping = True
-                self._done(command, {})
+                self._done(command, p.ShutdownDone())
                 return None
             self.report(p.WorkerError, step=self.step, where=where, error_type="Refused", fatal=False,
                         message=f"{type(command).__name__} refused: {refusal}", seq=command.seq)
@@ -800,7 +821,7 @@ class Worker:
         self.broken = True
         self.report(p.WorkerError, step=self.step, where="decode", error_type=type(exc).__name__,
                     message=str(exc), traceback=traceback.format_exc(), fatal=False, seq=self.executed_seq)
-        if self.eplb is not None and self.eplb.running:
+        if self._eplb is not None and self._eplb.running:
             # a transfer on the EPLB group ends within its own deadline; only then may the group go.
             # That can take a while (a peer's side of the transfer is gone), so keep reporting: a
             # rank waiting here is broken, not lost.
@@ -824,7 +845,7 @@ class Worker:
             except BrokenGroup as exc:
                 self._enter_broken(exc)
                 self.broken_loop()
-        stopped = self.eplb is None or self.eplb.stop_worker(timeout=self.spec.collective_timeout_s)
+        stopped = self._eplb is None or self._eplb.stop_worker(timeout=self.spec.collective_timeout_s)
         if not stopped:
             # its thread may still be inside a transfer on the group: tearing the group down under
             # it is undefined (and gloo may block); the process exits and the OS frees the rest
@@ -835,8 +856,8 @@ class Worker:
         self.comm.close()  # deregisters every tensor it still holds
 
 
-def _thread_names() -> list[str]:
-    return sorted(t.name for t in threading.enumerate())
+def _thread_names() -> tuple[str, ...]:
+    return tuple(sorted(t.name for t in threading.enumerate()))
 
 
 def _rss_bytes() -> int:

@@ -407,7 +407,7 @@ class EPLBState:
     def __init__(self, config: EPLBConfig, model: Any, placement: Placement, rank: int, num_ranks: int,
                  *, group: Any = None, window: LoadWindow | None = None,
                  on_event: Callable[[str, dict[str, Any]], None] | None = None,
-                 hooks: TransferHooks | None = None):
+                 hooks: TransferHooks | None = None, communicator: Any = None):
         self.config = config
         self.hooks = hooks
         self.model = model
@@ -419,7 +419,7 @@ class EPLBState:
         self.stats = EPLBStats()
         self.on_event = on_event or (lambda kind, data: None)
         #: moves the weights (eplb.communicator); None: the group's own backend (gloo / NCCL)
-        self.communicator: Any = None
+        self.communicator: Any = communicator
         #: ``rebuild_group()`` -> a fresh EPLB group (a collective over the decode group: every rank
         #: calls it at the same agreed step). Set by the owner; None: a failed run is not rebuilt.
         self.rebuild_group: Callable[[], Any] | None = None
@@ -449,9 +449,16 @@ class EPLBState:
         return self.run.staging if self.run is not None else self._sync_staging
 
     # -- lifecycle (driven by the control plane) -----------------------------------------------
-    def start_worker(self, group: Any = None, generation: int = 0) -> None:
-        """Start a fresh async run on ``group`` (the dedicated EPLB group) for ``generation``."""
+    def start_worker(self, group: Any = None, generation: int = 0, *, config: EPLBConfig | None = None,
+                     rebuild_group: Callable[[], Any] | None = None) -> None:
+        """Start a fresh async run on ``group`` (the dedicated EPLB group) for ``generation``;
+        ``config`` (this generation's: its node count) and ``rebuild_group`` replace the old ones."""
+        if config is not None:
+            self.config = config
+        if rebuild_group is not None:
+            self.rebuild_group = rebuild_group
         if not (self.config.enabled and self.config.use_async):
+            self.group = group if group is not None else self.group  # sync rebalances move over it
             return
         if self.run is not None:
             raise RuntimeError("the async EPLB worker is already running")
@@ -490,6 +497,20 @@ class EPLBState:
 
     def resume(self) -> None:
         self.draining = False
+
+    def carry_over(self, window: LoadWindow, stats: EPLBStats | None = None, steps_since_rebalance: int | None = None) -> None:
+        """A rescale carried the load window (and, to a joining rank, the statistics and the
+        rebalance countdown) over from the lowest surviving rank."""
+        self.window = window
+        if stats is not None:
+            self.stats = stats
+        if steps_since_rebalance is not None:
+            self.steps_since_rebalance = steps_since_rebalance
+
+    def release_group(self) -> None:
+        """The group this EPLB moved over is being destroyed: forget it (and how to rebuild it)."""
+        self.group = None
+        self.rebuild_group = None
 
     def adopt(self, placement: Placement, rank: int, num_ranks: int) -> None:
         """A rescale installed ``placement`` for this rank of a group of ``num_ranks``: the EPLB

@@ -265,8 +265,8 @@ class FakeWorker:
         self.launcher._reports.put(cls(rank=self.rank, generation=self.generation, pid=self.pid, at=time.time(), **fields))
 
     def done(self, command: p.Command, detail: dict[str, Any]) -> None:
-        self.report(p.PhaseDone, seq=command.seq, operation_id=command.operation_id,
-                    phase=type(command).__name__, step=self.step, detail=detail)
+        self.report(p.PhaseDone, seq=command.seq, operation_id=command.operation_id, step=self.step,
+                    result=p.RESULT_OF[type(command)](**detail))
 
     def heartbeat(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -321,7 +321,7 @@ class FakeWorker:
     def _standby(self) -> p.Rescale | None:
         """Like the real worker: wait (heartbeating) for the Rescale; None after a Shutdown."""
         self.mode = "standby"
-        self.report(p.PhaseDone, seq=self.spec.standby_seq, phase="Standby", step=self.step, detail={})
+        self.report(p.PhaseDone, seq=self.spec.standby_seq, step=self.step, result=p.StandbyReady())
         deadline = time.monotonic() + self.spec.standby_timeout_s
         while time.monotonic() < deadline:
             if self.killed.is_set():
@@ -345,7 +345,7 @@ class FakeWorker:
         self.contents = [row[self.rank * per_rank:(self.rank + 1) * per_rank]
                          for row in self.placement.physical_to_logical.tolist()]
         self.eplb_thread_running = True
-        self.report(p.PhaseDone, seq=0, phase="Started", step=self.step, detail={"num_physical": spec.num_physical})
+        self.report(p.PhaseDone, seq=0, step=self.step, result=p.Started(num_physical=spec.num_physical))
 
     def _tick(self) -> None:
         if self.killed.is_set():
@@ -421,6 +421,12 @@ class FakeWorker:
             self._rebalance_now(command)
         elif isinstance(command, p.Verify):
             self.done(command, self._verify())
+        elif isinstance(command, p.StopEPLB):  # a failure on a healthy group: decoding goes on, EPLB off
+            launcher.abort(self.generation)  # every rank drops the rebalance at the same agreed step
+            with launcher.lock:
+                self.eplb_thread_running = False
+            self.mode = "halted"
+            self.done(command, {})
         elif isinstance(command, p.Shutdown):
             self.done(command, {})
             self.leaving = True
@@ -460,12 +466,11 @@ class FakeWorker:
             placement = self.placement
             per_rank = placement.num_physical // self.size
             rows = placement.physical_to_logical.tolist()
-            mismatched = sum(1 for layer, row in enumerate(rows)
-                             for j in range(per_rank) if self.contents[layer][j] != row[self.rank * per_rank + j])
+            mismatched = tuple((layer, self.rank * per_rank + j) for layer, row in enumerate(rows)
+                               for j in range(per_rank) if self.contents[layer][j] != row[self.rank * per_rank + j])
             return {"mismatched": mismatched, "digest": digest(placement),
                     "replica_min": int(placement.replica_count.min()), "num_physical": placement.num_physical,
-                    "size": self.size, "threads": [], "transfer_in_flight": self.transfer_in_flight is not None,
-                    "eplb_thread_running": self.eplb_thread_running}
+                    "size": self.size}
 
     # -- rescale -------------------------------------------------------------------------------
     def _rescale(self, cmd: p.Rescale, *, fresh: bool) -> None:
@@ -551,14 +556,13 @@ class FakeWorker:
             self.broken, self.draining, self.fresh_pending = False, True, False
             self.eplb_thread_running = False
         self.mode = "resuming"
-        self.report(p.PhaseDone, seq=cmd.seq, operation_id=cmd.operation_id, phase="Rescale", step=self.step,
-                    detail={"retired": False, "bytes_received": received * 1024, "seconds": time.perf_counter() - started,
-                            "digest": digest(target), "num_physical": target.num_physical,
-                            "placement_before": placement_before,
-                            "placement_after": target.physical_to_logical.tolist()})
+        self.report(p.PhaseDone, seq=cmd.seq, operation_id=cmd.operation_id, step=self.step, result=p.RescaleDone(
+            retired=False, bytes_received=received * 1024, seconds=time.perf_counter() - started,
+            digest=digest(target), num_physical=target.num_physical, placement_before=placement_before,
+            placement_after=target.physical_to_logical.tolist()))
 
     def _retire(self, cmd: p.Rescale, started: float, received: int = 0) -> None:
         self.leaving = True  # a rank on its way out is no fault target
-        self.report(p.PhaseDone, seq=cmd.seq, operation_id=cmd.operation_id, phase="Rescale", step=self.step,
-                    detail={"retired": True, "bytes_received": received * 1024, "seconds": time.perf_counter() - started})
+        self.report(p.PhaseDone, seq=cmd.seq, operation_id=cmd.operation_id, step=self.step, result=p.RescaleDone(
+            retired=True, bytes_received=received * 1024, seconds=time.perf_counter() - started))
         self.leaving = True

@@ -177,6 +177,11 @@ def test_one_transfer_hiccup_rebuilds_the_eplb_group_and_later_rebalances_commit
         _until(lambda: min(_eplb(c, "layers_committed")) >= failed_commits + 3, 60, "commits after the hiccup")
         health = c.snapshot()["eplb_health"]
         assert health["status"] == "healthy" and health["restarts"] >= 1, health
+        from elastic.metrics import build_registry
+        from prometheus_client import generate_latest
+
+        exposition = generate_latest(build_registry(c)).decode()
+        assert "elastic_ep_eplb_healthy 1.0" in exposition and "elastic_ep_eplb_restarts_total" in exposition
         assert "TransferTimeout" in (health["last_error"] or "") or "failed" in (health["last_error"] or ""), health
         assert c.machine.state.value == "running"
         assert_consistent(c, 2)
@@ -276,7 +281,7 @@ def test_rebalance_says_failed_when_a_rank_refuses_because_its_group_broke():
         _until(lambda: any(str(w.heartbeat.state) == "broken" for w in c.live_workers() if w.heartbeat), 60,
                "rank 1 broken")
         assert c.machine.state.value == "running"  # for one heartbeat deadline, nobody is lost yet
-        with pytest.raises(RebalanceFailed, match="rank 1"):
+        with pytest.raises(RebalanceFailed, match="RebalanceNow refused: the group is broken"):
             c.rebalance(timeout=15)
 
 

@@ -206,7 +206,7 @@ class ControllerMachine(RuleBasedStateMachine):
         assert {v["generation"] for v in verdicts.values()} == {c.machine.generation}
         for rank, v in verdicts.items():
             assert v["replica_min"] >= 1, f"rank {rank}: an expert has no replica"
-            assert v["mismatched"] == 0, f"rank {rank}: {v['mismatched']} slots hold the wrong expert after {steps}"
+            assert v["mismatched"] == [], f"rank {rank}: slots {v['mismatched']} hold the wrong expert after {steps}"
             assert v["size"] == c.size and v["num_physical"] == c.num_physical
 
 
