@@ -53,6 +53,7 @@ from elastic.preflight import (
     checkpoint_problems,
     hook_problems,
     memory_problems,
+    policy_problems,
     read_yaml,
 )
 
@@ -517,7 +518,7 @@ def load_serve_config(path: str | Path | None, *, overrides: dict[str, Any] | No
                                                                             p.message)
                 for p in bound_problems(loaded)]
     if not problems:
-        problems = memory_problems(loaded.deployment, available=available)
+        problems = policy_problems(loaded.deployment) + memory_problems(loaded.deployment, available=available)
     checkpoint = getattr(loaded.deployment.model, "path", None)  # a model served from a checkpoint directory
     if isinstance(checkpoint, str):
         problems += checkpoint_problems(checkpoint, key="model.path")

@@ -50,7 +50,7 @@ __all__ = [
     "LIMITS", "MAX_BODY_BYTES", "MAX_FILE_BYTES", "MAX_YAML_DEPTH", "MAX_YAML_NODES", "BodyLimit",
     "BodyTooLarge", "InputError", "InputProblem", "Limit", "MemoryEstimate", "available_memory",
     "bound_problems", "checkpoint_problems", "estimate_worker_memory", "format_bytes", "hook_problems",
-    "load_yaml", "memory_budget", "memory_problems", "one_line", "read_text", "read_yaml",
+    "load_yaml", "memory_budget", "memory_problems", "one_line", "policy_problems", "read_text", "read_yaml",
 ]
 
 #: config files (scenarios, deployments) are a few KiB; a larger one is a mistake (a log, a checkpoint)
@@ -486,6 +486,16 @@ def memory_problems(config: DeploymentConfig, *, rename: Callable[[str], str] = 
         fix = f"{what}, or a {budget_key} of at least {need} on a machine that has it"
     return [InputProblem(knob, f"a worker would need {need} ({estimate.describe()}), but {budget.explanation}; "
                          f"fix: {fix}")]
+
+
+def policy_problems(config: DeploymentConfig, path: str = "eplb.policy") -> list[InputProblem]:
+    """``EPLBConfig.policy`` takes any name; a name the workers cannot find fails every rebalance."""
+    from eplb.algorithm import POLICIES  # torch: imported only when a deployment is checked
+
+    if config.eplb.policy in POLICIES:
+        return []
+    return [InputProblem(path, f"expected one of {', '.join(repr(p) for p in sorted(POLICIES))}, "
+                         f"got {config.eplb.policy!r}")]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,7 +24,15 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 from elastic.autoscaler import AutoscalerConfig
 from elastic.deployment import DeploymentConfig, TracePhase
 from elastic.faults import PHASES, CorruptBuffer, DelayTransfer, DropHeartbeats, Fault, KillRank, StallRank
-from elastic.preflight import InputError, bound_problems, load_yaml, memory_problems, one_line, read_text
+from elastic.preflight import (
+    InputError,
+    bound_problems,
+    load_yaml,
+    memory_problems,
+    one_line,
+    policy_problems,
+    read_text,
+)
 from eplb.trace import TraceConfig
 
 __all__ = [
@@ -296,11 +304,7 @@ def _plan(s: Scenario) -> tuple[list[dict[str, Any]], list[ScenarioProblem]]:
 
     d = s.deployment  # its own validation already holds: sizes divide, ep_size <= max_ep_size, groups divide
     experts, max_size = d.model.num_experts, d.max_ep_size
-    from eplb.algorithm import POLICIES
-
-    if d.eplb.policy not in POLICIES:  # EPLBConfig takes any name; the workers would fail on it
-        problem("deployment.eplb.policy", f"expected one of {', '.join(repr(p) for p in sorted(POLICIES))}, "
-                f"got {d.eplb.policy!r}")
+    problems.extend(policy_problems(d, "deployment.eplb.policy"))
     starts = [t.at_step for t in s.trace]
     if starts[0] != 0:
         problem("trace[0].at_step", f"expected 0 (the first regime starts the run), got {starts[0]}")

@@ -443,3 +443,13 @@ def test_checkpoint_directories_are_checked_before_a_worker_opens_them(tmp_path)
     messages = [p.message for p in preflight.checkpoint_problems(ckpt)]
     assert messages == ["the index names '../../etc/passwd', outside the checkpoint directory",
                         "the index names model-2.safetensors, which is missing (incomplete download?)"]
+
+
+def test_an_unknown_eplb_policy_is_refused_before_the_workers_start(tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_text("ep_size: 2\neplb: {policy: fastest}\n")
+    with pytest.raises(InputError) as info:
+        load_serve_config(path)
+    (problem,) = info.value.problems
+    assert problem.path == "eplb.policy" and "expected one of 'default', " in problem.message
+    assert problem.message.endswith("got 'fastest'")
