@@ -19,9 +19,11 @@ decoding. Two mechanisms close that gap, both started by :func:`watch_coordinato
   when the parent is the coordinator itself: the signal fires when the *thread* that forked the
   child ends, and the coordinator launches joining workers from short-lived operation threads.
 
-A worker on another host (ssh) or in a Ray actor placed by Ray does not descend from the
-coordinator; its watch is the store's (:mod:`elastic.remote_worker`: it exits once the
-coordinator's store has been unreachable for ``orphan_timeout_s``, 60 s by default).
+A worker on another host (ssh) or in a Ray actor on a cluster started apart (``ray start``) does
+not descend from the coordinator. Its watch is the store's (:mod:`elastic.remote_worker`: it
+exits once the coordinator's store has been unreachable for ``orphan_timeout_s``, 60 s by
+default); Ray kills an actor whose owner, the coordinator's driver, died before that (0.1 s
+measured on a local cluster).
 """
 
 from __future__ import annotations
@@ -54,12 +56,15 @@ def parent_of(pid: int) -> int | None:
 
 
 def ancestors(pid: int | None = None) -> list[int]:
-    """The pids above ``pid`` (default: this process), nearest first, up to pid 1 (excluded)."""
+    """The pids above ``pid`` (default: this process), nearest first, up to the namespace's init.
+
+    Init (pid 1) is included: a coordinator that is a container's pid 1 is an ancestor too.
+    """
     chain: list[int] = []
     current = os.getpid() if pid is None else pid
     while len(chain) < 256:  # a bound, in case /proc changes under us
         parent = parent_of(current)
-        if parent is None or parent <= 1 or parent in chain:
+        if parent is None or parent <= 0 or parent in chain:  # init's parent is 0
             break
         chain.append(parent)
         current = parent
