@@ -1,8 +1,11 @@
 """Scenario files (``scenarios/*.yaml``): schema, loading and one clear message per error.
 
-A scenario is a model shape, an EPLB configuration, a load trace, a timeline of events and
-the expectations a replay checks (see ``docs/scenarios.md`` for the reference). Loading is
-two passes, and both run before anything starts:
+A scenario is a deployment (``deployment:``, an ``elastic.deployment.DeploymentConfig`` with its
+names) plus what a replay adds: a load trace, a timeline of events, faults, an autoscaler and
+the expectations a replay checks (see ``docs/scenarios.md`` for the reference). The old scenario
+names (``model.layers``, ``initial_ep_size``...) are refused, each with the key that replaces it.
+Loading runs the pre-flight checks (``elastic.preflight``: size, encoding, YAML limits, numeric
+bounds, memory) and two passes, all before anything starts:
 
 1. the schema (pydantic, ``extra="forbid"``): unknown keys, wrong types, values out of range;
 2. the plan: the timeline is walked in order with the EP size, the generation and whether the
