@@ -95,6 +95,20 @@ def test_a_billion_laughs_is_refused_fast_in_bounded_memory(tmp_path):
     assert "expands to more than 50000 values once its aliases" in one_error_line(result.stderr, path)
 
 
+def test_a_file_refused_before_parsing_costs_no_torch_import(tmp_path):
+    """The command itself stays small: validate imports torch (2 s, 250 MB) only for a file that parses."""
+    import subprocess
+    import sys
+
+    laughs = tmp_path / "laughs.yaml"
+    laughs.write_text(billion_laughs(8))
+    probe = ("import sys\nfrom typer.testing import CliRunner\nfrom elastic.cli import app\n"
+             f"result = CliRunner().invoke(app, ['validate', {str(laughs)!r}])\n"
+             "print(result.exit_code, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["2", "False"], done.stdout + done.stderr
+
+
 def test_steps_beyond_the_documented_bound_are_refused(tmp_path):
     path = tmp_path / "steps.yaml"
     path.write_text(re.sub(r"(?m)^steps: .*$", "steps: 99999999999999999999", QUICKSTART))
