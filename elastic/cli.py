@@ -76,9 +76,6 @@ def replay(
 
     Exit 0 when every expectation holds, 1 when one fails (it is named), 2 when the file is invalid.
     """
-    from elastic.replay import replay as run_replay
-    from elastic.report import LiveDisplay, render_summary, report_json
-
     err = _console(stderr=True)
     _quiet_logging()
     try:
@@ -86,6 +83,9 @@ def replay(
     except InputError as exc:  # a ScenarioError is one too
         _print_scenario_error(err, exc)
         raise typer.Exit(EXIT_INVALID) from None
+    from elastic.replay import replay as run_replay  # after the checks: a refused file imports none of it
+    from elastic.report import LiveDisplay, render_summary, report_json
+
     out_dir = report_dir if report_dir is not None else Path("reports") / scenario.name
     console = _console()
     if json_only:

@@ -102,11 +102,12 @@ def test_a_file_refused_before_parsing_costs_no_torch_import(tmp_path):
 
     laughs = tmp_path / "laughs.yaml"
     laughs.write_text(billion_laughs(8))
-    probe = ("import sys\nfrom typer.testing import CliRunner\nfrom elastic.cli import app\n"
-             f"result = CliRunner().invoke(app, ['validate', {str(laughs)!r}])\n"
-             "print(result.exit_code, 'torch' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
-    assert done.stdout.split() == ["2", "False"], done.stdout + done.stderr
+    for command in ("validate", "replay"):
+        probe = ("import sys\nfrom typer.testing import CliRunner\nfrom elastic.cli import app\n"
+                 f"result = CliRunner().invoke(app, [{command!r}, {str(laughs)!r}])\n"
+                 "print(result.exit_code, 'torch' in sys.modules)")
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+        assert done.stdout.split() == ["2", "False"], (command, done.stdout + done.stderr)
 
 
 def test_steps_beyond_the_documented_bound_are_refused(tmp_path):
