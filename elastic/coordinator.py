@@ -27,7 +27,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch.distributed as dist
 
@@ -125,6 +125,36 @@ class WorkerRecord:
     dead_since: float | None = None
     standby: bool = False  # launched ahead of a scale-up, not yet sent its Rescale: in no group
     exited_at: float | None = None  # when it was seen gone after an expected exit (then forgotten)
+
+
+@dataclass
+class OperationRun:
+    """What the executor carries through one operation's steps."""
+
+    op: Operation
+    mapping: RankMapping
+    old: list[WorkerRecord]  # the ranks of the serving group that take part (a recovery: the survivors)
+    lost: tuple[int, ...]  # old ranks whose weights are gone
+    generation: int  # the generation the rescale forms
+    standby_seq: int = 0  # the seq the joining ranks' "ready" reports carry
+    joining: list[WorkerRecord] = field(default_factory=list)
+    rescale_started: float = 0.0
+
+
+@dataclass(frozen=True)
+class Step:
+    """One row of an operation's table: in ``phase``, send a command to the ranks (``send``
+    returns its seq and recipients), wait at most the ``deadline`` timeout for every rank's
+    result, ``take`` what the operation needs from the results (returns the transition's
+    reason), then fire ``trigger`` on the machine."""
+
+    phase: Phase
+    deadline: str  # the TimeoutsConfig field
+    trigger: str  # the ScaleMachine method
+    send: Callable[[Coordinator, OperationRun], tuple[int, set[int]]]
+    take: Callable[[Coordinator, OperationRun, dict[int, p.PhaseDone]], str]
+    wait_first: Callable[[Coordinator, OperationRun], None] | None = None  # another wait inside the phase
+    on_failure: Callable[[Coordinator, OperationRun, OperationFailed], None] | None = None
 
 
 class CommandBus:
@@ -685,53 +715,127 @@ class Coordinator:
         return True
 
     def _run_operation(self, op: Operation) -> None:
-        timeouts = self.config.timeouts
         if op.status == OperationStatus.PENDING and not self._run_before_hooks(op):
             return
-        joining: list[WorkerRecord] = []
+        run: OperationRun | None = None
         try:
             with self._lock:
                 op.phases.setdefault(Phase.DRAINING.value, {"started": time.monotonic()})
             old = self.live_workers()
-            pids = {w.handle.pid for w in old}
             # the new group's layout is fixed now (hosts contiguous), and its joining ranks start
             # at once: process start and weight allocation overlap draining, not the pause
             mapping = plan_mapping(self.launcher, [w.handle for w in old], self.size, op.target_size)
-            generation = self._reserve_generation()
-            # the joining ranks report "ready" (weights allocated, registered) under this number;
-            # negative: command seqs must stay contiguous, and no command has one
-            ready = next(self._standby_ids)
+            # the joining ranks report "ready" (weights allocated, registered) under a negative
+            # number: command seqs must stay contiguous, and no command has one
+            run = OperationRun(op, mapping, old, lost=(), generation=self._reserve_generation(),
+                               standby_seq=next(self._standby_ids))
             for rank in mapping.joining:  # one by one: a launch that fails leaves the others retirable
-                joining.append(self._launch(rank, mapping.new_size, generation, joining=True, standby_seq=ready))
-            # 1. draining: finish in-flight layers, start nothing new; decoding goes on
-            seq, _ = self._broadcast(p.Drain, records=old, operation_id=op.id)
-            if joining:  # the pause starts only once they are ready: the old group decodes meanwhile
-                self._await(ready, {w.handle.pid for w in joining}, "draining", timeouts.worker_start, operation=op)
-            self._await(seq, pids, "draining", timeouts.draining, operation=op)
-            self.machine.drained(reason="every in-flight layer committed on every rank")
-            # 2. suppressed: join the EPLB threads everywhere
-            self._enter(op, Phase.SUPPRESSED.value)
-            # a scale down is announced: its placement is computed while the ranks still decode
-            down = mapping.new_size < self.size
-            seq, _ = self._broadcast(p.Suppress, records=old, operation_id=op.id, new_size=mapping.new_size if down else 0,
-                                     mapping=tuple(mapping.old_to_new) if down else ())
-            self._await(seq, pids, "suppressed", timeouts.suppressed, operation=op)
-            self.machine.suppressed(reason=f"EPLB threads joined; mapping {mapping}")
-            # 3. rescaling: move experts, replace the group (decoding paused)
-            self._enter(op, Phase.RESCALING.value)
-            self._rescale(op, mapping, old, lost=(), generation=generation, joining=joining)
-            # 4. resuming: rebuild the EPLB group and restart the async worker
-            self._enter(op, Phase.RESUMING.value)
-            self._resume(op)
+                run.joining.append(self._launch(rank, mapping.new_size, run.generation, joining=True,
+                                                standby_seq=run.standby_seq))
+            self._execute_steps(run, SCALE_STEPS)
             self._finish(op, OperationStatus.SUCCEEDED)
             self._delete_retired_generations()
         except (OperationFailed, ElasticError) as exc:
-            self._retire_standby(joining)
+            self._retire_standby(run.joining if run else [])
             self._fail(op, str(exc))
         except Exception as exc:  # noqa: BLE001 - an operation thread reports, never raises across threads
             log.exception("operation %s crashed", op.id)
-            self._retire_standby(joining)
+            self._retire_standby(run.joining if run else [])
             self._fail(op, f"{type(exc).__name__}: {exc}")
+
+    def _execute_steps(self, run: OperationRun, steps: tuple[Step, ...]) -> None:
+        """The one executor of a plan's steps: enter the phase, send its command on the bus,
+        await every rank's typed result within the phase's deadline, take what the step needs
+        from the results, fire the step's trigger. Raises :class:`OperationFailed` on the first
+        error, loss or deadline (the caller fails the operation)."""
+        for step in steps:
+            if run.op.phase != step.phase.value:
+                self._enter(run.op, step.phase.value)
+            seq, pids = step.send(self, run)
+            if step.wait_first is not None:
+                step.wait_first(self, run)
+            try:
+                reports = self._await(seq, pids, step.phase.value, getattr(self.config.timeouts, step.deadline),
+                                      operation=run.op)
+            except OperationFailed as exc:
+                if step.on_failure is not None:
+                    step.on_failure(self, run, exc)
+                raise
+            reason = step.take(self, run, reports)
+            trigger = getattr(self.machine, step.trigger)
+            if step.trigger == "rescaled":
+                trigger(generation=run.generation, reason=reason)
+            else:
+                trigger(reason=reason)
+
+    # -- what each step sends, awaits and takes (SCALE_STEPS / RECOVERY_STEPS below) ----------
+    def _send_drain(self, run: OperationRun) -> tuple[int, set[int]]:
+        return self._broadcast(p.Drain, records=run.old, operation_id=run.op.id)
+
+    def _await_joiners_ready(self, run: OperationRun) -> None:
+        """The pause starts only once the joining ranks are ready: the old group decodes meanwhile."""
+        if run.joining:
+            self._await(run.standby_seq, {w.handle.pid for w in run.joining}, Phase.DRAINING.value,
+                        self.config.timeouts.worker_start, operation=run.op)
+
+    def _send_suppress(self, run: OperationRun) -> tuple[int, set[int]]:
+        # a scale down is announced: its placement is computed while the ranks still decode
+        down = run.mapping.new_size < self.size
+        return self._broadcast(p.Suppress, records=run.old, operation_id=run.op.id,
+                               new_size=run.mapping.new_size if down else 0,
+                               mapping=tuple(run.mapping.old_to_new) if down else ())
+
+    def _send_rescale(self, run: OperationRun) -> tuple[int, set[int]]:
+        """The Rescale goes to the surviving ranks of the old group and to the joining ranks
+        (standing by since the operation began)."""
+        new_size = run.mapping.new_size
+        execute_on: Literal["old", "new"] = "old" if new_size < len(run.mapping.old_to_new) and not run.lost else "new"
+        members = [w for w in run.old if w.rank not in run.lost] + list(run.joining)
+
+        def command(seq: int) -> p.Rescale:
+            self._attempted[run.generation] = (new_size, seq)
+            for w in run.joining:
+                w.standby = False  # in the new group from here on (a failed attempt's recovery retires it)
+            return p.Rescale(seq=seq, operation_id=run.op.id, generation=run.generation, new_size=new_size,
+                             mapping=tuple(run.mapping.old_to_new), lost=run.lost, execute_on=execute_on)
+
+        seq, _ = self._bus.send(command, members)
+        self._forget_attempts()
+        run.rescale_started = time.monotonic()
+        return seq, {w.handle.pid for w in members}
+
+    def _abandon_generation(self, run: OperationRun, exc: OperationFailed) -> None:
+        """Ranks still waiting to join the attempted generation give up now, not at their deadline."""
+        if self._store is not None:
+            abort_generation(self._store, run.generation, f"rescale attempt abandoned: {exc}")
+
+    def _take_rescale(self, run: OperationRun, reports: dict[int, p.PhaseDone]) -> str:
+        """Check the ranks agree on the new maps, let the retired ranks go, adopt the new size."""
+        op = run.op
+        results = {pid: r.result for pid, r in reports.items() if isinstance(r.result, p.RescaleDone)}
+        op.paused_seconds = max(r.seconds for r in results.values())
+        op.bytes_moved = sum(r.bytes_received for r in results.values())
+        op.diverged_layers = sorted({layer for r in results.values() for layer in r.diverged_layers})
+        kept = [r for r in results.values() if not r.retired]
+        digests = {r.digest for r in kept}
+        if len(digests) != 1:
+            raise OperationFailed("rescaling", f"ranks disagree on the new placement: digests {sorted(map(str, digests))}")
+        retired = [self.workers[pid] for pid, r in results.items() if r.retired]
+        for w in retired:
+            w.expected_exit = True
+            if not w.handle.join(max(1.0, self.config.timeouts.collective)):
+                w.handle.kill()
+        op.released_ranks = sorted(w.rank for w in retired)
+        new_size = run.mapping.new_size
+        with self._lock:
+            self.size = new_size
+            self.num_physical = kept[0].num_physical or self.num_physical
+        log.info("rescaled to %d ranks (generation %d) in %.2fs", new_size, run.generation,
+                 time.monotonic() - run.rescale_started)
+        return f"group of {new_size} formed, experts redistributed"
+
+    def _send_resume(self, run: OperationRun) -> tuple[int, set[int]]:
+        return self._broadcast(p.Resume, operation_id=run.op.id)
 
     def _reserve_generation(self) -> int:
         """The next generation number. One is never reused, even after a failed attempt: its
@@ -770,61 +874,11 @@ class Coordinator:
         except OperationFailed as exc:  # a rank broke or died meanwhile: recovery leaves it out
             log.warning("stopping the EPLB after a failure: %s", exc)
 
-    def _rescale(self, op: Operation, mapping: RankMapping, old: list[WorkerRecord], lost: tuple[int, ...],
-                 generation: int, joining: list[WorkerRecord] = ()) -> None:
-        """Send the Rescale to the surviving ranks of ``old`` and to the ``joining`` ranks (standing
-        by since the operation began) and wait for every one of them."""
-        new_size = mapping.new_size
-        execute_on = "old" if new_size < len(mapping.old_to_new) and not lost else "new"
-        members = [w for w in old if w.rank not in lost] + list(joining)
-
-        def command(seq: int) -> p.Rescale:
-            self._attempted[generation] = (new_size, seq)
-            for w in joining:
-                w.standby = False  # in the new group from here on (a failed attempt's recovery retires it)
-            return p.Rescale(seq=seq, operation_id=op.id, generation=generation, new_size=new_size,
-                             mapping=tuple(mapping.old_to_new), lost=lost, execute_on=execute_on)
-
-        seq, _ = self._bus.send(command, members)
-        self._forget_attempts()
-        pids = {w.handle.pid for w in members}
-        started = time.monotonic()
-        try:
-            reports = self._await(seq, pids, "rescaling", self.config.timeouts.rescaling, operation=op)
-        except OperationFailed as exc:
-            # ranks still waiting to join this generation give up now, not at their deadline
-            abort_generation(self._store, generation, f"rescale attempt abandoned: {exc}")
-            raise
-        results = {pid: r.result for pid, r in reports.items() if isinstance(r.result, p.RescaleDone)}
-        op.paused_seconds = max(r.seconds for r in results.values())
-        op.bytes_moved = sum(r.bytes_received for r in results.values())
-        op.diverged_layers = sorted({layer for r in results.values() for layer in r.diverged_layers})
-        kept = [r for r in results.values() if not r.retired]
-        digests = {r.digest for r in kept}
-        if len(digests) != 1:
-            raise OperationFailed("rescaling", f"ranks disagree on the new placement: digests {sorted(digests)}")
-        retired = [self.workers[pid] for pid, r in results.items() if r.retired]
-        for w in retired:
-            w.expected_exit = True
-            if not w.handle.join(max(1.0, self.config.timeouts.collective)):
-                w.handle.kill()
-        op.released_ranks = sorted(w.rank for w in retired)
-        with self._lock:
-            self.size = new_size
-            self.num_physical = kept[0].num_physical
-        log.info("rescaled to %d ranks (generation %d) in %.2fs", new_size, generation, time.monotonic() - started)
-        self.machine.rescaled(generation=generation, reason=f"group of {new_size} formed, experts redistributed")
-
     def _forget_attempts(self) -> None:
         """Rescale attempts older than the serving generation can no longer be recovered from."""
         with self._lock:
             for g in [g for g in self._attempted if g <= self.machine.generation]:
                 del self._attempted[g]
-
-    def _resume(self, op: Operation) -> None:
-        seq, pids = self._broadcast(p.Resume, operation_id=op.id)
-        self._await(seq, pids, "resuming", self.config.timeouts.resuming, operation=op)
-        self.machine.resumed(reason="EPLB group rebuilt and async worker restarted on every rank")
 
     def _run_recovery(self, op: Operation, survivors: list[WorkerRecord], lost_ranks: tuple[int, ...]) -> None:
         try:
@@ -834,9 +888,8 @@ class Coordinator:
                 if w.handle.pid not in keep and w.handle.is_alive():
                     w.expected_exit = True
                     w.handle.kill()  # retired: a fresh rank of a failed attempt, or a lost one
-            self._rescale(op, mapping, survivors, lost=lost_ranks, generation=self._reserve_generation())
-            self._enter(op, Phase.RESUMING.value)
-            self._resume(op)
+            run = OperationRun(op, mapping, survivors, lost=lost_ranks, generation=self._reserve_generation())
+            self._execute_steps(run, RECOVERY_STEPS)
             self._finish(op, OperationStatus.SUCCEEDED)
             self._delete_retired_generations()
             self._maybe_replace_lost(op)
@@ -954,3 +1007,30 @@ class Coordinator:
                 "watchdog_stalls": sum(e.get("watchdog_stalls", 0) for e in eplb),
                 "history": [t.to_dict() for t in self.machine.history()[-20:]],
             }
+
+
+def _said(reason: str) -> Callable[[Coordinator, OperationRun, dict[int, p.PhaseDone]], str]:
+    return lambda coordinator, run, reports: reason
+
+
+# -- the operations as tables of steps, run by Coordinator._execute_steps -------------------------
+
+#: a scale from ``running`` (the before-scale hooks ran and the machine is ``draining``)
+SCALE_STEPS: tuple[Step, ...] = (
+    # finish in-flight layers, start nothing new; decoding goes on; joining ranks get ready meanwhile
+    Step(Phase.DRAINING, "draining", "drained", send=Coordinator._send_drain,
+         wait_first=Coordinator._await_joiners_ready,
+         take=_said("every in-flight layer committed on every rank")),
+    # join the EPLB threads everywhere; a scale down's placement is computed now, still decoding
+    Step(Phase.SUPPRESSED, "suppressed", "suppressed", send=Coordinator._send_suppress,
+         take=lambda c, run, reports: f"EPLB threads joined; mapping {run.mapping}"),
+    # move experts, replace the group (decoding paused)
+    Step(Phase.RESCALING, "rescaling", "rescaled", send=Coordinator._send_rescale, take=Coordinator._take_rescale,
+         on_failure=Coordinator._abandon_generation),
+    # rebuild the EPLB group and restart the async worker
+    Step(Phase.RESUMING, "resuming", "resumed", send=Coordinator._send_resume,
+         take=_said("EPLB group rebuilt and async worker restarted on every rank")),
+)
+
+#: a recovery from ``failed`` (the machine is ``rescaling``): the same rescale and resume, over the survivors
+RECOVERY_STEPS: tuple[Step, ...] = SCALE_STEPS[2:]
