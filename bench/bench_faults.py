@@ -65,6 +65,9 @@ def _phase_kill(phase: str, rank: int, start: int, to: int, **extra: Any) -> dic
 CASES: list[tuple[str, str, dict[str, Any]]] = [
     ("kill_running", "kill rank 1 at step 25 (running)",
      {"timeline": [{"at_step": AT, "action": "kill", "rank": 1}]}),
+    ("kill_replace_lost", "kill rank 1 at step 25, replace_lost",
+     {"timeline": [{"at_step": AT, "action": "kill", "rank": 1}], "steps": 400,
+      "deployment": {"replace_lost": True}}),
     ("kill_draining", "kill rank 1 in draining of 3 -> 2", _phase_kill("draining", 1, 3, 2)),
     ("kill_suppressed", "kill rank 1 in suppressed of 3 -> 2", _phase_kill("suppressed", 1, 3, 2)),
     ("kill_mid_rescale", "kill new rank 2 after 1 layer, 2 -> 3", _phase_kill("rescaling", 2, 2, 3, after_layers=1)),
@@ -134,9 +137,11 @@ def measure(name: str, label: str, change: dict[str, Any]) -> dict[str, Any]:
         row["failure_reason"] = fail.get("reason")
         if fault_t is not None:
             row["detect_s"] = round(fail["t"] - fault_t, 3)
-        back = next((t for t in transitions if t["t"] >= fail["t"] and t["dest"] == "running"), None)
-        if back is not None:
-            row["recover_s"] = round(back["t"] - fail["t"], 3)
+        backs = [t for t in transitions if t["t"] >= fail["t"] and t["dest"] == "running"]
+        if backs:
+            row["recover_s"] = round(backs[0]["t"] - fail["t"], 3)
+        if scenario.deployment.replace_lost and len(backs) >= 2:  # the scale back to the size it had
+            row["restored_s"] = round(backs[1]["t"] - fail["t"], 3)
         rec = next((o for o in r["operations"] if o["kind"] == "recover"), None)
         if rec is not None:
             row["recovery_bytes_moved"] = rec.get("bytes_moved")
@@ -190,14 +195,15 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"  {name}: {'ok' if row['passed'] else 'FAILED ' + ', '.join(row['failed_expectations'])} "
                       f"in {row['wall_s']:.1f}s")
     table = Table(title="fault detection and recovery (auto_recover, collective 3 s / heartbeat 4 s)")
-    for col in ("case", "fault", "fault time from", "detect", "recover", "verify after recovery", "lost", "final"):
-        table.add_column(col, justify="right" if col in ("detect", "recover") else "left")
+    for col in ("case", "fault", "fault time from", "detect", "recover", "size restored", "verify after recovery",
+                "lost", "final"):
+        table.add_column(col, justify="right" if col in ("detect", "recover", "size restored") else "left")
     for row in rows:
         after = row.get("after_recovery") or row.get("end") or {}
         verify = (f"{after.get('mismatched')} mismatched, replica_min {after.get('replica_min')}"
                   if after else "not verified")
         table.add_row(row["case"], row["fault"], row.get("fault_time_from", "-"), _fmt(row.get("detect_s"), " s"),
-                      _fmt(row.get("recover_s"), " s"), verify,
+                      _fmt(row.get("recover_s"), " s"), _fmt(row.get("restored_s"), " s"), verify,
                       "nothing" if row["nothing_lost"] else "[red]SOMETHING[/red]",
                       f"{row['final_state']}, {row['final_ep_size']} ranks"
                       + (f", {row['refused_layers']} refused" if row["refused_layers"] else "")
