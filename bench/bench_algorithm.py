@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -338,7 +337,8 @@ def check_targets(results: dict) -> list[dict[str, Any]]:
                 if FAMILIES[fam].stationary:
                     add(f"{shape_name} {fam} migration_aware copies share", m["copies_share"], "<=", 0.05)
                 if fam == "drift":
-                    add(f"{shape_name} {fam} migration_aware copies / default's", m["copies_share"] / max(d["copies_share"], 1e-12), "<=", 0.25)
+                    ratio = m["copies_share"] / max(d["copies_share"], 1e-12)
+                    add(f"{shape_name} {fam} migration_aware copies / default's", ratio, "<=", 0.25)
                 add(f"{shape_name} {fam} migration_aware next - default next", m["next_balancedness"] - d["next_balancedness"], ">=", -0.01)
     return out
 
@@ -355,7 +355,9 @@ def run_ilp(families: list[str], layers: int, time_limit: float) -> list[dict[st
             lb = peak_lower_bound(load.double().numpy(), slots, gpus, upper=peak)
             mean = load.double().sum(dim=1).numpy() / gpus
             for layer in range(layers):
-                best, proven, optimal = optimal_peak(load[layer].double().numpy(), slots, gpus, upper=float(peak[layer]), time_limit=time_limit)
+                best, proven, optimal = optimal_peak(
+                    load[layer].double().numpy(), slots, gpus, upper=float(peak[layer]), time_limit=time_limit
+                )
                 rows.append({
                     "shape": name, "family": fam, "layer": layer,
                     "default": float(mean[layer] / peak[layer]) if peak[layer] > 0 else 1.0,

@@ -742,21 +742,35 @@ def _refine_swaps(
 
 
 def _add_replicas(load: np.ndarray, counts: np.ndarray, extra: np.ndarray, allowed: np.ndarray, cap: int) -> np.ndarray:
-    """``counts [R, L]`` plus ``extra [R]`` replicas each, one at a time to the allowed expert with
-    the largest load per replica (fewer than ``cap`` replicas). A row stops early when no allowed
-    expert is left; returns the new counts (the input is not changed)."""
+    """``counts [R, L]`` plus ``extra [R]`` replicas each, as greedy replication would add them
+    (each to the allowed expert with the largest load per replica, fewer than ``cap`` replicas).
+    A row stops early when no allowed expert is left; returns new counts (the input is kept).
+
+    Like :func:`_replica_counts`: bisect for a level ``t`` at which the replicas the greedy
+    would add (every allowed expert up to ``floor(w / t)`` replicas) fit in ``extra``, then add
+    the few left one at a time."""
     r = np.arange(load.shape[0])
-    counts = counts.copy()
-    extra = extra.copy()
+    base = counts
+    room = np.where(allowed, np.maximum(0, cap - base), 0)  # [R, L] replicas each may still get
+    lo = np.zeros(load.shape[0])
+    hi = load.max(axis=1) + 1.0
+    for _ in range(12):
+        mid = (lo + hi) / 2
+        add = np.clip(np.floor(load / np.maximum(mid, 1e-300)[:, None]) - base, 0, room)
+        fits = add.sum(axis=1) <= extra
+        hi = np.where(fits, mid, hi)
+        lo = np.where(fits, lo, mid)
+    counts = base + np.clip(np.floor(load / hi[:, None]) - base, 0, room).astype(np.int64)
+    left = extra - (counts - base).sum(axis=1)
     per = np.where(allowed & (counts < cap), load / counts, -np.inf)
-    for _ in range(int(extra.max(initial=0))):
+    for _ in range(int(left.max(initial=0))):
         e = per.argmax(axis=1)
-        go = (extra > 0) & np.isfinite(per[r, e])
+        go = (left > 0) & np.isfinite(per[r, e])
         if not go.any():
             break
         rg, eg = r[go], e[go]
         counts[rg, eg] += 1
-        extra -= go
+        left -= go
         c = counts[rg, eg]
         per[rg, eg] = np.where(c < cap, load[rg, eg] / c, -np.inf)
     return counts
@@ -824,13 +838,13 @@ def _balanced(
     item_load = np.take_along_axis(load / counts, item_expert, axis=1)
     slot_load, slot_expert = _round_robin_pack(item_load, item_expert, g)
     # 4. improve by swaps: all GPUs in heavy/light pairs, then the heaviest GPU alone; layers
-    #    still more than 1% above the mean get a longer, wider second pass
+    #    still more than 1% above the mean get a second pass, twice as wide
     _refine_swaps(slot_load, slot_expert, pair_iters=pair_iters, max_iters=max_swaps, width=swap_width)
     if max_swaps:
         rows = np.nonzero(slot_load.sum(axis=2).max(axis=1) * 0.99 > mean)[0]
         if rows.size:
             sl, se = slot_load[rows], slot_expert[rows]
-            _refine_swaps(sl, se, pair_iters=pair_iters, max_iters=2 * max_swaps, width=2 * swap_width, stop_at=0.995)
+            _refine_swaps(sl, se, pair_iters=pair_iters, max_iters=max_swaps, width=2 * swap_width, stop_at=0.995)
             slot_load[rows], slot_expert[rows] = sl, se
     p2l = slot_expert.reshape(b, -1)
     # 5. never worse than the static placement (it can win on tiny shapes)
@@ -1161,10 +1175,15 @@ def _migration_aware_policy(
     move = bal_cur < expected - tolerance
     # 4. the layers that moved a little (noise, slow drift) aim at default's expected balance
     #    plus the tolerance, what moving can really buy; those the load left far behind (hot
-    #    experts moved: more than 5 tolerances short) aim at default's balance on this window
-    #    less the tolerance, as fitted as default is. Never past the latter.
+    #    experts moved: more than 5 tolerances short) aim halfway from that expected balance to
+    #    default's on this window less the tolerance (aiming all the way there, as fitted to
+    #    this window as default is, cost 30% more copies on drifting loads for 0.004 of
+    #    next-window balance); right after a scale (another GPU count), all the way. Never past
+    #    the latter.
     far = bal_cur < expected - 5.0 * tolerance
-    aim = np.where(far, bal_default - tolerance, np.minimum(bal_default - tolerance, expected + tolerance))
+    ceiling = bal_default - tolerance
+    far_aim = ceiling if prev_gpus != g else (expected + ceiling) / 2
+    aim = np.minimum(ceiling, np.where(far, far_aim, expected + tolerance))
     target_peak = np.where(move, mean / np.maximum(aim, 1e-9), np.inf)
     allowed = np.full(b, np.iinfo(np.int64).max // 2 if max_copies is None else int(max_copies), dtype=np.int64)
     cur = _improve(cur, load, g, target_peak, allowed - _copies_vs(carried, cur, g, n))
@@ -1252,7 +1271,7 @@ def _improve(
                 break
         a = active.size
         ra = np.arange(a)
-        r2, r3 = ra[:, None], ra[:, None, None]
+        r2 = ra[:, None]
         act3 = active[:, None, None]
         h = gl.argmax(axis=1)
         peak = gl[ra, h]

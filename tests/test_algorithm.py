@@ -387,9 +387,10 @@ def test_migration_aware_follows_the_rank_mapping():
     with pytest.raises(InvalidShapeError):
         rebalance_experts(load, 3, 1, 1, 3, policy="migration_aware", previous=prev, rank_mapping=[0, -1, 1, 2])
     prev = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])  # 4 GPUs x 2 slots
-    new = rebalance_experts(load, 6, 1, 1, 3, policy="migration_aware", previous=prev, rank_mapping=[0, -1, 1, 2], noise="none", tolerance=0.5)[0]
+    opts = {"policy": "migration_aware", "previous": prev, "noise": "none", "tolerance": 0.5}
+    new = rebalance_experts(load, 6, 1, 1, 3, rank_mapping=[0, -1, 1, 2], **opts)[0]
     assert new[0].tolist() == [0, 1, 0, 1, 2, 3]  # new GPU 1 holds what old GPU 2 held, GPU 2 old GPU 3's
-    swapped = rebalance_experts(load, 6, 1, 1, 3, policy="migration_aware", previous=prev, rank_mapping={1: 0, 0: 1, 3: 2}, noise="none", tolerance=0.5)[0]
+    swapped = rebalance_experts(load, 6, 1, 1, 3, rank_mapping={1: 0, 0: 1, 3: 2}, **opts)[0]
     assert swapped[0].tolist() == [2, 3, 0, 1, 2, 3]
 
 
@@ -505,3 +506,59 @@ def test_cross_gpu_copies_counts_new_gpu_expert_pairs():
 def test_home_node_share():
     p2l, _, _ = rebalance_experts(README_WEIGHT, 16, 4, 2, 8, policy="hierarchical")
     assert home_node_share(p2l, README_WEIGHT, 4, 2, 8).tolist() == [1.0, 1.0]
+
+
+# ---------------------------------------------------------------------------------------------
+# packing: replicas for the packing, and the lower bound / exact optimum of eplb.bounds
+# ---------------------------------------------------------------------------------------------
+
+
+def test_pack_aware_counts_leave_at_most_g_replicas_above_half_the_mean():
+    # heavy experts just above a multiple of the mean: greedy replication makes their replicas
+    # nearly equal and just above half the mean, more of them than GPUs
+    load = np.array([[7.9, 7.6, 6.4, 5.1, 4.0, 3.2, 2.6, 2.3, 1.9, 1.6] + [0.25] * 86 + [0.0] * 160]) * 100
+    g, p = 64, 320
+    greedy = alg._repair_counts(load, alg._replica_counts(load, p, g), g)
+    half = load.sum() / g / 2
+    assert ((load / greedy > half) * greedy).sum() > g  # the case this is for
+    counts, ok = alg._pack_aware_counts(load, p, g)
+    assert ok.all() and counts.sum() == p and (counts >= 1).all()
+    assert ((load / counts > half * (1 + 1e-12)) * counts).sum() <= g
+    # and default, which uses them there, balances that layer better than greedy counts packed alike
+    w = torch.from_numpy(load)
+    bal = _balance(rebalance_experts(w, p, 1, 1, g)[0], w, g).item()
+    assert bal > 0.9
+
+
+def test_lower_bound_sees_the_packing_and_matches_the_exact_optimum():
+    from eplb.bounds import optimal_peak, peak_lower_bound
+
+    # 2 GPUs x 2 slots, experts [1, 1, 1, 0]: every expert needs a slot, so no replica is
+    # spare; two of the three unit replicas share a GPU: peak 2, though the mean is 1.5
+    load = np.array([[1.0, 1.0, 1.0, 0.0]])
+    lb = peak_lower_bound(load, 4, 2)
+    assert 1.99 < lb[0] <= 2.0
+    best, bound, optimal = optimal_peak(load[0], 4, 2, time_limit=10)
+    assert optimal and best == pytest.approx(2.0) and bound == pytest.approx(2.0)
+    # greedy replication is not optimal in general: 5 equal experts on 4 GPUs x 2 slots are
+    # balanced by 4 replicas of one expert (the ILP finds it), not by 2 + 2 + 2 + 1 + 1
+    best, _, optimal = optimal_peak(np.ones(5), 8, 4, time_limit=10)
+    assert optimal and best == pytest.approx(1.25)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(0, 10_000))
+def test_lower_bound_is_below_every_placement_and_the_optimum(seed):
+    from eplb.bounds import optimal_peak, peak_lower_bound
+
+    rng = np.random.default_rng(seed)
+    g, s, n = 2, int(rng.integers(2, 4)), int(rng.integers(3, 6))
+    n = min(n, g * s)
+    load = np.round(rng.pareto(1.0, size=(1, n)) * 10 + rng.integers(0, 2, size=(1, n)) * 5)
+    w = torch.from_numpy(load)
+    lb = peak_lower_bound(load, g * s, g)[0]
+    for policy in ("default", "hierarchical", "migration_aware"):
+        p2l = rebalance_experts(w, g * s, 1, 1, g, policy=policy)[0].numpy()
+        assert alg._gpu_loads(p2l, load, g).max() >= lb * (1 - 1e-9)
+    best, bound, optimal = optimal_peak(load[0], g * s, g, time_limit=10)
+    assert optimal and lb <= best * (1 + 1e-9) and bound <= best * (1 + 1e-9)
