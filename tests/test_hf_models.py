@@ -68,7 +68,9 @@ def body_architectures(rank: int, world_size: int, cases: list[tuple[str, str]])
 
         s = 6  # 12 slots over 2 ranks: 4 redundant
         placement = Placement.static(layers, L, s * world_size)
-        model = HFMoE(spec, placement, rank, world_size, timeout=TIMEOUT)
+        # the bf16 runs combine in two all_gathers (sizes agreed first), the fp32 runs in one
+        model = HFMoE(spec, placement, rank, world_size, timeout=TIMEOUT,
+                      combine_one_shot_bytes=0 if dtype == "bfloat16" else 1 << 20)
         checks = {"start": model.probe().compare(ref)}
 
         # serve a batch; the rebalance commits one layer per decode step, as the async EPLB does
@@ -287,11 +289,13 @@ def body_checkpoint(rank: int, world_size: int, paths: dict[str, str]) -> dict:
         if rank == 1:
             with torch.no_grad():
                 emb.copy_(torch.nextafter(emb, torch.full_like(emb, float("inf"))))
-        try:
-            model.probe()
-            r["diverged"] = "no error"
-        except ReplicaDivergence as exc:
-            r["diverged"] = f"{type(exc).__name__}: {exc}"
+        for combine, limit in (("diverged", 1 << 20), ("diverged_two_step", 0)):  # one all_gather, then two
+            model.set_combine_one_shot_bytes(limit)
+            try:
+                model.probe()
+                r[combine] = "no error"
+            except ReplicaDivergence as exc:
+                r[combine] = f"{type(exc).__name__}: {exc}"
         out[arch] = r
     return out
 
@@ -426,8 +430,9 @@ def test_load_recording_and_placement_checks():
 def test_ranks_whose_replicated_compute_diverges_fail_with_a_reason(checkpoint_runs, arch):
     # both ranks refuse at the first MoE layer, instead of gloo aborting on unequal combine sizes
     for per_rank in checkpoint_runs:
-        assert per_rank[arch]["diverged"].startswith("ReplicaDivergence: MoE layer 0: rank "), per_rank[arch]["diverged"]
-        assert "ranks [" in per_rank[arch]["diverged"]
+        for combine in ("diverged", "diverged_two_step"):
+            assert per_rank[arch][combine].startswith("ReplicaDivergence: MoE layer 0: rank "), per_rank[arch][combine]
+            assert "ranks [" in per_rank[arch][combine]
 
 
 def test_serving_helpers_for_both_kinds():

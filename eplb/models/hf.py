@@ -284,11 +284,13 @@ class HFMoE:
     EP group the experts combine over (``None``: the default group; unused with one rank).
     ``materialize=False`` leaves the slots unfilled (a rank whose experts arrive by transfer);
     ``load_non_expert=False`` leaves the non-expert weights for :meth:`sync_non_expert`.
+    ``combine_one_shot_bytes``: below this many bytes of expert outputs per MoE layer the combine
+    is one all_gather (decode), above it two (see :func:`eplb.models.kernel._combine`).
     """
 
     def __init__(self, spec: HFModelConfig | dict, placement: Placement, rank: int, num_ranks: int, *,
                  group: Any = None, timeout: float = 30.0, materialize: bool = True,
-                 load_non_expert: bool = True, self_check: bool = True):
+                 load_non_expert: bool = True, self_check: bool = True, combine_one_shot_bytes: int = 1 << 20):
         register()
         self.spec = spec if isinstance(spec, HFModelConfig) else HFModelConfig.model_validate(spec)
         self.source = open_source(self.spec)
@@ -297,6 +299,7 @@ class HFMoE:
         self.moe_layer_ids = _moe_layers(self.model)
         self.group = group
         self.timeout = timeout
+        self.combine_one_shot_bytes = combine_one_shot_bytes
         first = self.model.model.layers[self.moe_layer_ids[0]].mlp.experts
         self.names = _expert_names(first)
         self._tails = [(tuple(getattr(first, n).shape[1:]), getattr(first, n).dtype) for n in self.names]
@@ -363,6 +366,7 @@ class HFMoE:
                 logical_to_physical=self.placement.logical_to_physical[index],
                 replica_count=self.placement.replica_count[index], rank=self.rank, num_ranks=self.num_ranks,
                 slots_per_rank=self.num_local_physical_experts, group=self.group, timeout=self.timeout,
+                one_shot_bytes=self.combine_one_shot_bytes,
                 logical_counts=torch.zeros(self.num_logical_experts, dtype=torch.int64),
                 physical_counts=torch.zeros(self.num_physical_experts, dtype=torch.int64),
             )
@@ -370,6 +374,12 @@ class HFMoE:
                 ctx.logical_counts, ctx.physical_counts = prev.logical_counts, prev.physical_counts
             experts._eplb = ctx
             self._contexts.append(ctx)
+
+    def set_combine_one_shot_bytes(self, limit: int) -> None:
+        """Combine in one all_gather while a layer's expert outputs fit in ``limit`` bytes (0: always two)."""
+        self.combine_one_shot_bytes = limit
+        for ctx in self._contexts:
+            ctx.one_shot_bytes = limit
 
     def set_group(self, group: Any) -> None:
         """The EP group to combine over from now on (after a rescale formed a new one)."""

@@ -22,7 +22,8 @@ Why a kernel of our own (measured on this machine, CPU torch 2.13 with MKL):
 Expert parallelism: a pair goes to one replica of its expert, ``token % replica_count``, so
 every rank computes the same assignment without talking. The owning rank computes it; one
 ``all_gather`` (padded to the largest rank's pair count, waited on with a deadline) brings every
-rank's outputs back, and every rank combines all pairs in the same fixed order.
+rank's outputs back, and every rank combines all pairs in the same fixed order. The ranks check
+that they routed the same pairs from the same bits before the sizes are trusted (see :func:`_combine`).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class ExpertsContext:
     slots_per_rank: int = 0
     group: Any = None
     timeout: float = 30.0
+    one_shot_bytes: int = 1 << 20  # combine in one all_gather while all pairs' outputs fit in this
     record: bool = True
     logical_counts: torch.Tensor | None = None  # [L] int64, accumulated while record is on
     physical_counts: torch.Tensor | None = None  # [P] int64
@@ -145,26 +147,60 @@ def _bits_sum(t: torch.Tensor) -> int:
     return int((words * (torch.arange(words.numel()) % 65521 + 1)).sum())
 
 
-def _agree(ctx: ExpertsContext, counts: torch.Tensor, hidden: torch.Tensor, ids: torch.Tensor,
-           weights: torch.Tensor) -> None:
-    """Check every rank routed the same pairs from the same bits before sizing the combine.
-
-    Every rank derives the combine's sizes from its own routing; ranks that disagree would post
-    all_gathers of different sizes, which gloo answers by aborting the process. A small fixed-size
-    all_gather of (pairs per rank, fingerprints of the MoE input, the router's choices and weights)
-    turns that into an error naming the layer. Divergence means the replicated compute differs
-    between ranks: e.g. another intra-op thread count (MKL's bits depend on it).
-    """
-    mine = torch.cat([counts.to(torch.int64),
+def _fingerprint(counts: torch.Tensor, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """What every rank must agree on before combining: pairs per rank, and the bits of the MoE
+    input and of the router's choices and weights (int64 ``[N + 3]``)."""
+    return torch.cat([counts.to(torch.int64),
                       torch.tensor([_bits_sum(hidden), _bits_sum(ids), _bits_sum(weights)], dtype=torch.int64)])
-    everyone = [torch.empty_like(mine) for _ in range(ctx.num_ranks)]
-    work = dist.all_gather(everyone, mine, group=ctx.group, async_op=True)
-    _wait(work, ctx.timeout, f"routing agreement all_gather of MoE layer {ctx.layer}")
+
+
+def _check_agreement(ctx: ExpertsContext, mine: torch.Tensor, everyone: list[torch.Tensor]) -> None:
     differ = [r for r, other in enumerate(everyone) if not torch.equal(other, mine)]
     if differ:
         raise ReplicaDivergence(
             f"MoE layer {ctx.layer}: rank {ctx.rank} and ranks {differ} routed different tokens or from different "
             f"bits (replicated compute diverged: same torch intra-op thread count on every rank?)")
+
+
+def _gather(ctx: ExpertsContext, send: torch.Tensor, what: str) -> list[torch.Tensor]:
+    recv = [torch.empty_like(send) for _ in range(ctx.num_ranks)]
+    _wait(dist.all_gather(recv, send, group=ctx.group, async_op=True), ctx.timeout, f"{what} of MoE layer {ctx.layer}")
+    return recv
+
+
+def _combine(ctx: ExpertsContext, out: torch.Tensor, mine: torch.Tensor, owner: torch.Tensor, meta: torch.Tensor) -> None:
+    """Fill ``out``'s rows of other ranks' pairs from those ranks, after checking everyone agrees.
+
+    Every rank derives the combine's sizes from its own routing; ranks that disagreed would post
+    all_gathers of different sizes, which gloo answers by aborting the process. So the sizes are
+    agreed first: when every rank's whole pair list fits in ``one_shot_bytes``, one all_gather of
+    ``[meta | pairs padded to all pairs]`` (sizes fixed by the batch); else a small all_gather of
+    ``meta`` (fixed size), then the pairs padded to the largest rank's count. A disagreement
+    raises :class:`ReplicaDivergence` naming the layer on every rank.
+    """
+    counts = meta[: ctx.num_ranks]
+    hidden = out.shape[1]
+    one_shot = out.numel() * out.element_size() <= ctx.one_shot_bytes
+    if one_shot:
+        width = out.shape[0]
+    else:
+        _check_agreement(ctx, meta, _gather(ctx, meta, "routing agreement all_gather"))
+        width = int(counts.max())
+    rows = torch.zeros(width, hidden, dtype=out.dtype)
+    rows[: mine.numel()] = out[mine]
+    payload = rows.view(-1).view(torch.uint8)
+    if one_shot:  # the metadata travels in front of the rows, as raw bytes
+        payload = torch.cat([meta.view(torch.uint8), payload])
+    received = _gather(ctx, payload, "expert combine all_gather")
+    ctx.stats["gathered_bytes"] += payload.numel() * ctx.num_ranks
+    if one_shot:
+        meta_bytes = meta.numel() * meta.element_size()
+        _check_agreement(ctx, meta, [r[:meta_bytes].view(torch.int64) for r in received])
+        received = [r[meta_bytes:] for r in received]
+    for r, data in enumerate(received):
+        if r != ctx.rank and counts[r]:
+            # a rank's pairs come back in ascending pair order, the order it packed them in
+            out[(owner == r).nonzero().squeeze(1)] = data.view(out.dtype).view(width, hidden)[: int(counts[r])]
 
 
 def ep_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -193,18 +229,7 @@ def ep_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k
     ctx.stats["pairs"] += int(mine.numel())
     if ctx.num_ranks > 1:
         counts = torch.bincount(owner, minlength=ctx.num_ranks)
-        _agree(ctx, counts, hidden_states, top_k_index, top_k_weights)
-        width = int(counts.max())
-        send = torch.zeros(width, hidden, dtype=out.dtype)
-        send[: mine.numel()] = out[mine]
-        recv = [torch.empty_like(send) for _ in range(ctx.num_ranks)]
-        work = dist.all_gather(recv, send, group=ctx.group, async_op=True)
-        _wait(work, ctx.timeout, f"expert combine all_gather of MoE layer {ctx.layer}")
-        ctx.stats["gathered_bytes"] += send.numel() * send.element_size() * ctx.num_ranks
-        for r in range(ctx.num_ranks):
-            if r != ctx.rank and counts[r]:
-                # a rank's pairs come back in ascending pair order, the order it packed them in
-                out[(owner == r).nonzero().squeeze(1)] = recv[r][: int(counts[r])]
+        _combine(ctx, out, mine, owner, _fingerprint(counts, hidden_states, top_k_index, top_k_weights))
     # combine in k order, in float32, whatever the rank layout: the same bits everywhere
     weighted = out.float() * top_k_weights.reshape(-1, 1).float()
     return weighted.view(num_tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
