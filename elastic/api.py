@@ -21,6 +21,8 @@ its methods). Every app gets its own Prometheus registry.
 from __future__ import annotations
 
 import copy
+import hmac
+import os
 import logging
 import signal
 import threading
@@ -38,6 +40,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from elastic.autoscaler import Autoscaler, AutoscalerConfig
 from elastic.deployment import DEFAULT_DEPLOYMENT, DeploymentConfig
+from elastic.logs import ENV_FORMAT
+from elastic.logs import configure as configure_logging
 from elastic.phases import SERVING_PHASES
 from elastic.errors import ElasticError, InvalidScaleRequest, InvalidTransition, RebalanceFailed, StaleGeneration
 from elastic.hooks import HooksConfig, ScaleHooks
@@ -192,13 +196,40 @@ def _validation_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 # -- the app ------------------------------------------------------------------------------------
 
+class RequireApiKey:
+    """ASGI middleware: every request that changes something (any method but GET, HEAD, OPTIONS)
+    must carry ``Authorization: Bearer KEY``, as vLLM's ``--api-key`` asks; otherwise 401 and
+    nothing is read or done. Reading (state, metrics, operations) stays open."""
+
+    SAFE = frozenset({"GET", "HEAD", "OPTIONS"})
+
+    def __init__(self, app: Any, key: str):
+        self.app = app
+        self._expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] not in self.SAFE:
+            given = dict(scope.get("headers") or ()).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                response = JSONResponse({"error": "unauthorized", "message": (
+                    f"{scope['method']} {scope['path']} needs the header 'Authorization: Bearer <api key>' "
+                    "(serve --api-key or ELASTIC_EP_API_KEY)")}, status_code=401,
+                    headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: ScaleHooks | None = None,
-               title: str = "elastic-ep") -> FastAPI:
-    """The scale API over ``controller`` (a :class:`~elastic.coordinator.Coordinator`)."""
+               title: str = "elastic-ep", api_key: str | None = None) -> FastAPI:
+    """The scale API over ``controller`` (a :class:`~elastic.coordinator.Coordinator`); with
+    ``api_key``, every request that changes something must present it (:class:`RequireApiKey`)."""
     app = FastAPI(title=title, version="1", description=__doc__.split("\n\n")[1] if __doc__ else None)
     registry = build_registry(controller, autoscaler)
     app.state.controller, app.state.autoscaler, app.state.hooks, app.state.registry = controller, autoscaler, hooks, registry
     app.add_middleware(BodyLimit)  # an oversized body is refused (422) before it is read and parsed
+    if api_key:
+        app.add_middleware(RequireApiKey, key=api_key)  # outermost: checked before the body is read
 
     def view(op: dict[str, Any]) -> dict[str, Any]:
         out = dict(op)
@@ -573,7 +604,7 @@ class _StopSignals:
 
 def serve(config: DeploymentConfig, host: str = "127.0.0.1", port: int = 8000, *,
           autoscaler: AutoscalerConfig | None = None, hooks: HooksConfig | None = None,
-          log_level: str = "info", shutdown_timeout_s: float = 5.0) -> None:
+          log_level: str = "info", shutdown_timeout_s: float = 5.0, api_key: str | None = None) -> None:
     """Start the workers, the autoscaler (if configured) and the API; serve until SIGTERM or SIGINT.
 
     Either signal stops it gracefully: the server stops answering (open requests get 2 s), the
@@ -586,6 +617,7 @@ def serve(config: DeploymentConfig, host: str = "127.0.0.1", port: int = 8000, *
     from elastic.coordinator import Coordinator
 
     coordinator = Coordinator(config)  # starts nothing yet: a signal now ends the process as usual
+    _SERVING["coordinator"] = coordinator
     scaler: Autoscaler | None = None
     with _StopSignals() as signals:
         try:
@@ -593,7 +625,7 @@ def serve(config: DeploymentConfig, host: str = "127.0.0.1", port: int = 8000, *
             scale_hooks = ScaleHooks.from_config(hooks).install(coordinator) if hooks is not None else None
             if autoscaler is not None:
                 scaler = Autoscaler(coordinator, autoscaler).start()
-            app = create_app(coordinator, autoscaler=scaler, hooks=scale_hooks)
+            app = create_app(coordinator, autoscaler=scaler, hooks=scale_hooks, api_key=api_key)
             server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                                    timeout_graceful_shutdown=2))
             signals.server = server  # from here a signal makes uvicorn return
@@ -607,6 +639,19 @@ def serve(config: DeploymentConfig, host: str = "127.0.0.1", port: int = 8000, *
                 scaler.stop()
             coordinator.shutdown(timeout=shutdown_timeout_s)
             log.info("deployment shut down in %.1fs", time.monotonic() - started)
+
+
+#: the coordinator that ``serve`` runs, for the log context
+_SERVING: dict[str, Any] = {}
+
+
+def _serving_context() -> dict[str, Any]:
+    coordinator = _SERVING.get("coordinator")
+    if coordinator is None:
+        return {}
+    op = coordinator._current
+    return {"generation": coordinator.machine.generation,
+            "operation_id": op.id if op is not None and not op.terminal else None}
 
 
 def register_cli(app: Any) -> None:
@@ -627,6 +672,11 @@ def register_cli(app: Any) -> None:
         max_memory: str | None = typer.Option(None, "--max-memory", help="memory one worker may use, e.g. 8GiB"),
         observe_only: bool = typer.Option(False, "--observe-only", help="the autoscaler only logs what it would do"),
         log_level: str = typer.Option("info", help="uvicorn log level"),
+        log_format: str = typer.Option("text", "--log-format", help="text, or json: one object per line with "
+                                       "generation, operation id and rank (workers too)"),
+        api_key: str | None = typer.Option(None, "--api-key", envvar="ELASTIC_EP_API_KEY", show_default=False,
+                                           help="require 'Authorization: Bearer KEY' on every request that changes "
+                                                "something (POST); reading stays open"),
     ) -> None:
         """Run a deployment with the scale API (and the autoscaler, when configured).
 
@@ -644,6 +694,10 @@ def register_cli(app: Any) -> None:
         scaler = loaded.autoscaler
         if observe_only and scaler is not None:
             scaler = scaler.model_copy(update={"observe_only": True})
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        if log_format not in ("text", "json"):
+            typer.echo(f"error: --log-format: expected text or json, got {log_format!r}", err=True)
+            raise typer.Exit(2)
+        os.environ[ENV_FORMAT] = log_format  # workers inherit it (the forkserver starts after this)
+        configure_logging(log_format, logging.INFO, context=_serving_context)
         logging.getLogger("transitions").setLevel(logging.WARNING)  # the machine logs each transition itself
-        serve(loaded.deployment, host, port, autoscaler=scaler, hooks=loaded.hooks, log_level=log_level)
+        serve(loaded.deployment, host, port, autoscaler=scaler, hooks=loaded.hooks, log_level=log_level, api_key=api_key)

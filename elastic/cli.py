@@ -247,6 +247,11 @@ def serve(ctx: typer.Context) -> None:
         raise typer.Exit(exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)) from None
 
 
+from elastic import client as _client  # noqa: E402 - the client commands of a running server (httpx only)
+
+_client.register(app)
+
+
 def main() -> None:  # pragma: no cover - the console script calls ``app``
     app()
 

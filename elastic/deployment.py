@@ -30,6 +30,9 @@ class CommandHost(BaseModel):
                                 "(e.g. GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME), on top of the launcher's env")
 
 
+#: the bind addresses that listen on every interface
+ALL_INTERFACES = frozenset({"", "0.0.0.0", "::", "*"})
+
 _RAY_ONLY = ("address", "namespace", "num_cpus_per_worker", "num_gpus_per_worker")
 _COMMAND_ONLY = ("template", "hosts")
 
@@ -49,6 +52,8 @@ class LauncherConfig(BaseModel):
     bind_host: str | None = Field(None, description="address the TCPStore listens on; '0.0.0.0' or '::' for every "
                                   "address (default: store_host)")
     advertise_host: str | None = Field(None, description="address the workers reach the TCPStore at (default: store_host)")
+    allow_all_interfaces: bool = Field(False, description="let the TCPStore listen on every interface (0.0.0.0, ::); "
+                                       "it carries pickles, so it is refused unless set")
     env: dict[str, str] = Field(default_factory=dict, description="environment variables of every worker (ray, command)")
     # ray
     address: str | None = Field(None, description="ray: the cluster to join ('auto', 'ray://...', None: the "
@@ -146,6 +151,13 @@ class DeploymentConfig(BaseModel):
             raise ValueError(
                 f"{self.model.num_experts} experts + {self.eplb.num_redundant_experts} redundant = {physical} "
                 f"physical slots do not divide over ep_size={self.ep_size}")
+        if self.store_bind_host in ALL_INTERFACES and not self.launcher.allow_all_interfaces:
+            where = "launcher.bind_host" if self.launcher.bind_host else "store_host"
+            raise ValueError(
+                f"{where}: {self.store_bind_host!r} would let the TCPStore listen on every interface of this host; "
+                "the store carries pickles, so anyone who reaches it can run code in the coordinator and the workers. "
+                "Bind it to the private address the workers reach (e.g. launcher.bind_host: 10.0.0.5), or set "
+                "launcher.allow_all_interfaces: true on a network you trust")
         if self.ep_size > self.max_ep_size:
             raise ValueError(f"ep_size={self.ep_size} exceeds max_ep_size={self.max_ep_size}")
         if self.timeouts.heartbeat <= self.timeouts.collective:

@@ -21,14 +21,18 @@ import queue
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from elastic import protocol as p
+from elastic.fault_injector import FaultInjector
+from elastic.logs import configure as configure_logging
+from elastic.groups import GroupGeneration, connect_store, num_nodes_of
 from eplb.communicator import make_communicator
 from eplb.config import EPLBConfig
 from eplb.model import ModelShape, ReferenceMoE, allocate_weights
@@ -37,9 +41,6 @@ from eplb.plan import LayerPlan, holders_from_mapping, plan_layer
 from eplb.state import CONTROL_WORDS, EPLBState, LoadWindow, TransferHooks, placement_for
 from eplb.trace import PhasedTrace, TraceConfig
 from eplb.transfer import commit_layer, execute_layer, materialize
-from elastic.fault_injector import FaultInjector
-from elastic import protocol as p
-from elastic.groups import GroupGeneration, connect_store, num_nodes_of
 
 log = logging.getLogger("elastic.worker")
 
@@ -877,7 +878,14 @@ def placement_digest(placement: Placement) -> str:
 
 def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any) -> None:
     """Entry point of a worker process."""
-    logging.basicConfig(level=os.environ.get("ELASTIC_EP_WORKER_LOG", "WARNING"))
+    holder: dict[str, Any] = {}  # the Worker, once built: its rank and generation go with every log line
+
+    def context() -> dict[str, Any]:
+        w = holder.get("worker")
+        return {"rank": spec.rank, "generation": spec.generation} if w is None else \
+            {"rank": w.rank, "generation": w.generation}
+
+    configure_logging(None, os.environ.get("ELASTIC_EP_WORKER_LOG", "WARNING"), context=context)
     torch.set_num_threads(1)
     from elastic.lifetime import watch_coordinator
 
@@ -885,6 +893,7 @@ def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any) -> None:
     worker = None
     try:
         worker = Worker(spec, inbox, outbox)
+        holder["worker"] = worker
         worker.run()
     except BaseException as exc:  # noqa: BLE001 - the coordinator must hear about every death
         outbox.put(p.WorkerError(rank=spec.rank if worker is None else worker.rank,
@@ -892,7 +901,7 @@ def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any) -> None:
                                  pid=os.getpid(), at=time.time(), step=0 if worker is None else worker.step,
                                  where="worker", error_type=type(exc).__name__, message=str(exc),
                                  traceback=traceback.format_exc(), fatal=True))
-        raise SystemExit(1)
+        raise SystemExit(1) from exc
     finally:
         if watch is not None:
             watch.stop()

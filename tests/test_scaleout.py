@@ -95,8 +95,12 @@ def test_launcher_config_refuses_what_cannot_work():
     assert "distinct" in bad({"kind": "command", "template": REMOTE, "hosts": [{"name": "a"}, {"name": "a"}]})
     assert "slots" in bad({"kind": "command", "template": REMOTE, "hosts": [{"name": "a", "slots": 2}]}, max_ep_size=4)
     assert "store_port" in bad({"store_port": 70000})
-    ok = DeploymentConfig.model_validate({"store_host": "10.0.0.5", "launcher": {"kind": "ray", "address": "auto",
-                                          "store_port": 29500, "bind_host": "0.0.0.0"}})
+    every = {"kind": "ray", "address": "auto", "store_port": 29500, "bind_host": "0.0.0.0"}
+    with pytest.raises(ValueError, match="every interface.*pickles.*allow_all_interfaces"):
+        DeploymentConfig.model_validate({"store_host": "10.0.0.5", "launcher": every})
+    with pytest.raises(ValueError, match="store_host: '::'"):
+        DeploymentConfig.model_validate({"store_host": "::"})
+    ok = DeploymentConfig.model_validate({"store_host": "10.0.0.5", "launcher": {**every, "allow_all_interfaces": True}})
     assert (ok.store_bind_host, ok.store_advertise_host, ok.launcher.store_port) == ("0.0.0.0", "10.0.0.5", 29500)
     assert isinstance(make_launcher(small_config()), LocalLauncher)
     cmd = make_launcher(small_config(launcher={"kind": "command", "template": REMOTE, "hosts": [{"name": "a"}]}))
