@@ -8,7 +8,7 @@ is ``sum(w) / G / OPT``).
 
 - :func:`peak_lower_bound`: a proven lower bound on ``OPT`` that accounts for the packing
   (``S`` items per GPU), for every layer at once, in milliseconds.
-- :func:`optimal_peak` : the exact optimum of one layer by integer programming (HiGHS through
+- :func:`optimal_peak`: the exact optimum of one layer by integer programming (HiGHS through
   :func:`scipy.optimize.milp`), practical on reduced shapes (tens of experts, a few GPUs);
   with a time limit it returns HiGHS's dual bound, still a proven lower bound.
 
@@ -105,8 +105,11 @@ def optimal_peak(
 ) -> tuple[float, float, bool]:
     """Exact optimum of one layer by a mixed-integer program (HiGHS via ``scipy.optimize.milp``).
 
-    ``load [L]`` -> ``(best_peak, lower_bound, optimal)``: the best peak found, HiGHS's proven
-    lower bound (equal to it when ``optimal``), and whether it was proven within ``time_limit``.
+    ``load [L]`` -> ``(best_peak, lower_bound, optimal)``: the best peak HiGHS found (``upper``
+    when it found none better within ``time_limit``), its proven lower bound (equal to the best
+    when ``optimal``), and whether optimality was proven. The LP relaxation of this model is the
+    mean GPU load, so proofs come only on small layers (a few experts and GPUs); larger ones
+    return good placements and the mean as the bound.
 
     Model: binary ``y[e, c]`` (expert ``e`` has ``c`` replicas, ``c`` up to ``P - L + 1``),
     integer ``x[e, c, g]`` (replicas of ``e`` on GPU ``g`` when it has ``c``), ``T`` the peak:
@@ -162,7 +165,6 @@ def optimal_peak(
             a[r, n_opt + o * g + gg] = 1.0
         lo_b[r] = hi_b[r] = float(s)
         r += 1
-    load_rows = r
     for gg in range(g):  # GPU load <= T
         for o, (e, c) in enumerate(options):
             a[r, n_opt + o * g + gg] = ws[e] / c
@@ -175,7 +177,6 @@ def optimal_peak(
             a[r, n_opt + o * g + gg + 1] = -ws[e] / c
         lo_b[r], hi_b[r] = 0.0, np.inf
         r += 1
-    del load_rows
     cost = np.zeros(n_var)
     cost[ti] = 1.0
     integrality = np.ones(n_var)
