@@ -95,7 +95,7 @@ class ScaleDecision(BaseModel):
     reason: str = ""
 
     @classmethod
-    def hold(cls, reason: str) -> "ScaleDecision":
+    def hold(cls, reason: str) -> ScaleDecision:
         return cls(target=None, reason=reason)
 
 
@@ -136,7 +136,7 @@ class AutoscalerConfig(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _check(self) -> "AutoscalerConfig":
+    def _check(self) -> AutoscalerConfig:
         if self.max_size is not None and self.max_size < self.min_size:
             raise ValueError(f"max_size={self.max_size} is below min_size={self.min_size}")
         if self.policy == "threshold":
@@ -355,7 +355,7 @@ class Autoscaler:
         return record
 
     # -- the thread ------------------------------------------------------------------------
-    def start(self) -> "Autoscaler":
+    def start(self) -> Autoscaler:
         if self._thread is not None and self._thread.is_alive():
             return self
         self._stop.clear()

@@ -68,7 +68,7 @@ class StoreQueue:
     def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
         data = pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
         n = self.store.add(f"{self.prefix}/tail", 1)
-        self.store.set(self._key(n), data)
+        self.store.set(self._key(n), data)  # type: ignore[arg-type]  # torch's stub says str; Store.set takes bytes
 
     def put_nowait(self, item: Any) -> None:
         self.put(item)
@@ -141,6 +141,6 @@ class TaggedOutbox:
         self.worker_id = worker_id
 
     def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
-        if dataclasses.is_dataclass(item) and hasattr(item, "pid"):
+        if dataclasses.is_dataclass(item) and not isinstance(item, type) and hasattr(item, "pid"):
             item = dataclasses.replace(item, pid=self.worker_id)
         self.inner.put(item)

@@ -25,16 +25,24 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import torch.distributed as dist
 
 from elastic import protocol as p
 from elastic.deployment import DeploymentConfig
-from elastic.errors import (ElasticError, IdempotencyKeyReused, InvalidScaleRequest, InvalidTransition,
-                            RebalanceFailed, ScaleConflict, StaleGeneration)
+from elastic.errors import (
+    ElasticError,
+    IdempotencyKeyReused,
+    InvalidScaleRequest,
+    InvalidTransition,
+    RebalanceFailed,
+    ScaleConflict,
+    StaleGeneration,
+)
 from elastic.groups import abort_generation, open_store
 from elastic.launcher import Launcher, WorkerHandle, make_launcher, plan_mapping
 from elastic.machine import Phase, ScaleMachine
@@ -223,7 +231,7 @@ class Coordinator:
         self.machine.subscribe(lambda t: self._emit("transition", t.to_dict()))
 
     # -- lifecycle -------------------------------------------------------------------------
-    def start(self) -> "Coordinator":
+    def start(self) -> Coordinator:
         self._store = open_store(self.config.store_bind_host, self.config.launcher.store_port)
         for rank in range(self.size):
             self._launch(rank, self.size, generation=0)
@@ -236,7 +244,7 @@ class Coordinator:
         self._await(0, set(self.workers), "Started", self.config.timeouts.worker_start + 1.0, fail_machine=False)
         return self
 
-    def __enter__(self) -> "Coordinator":
+    def __enter__(self) -> Coordinator:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

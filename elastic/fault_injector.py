@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -17,6 +17,8 @@ from elastic.phases import Phase
 #: the command class name -> the phase a KillRank(in_phase=...) names
 _PHASE_OF_COMMAND = {"Drain": Phase.DRAINING, "Suppress": Phase.SUPPRESSED, "Rescale": Phase.RESCALING,
                      "Resume": Phase.RESUMING}
+
+_F = TypeVar("_F", bound=f._Fault)
 
 
 class FaultInjector:
@@ -30,7 +32,7 @@ class FaultInjector:
         self._corrupted = 0
         self._delayed: dict[Any, int] = {}  # DelayTransfer fault -> layers delayed so far
 
-    def active(self, kind: type) -> list[Any]:
+    def active(self, kind: type[_F]) -> list[_F]:
         rank, generation = self._where()
         return [x for x in self.faults if isinstance(x, kind) and x.rank == rank
                 and (x.generation is None or x.generation == generation)]
@@ -51,13 +53,13 @@ class FaultInjector:
             progress(None)
 
     def at_step(self, step: int) -> None:
-        for fault in self.active(f.KillRank):
-            if fault.at_step is not None and step >= fault.at_step:
+        for kill in self.active(f.KillRank):
+            if kill.at_step is not None and step >= kill.at_step:
                 os._exit(17)
-        for fault in self.active(f.StallRank):
-            if step >= fault.at_step and fault not in self._stalled:
-                self._stalled.add(fault)
-                time.sleep(fault.seconds)
+        for stall in self.active(f.StallRank):
+            if step >= stall.at_step and stall not in self._stalled:
+                self._stalled.add(stall)
+                time.sleep(stall.seconds)
 
     def at_command(self, command: Any) -> None:
         phase = _PHASE_OF_COMMAND.get(type(command).__name__)

@@ -17,9 +17,9 @@ place "node-local" replicas on other hosts.
 from __future__ import annotations
 
 import logging
-import time
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -112,7 +112,7 @@ class GroupGeneration:
 
     @classmethod
     def join(cls, store: dist.Store, generation: int, rank: int, size: int, *, backend: str = "gloo",
-             timeout_s: float = 30.0, rendezvous_timeout_s: float | None = None) -> "GroupGeneration":
+             timeout_s: float = 30.0, rendezvous_timeout_s: float | None = None) -> GroupGeneration:
         """Form this generation's default group (a rendezvous: returns once all ``size`` ranks joined).
 
         The rendezvous has its own deadline (``rendezvous_timeout_s``, default ``timeout_s``),

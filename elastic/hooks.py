@@ -106,7 +106,7 @@ class HookSpec(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _exactly_one(self) -> "HookSpec":
+    def _exactly_one(self) -> HookSpec:
         if (self.command is None) == (self.callable is None):
             raise ValueError("a hook needs exactly one of 'command' or 'callable'")
         if self.callable is not None:
@@ -150,6 +150,10 @@ class _Hook:
     """A runnable hook: a callable or a command, with a timeout."""
 
     def __init__(self, item: Any, default_timeout_s: float):
+        self.spec: HookSpec | None  # None: a bare Python callable
+        self.fn: Callable[[dict[str, Any]], Any] | None
+        self.timeout_s: float
+        self.label: str
         if isinstance(item, HookSpec):
             self.spec = item
         elif isinstance(item, dict):
@@ -161,7 +165,7 @@ class _Hook:
         else:
             raise ValueError(f"a hook must be a callable, a command (str or list) or a HookSpec, got {item!r}")
         if self.spec is None:
-            self.fn: Callable[[dict[str, Any]], Any] | None = item
+            self.fn = item
             self.timeout_s = default_timeout_s
             self.label = repr(getattr(item, "__qualname__", None) or repr(item))
         else:
@@ -179,10 +183,12 @@ class _Hook:
 
     def _call(self, op: dict[str, Any]) -> tuple[bool, str, int | None]:
         box: dict[str, Any] = {}
+        fn = self.fn
+        assert fn is not None  # run() calls _call only for a callable hook
 
         def target() -> None:
             try:
-                box["value"] = self.fn(dict(op))  # type: ignore[misc]
+                box["value"] = fn(dict(op))
             except BaseException as exc:  # noqa: BLE001
                 box["error"] = exc
 
@@ -244,11 +250,11 @@ class ScaleHooks:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_config(cls, config: HooksConfig | dict[str, Any]) -> "ScaleHooks":
+    def from_config(cls, config: HooksConfig | dict[str, Any]) -> ScaleHooks:
         config = config if isinstance(config, HooksConfig) else HooksConfig.model_validate(config)
         return cls(config.before_scale, config.after_scale)
 
-    def install(self, coordinator: Any) -> "ScaleHooks":
+    def install(self, coordinator: Any) -> ScaleHooks:
         """Add the before-hooks to the coordinator's hook point and follow its operations for the after-hooks."""
         if self.before:  # no before-hooks: scales start at once (no before_hooks phase)
             coordinator.before_scale.append(self.run_before)

@@ -51,7 +51,9 @@ class WorkerHandle(Protocol):
     host: str | None  # where it runs (None: not known yet)
 
     @property
-    def pid(self) -> int | None: ...
+    def pid(self) -> int:
+        """The id its reports carry: the coordinator keys its workers by it."""
+        ...
 
     def is_alive(self) -> bool: ...
 
@@ -83,8 +85,10 @@ class LocalWorker:
     host: str = "localhost"
 
     @property
-    def pid(self) -> int | None:
-        return self.process.pid
+    def pid(self) -> int:
+        pid = self.process.pid
+        assert pid is not None  # LocalLauncher.launch starts the process before it makes its LocalWorker
+        return pid
 
     def is_alive(self) -> bool:
         return self.process.is_alive()
@@ -95,12 +99,12 @@ class LocalWorker:
 
     def kill(self) -> None:
         if self.process.is_alive():
-            os.kill(self.process.pid, signal.SIGKILL)
+            os.kill(self.pid, signal.SIGKILL)
             self.process.join(5)
 
     def stall(self) -> None:
         """Freeze the process (SIGSTOP): alive but not answering. For fault injection."""
-        os.kill(self.process.pid, signal.SIGSTOP)
+        os.kill(self.pid, signal.SIGSTOP)
 
 
 class LocalLauncher:
@@ -238,7 +242,7 @@ class _LazyReports:
 class StoreChannelLauncher:
     """Shared by the command and Ray launchers: launch records, inboxes and reports in the store."""
 
-    def __init__(self, options: "LauncherConfig", capacity: int):
+    def __init__(self, options: LauncherConfig, capacity: int):
         self.options = options
         self.capacity = capacity
         self._ids = itertools.count(1)
@@ -320,7 +324,7 @@ class CommandWorker:
     host: str
     worker_id: int
     process: subprocess.Popen
-    launcher: "CommandLauncher"
+    launcher: CommandLauncher
 
     @property
     def pid(self) -> int:
@@ -349,7 +353,7 @@ class CommandWorker:
 class CommandLauncher(StoreChannelLauncher):
     """Each worker a process from ``options.template``, on ``options.hosts`` (filled evenly)."""
 
-    def __init__(self, options: "LauncherConfig", capacity: int):
+    def __init__(self, options: LauncherConfig, capacity: int):
         super().__init__(options, capacity)
         self._planned: dict[int, str] = {}
 
@@ -380,7 +384,7 @@ class CommandLauncher(StoreChannelLauncher):
         return worker
 
 
-def make_launcher(config: "DeploymentConfig") -> Any:
+def make_launcher(config: DeploymentConfig) -> Any:
     """The launcher ``config.launcher`` names, with capacity ``max_ep_size``."""
     options = config.launcher
     if options.kind == "local":

@@ -37,7 +37,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("elastic.launcher_ray")
 
 
-@ray.remote(max_concurrency=2, max_restarts=0)
+# Ray's stub types ray.remote(**options) with task options only (no max_concurrency, an actor option),
+# so mypy rejects the call and keeps seeing the undecorated class (hence the ignore on .options below).
+@ray.remote(max_concurrency=2, max_restarts=0)  # type: ignore[call-overload]
 class WorkerActor:
     """One EP worker. ``run`` blocks for the worker's life; ``node`` answers meanwhile."""
 
@@ -61,7 +63,7 @@ class RayWorker:
     actor: Any
     run_ref: Any
     node_ref: Any
-    launcher: "RayLauncher"
+    launcher: RayLauncher
     _host: str | None = None
     _gone: bool = False
     exit_reason: str | None = field(default=None)
@@ -127,7 +129,7 @@ class RayWorker:
 class RayLauncher(StoreChannelLauncher):
     """Workers as Ray actors on the cluster at ``options.address`` (or the one this process joined)."""
 
-    def __init__(self, options: "LauncherConfig", capacity: int):
+    def __init__(self, options: LauncherConfig, capacity: int):
         super().__init__(options, capacity)
         self._owns_ray = False
         if not ray.is_initialized():
@@ -141,9 +143,9 @@ class RayLauncher(StoreChannelLauncher):
     def launch(self, spec: WorkerSpec) -> RayWorker:
         worker_id, inbox = self._prepare(spec, None, dict(self.options.env))
         name = f"ep-{self.tag}-w{worker_id}"
-        actor = WorkerActor.options(name=name, namespace=self.options.namespace,
-                                    num_cpus=self.options.num_cpus_per_worker,
-                                    num_gpus=self.options.num_gpus_per_worker).remote()
+        actor = WorkerActor.options(  # type: ignore[attr-defined]  # Ray's stub: see WorkerActor
+            name=name, namespace=self.options.namespace, num_cpus=self.options.num_cpus_per_worker,
+            num_gpus=self.options.num_gpus_per_worker).remote()
         run_ref = actor.run.remote(spec.store_host, spec.store_port, worker_id)
         worker = RayWorker(spec.rank, inbox, worker_id, name, actor, run_ref, actor.node.remote(), self)
         log.info("started actor %s for rank %d of generation %d", name, spec.rank, spec.generation)

@@ -55,15 +55,16 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 from transitions import MachineError
 from transitions.extensions import LockedMachine
 
 from elastic.config import TimeoutsConfig
-from elastic.phases import Phase
 from elastic.errors import InvalidScaleRequest, InvalidTransition, PhaseTimeout, ScaleConflict, StaleGeneration
+from elastic.phases import Phase
 
 __all__ = [
     "EDGES",
@@ -236,7 +237,9 @@ class ScaleMachine:
             transitions=[{"trigger": e.trigger, "source": e.source.value, "dest": e.dest.value} for e in EDGES],
             auto_transitions=False,
             ignore_invalid_triggers=False,
-            machine_context=[self._lock],
+            # transitions' stub types machine_context as AbstractContextManager[None], but RLock.__enter__
+            # returns bool (the runtime only enters and exits it): the stub is too narrow.
+            machine_context=[cast(AbstractContextManager[None], self._lock)],
         )
 
     # ------------------------------------------------------------------ read side
@@ -504,5 +507,6 @@ def transitions_of(machine: ScaleMachine, states: Iterable[Phase] = tuple(Phase)
     for s in states:
         for trig in m.get_triggers(s.value):
             for t in m.events[trig].transitions.get(s.value, []):
+                assert t.dest is not None  # every edge of EDGES has a destination (no internal transitions)
                 out.add((trig, Phase(t.source), Phase(t.dest)))
     return out

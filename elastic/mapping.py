@@ -114,12 +114,12 @@ class RankMapping:
     # ------------------------------------------------------------------ constructors
 
     @classmethod
-    def identity(cls, size: int) -> "RankMapping":
+    def identity(cls, size: int) -> RankMapping:
         """Nobody leaves, nobody joins."""
         return cls.for_resize(size, size)
 
     @classmethod
-    def for_resize(cls, old_size: int, new_size: int) -> "RankMapping":
+    def for_resize(cls, old_size: int, new_size: int) -> RankMapping:
         """Scale ``old_size`` -> ``new_size``: down retires the highest ranks, up adds fresh ranks on top.
 
         Surviving ranks keep their number, so a rank's slots stay where they are.
@@ -133,7 +133,7 @@ class RankMapping:
         return cls(tuple(r if r < new_size else -1 for r in range(old_size)), new_size)
 
     @classmethod
-    def without(cls, old_size: int, lost_ranks: Iterable[int]) -> "RankMapping":
+    def without(cls, old_size: int, lost_ranks: Iterable[int]) -> RankMapping:
         """Failure: drop ``lost_ranks`` and renumber the survivors ``0..k-1`` in their old order."""
         old_size = _as_rank(old_size, "old_size")
         if old_size < 1:
@@ -163,7 +163,7 @@ class RankMapping:
         return cls(tuple(old_to_new), nxt, frozenset(lost))
 
     @classmethod
-    def from_dict(cls, mapping: Mapping[int, int], new_size: int, *, lost: Iterable[int] = ()) -> "RankMapping":
+    def from_dict(cls, mapping: Mapping[int, int], new_size: int, *, lost: Iterable[int] = ()) -> RankMapping:
         """From the design's ``{old_rank: new_rank}`` form; every old rank ``0..len-1`` must appear."""
         keys = sorted(_as_rank(k, "an old rank") for k in mapping)
         if keys != list(range(len(keys))):

@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from elastic import protocol as p
 from elastic.fault_injector import FaultInjector
-from elastic.logs import configure as configure_logging
 from elastic.groups import GroupGeneration, connect_store, num_nodes_of
+from elastic.logs import configure as configure_logging
 from eplb.communicator import make_communicator
 from eplb.config import EPLBConfig
 from eplb.model import ModelShape, ReferenceMoE, allocate_weights

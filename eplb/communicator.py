@@ -51,9 +51,10 @@ import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -83,6 +84,17 @@ __all__ = [
 
 #: the names ``EPLBConfig.communicator`` accepts
 COMMUNICATORS = ("auto", "gloo", "nccl", "nixl")
+
+
+class _ErrorFields(TypedDict):
+    """The keyword fields of a :class:`TransferError` (and :class:`TransferTimeout`), built once for both."""
+
+    layer: int | None
+    rank: int | None
+    peers: Sequence[int]
+    timeout: float | None
+    waiting: str
+    cause: str
 
 
 class CommunicatorUnavailable(RuntimeError):
@@ -138,7 +150,7 @@ def resolve_communicator(choice: str = "auto", backend: str = "gloo") -> str:
     return choice
 
 
-def make_communicator(choice: str = "auto", backend: str = "gloo") -> "Communicator":
+def make_communicator(choice: str = "auto", backend: str = "gloo") -> Communicator:
     """A new communicator for ``choice`` (see :func:`resolve_communicator`)."""
     name = resolve_communicator(choice, backend)
     if name == "nixl":
@@ -261,8 +273,8 @@ class TorchCommunicator(Communicator):
                     ok = work.wait(timeout=timedelta(seconds=max(remaining, 1e-3)))
                 except RuntimeError as exc:
                     pending = pending_ops(ops, works)
-                    kwargs = dict(layer=layer, rank=me, peers=[op.peer for op in pending], timeout=limit,
-                                  waiting=describe_ops(pending), cause=str(exc).splitlines()[0][:300])
+                    kwargs = _ErrorFields(layer=layer, rank=me, peers=[op.peer for op in pending], timeout=limit,
+                                          waiting=describe_ops(pending), cause=str(exc).splitlines()[0][:300])
                     if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
                         raise TransferTimeout(
                             f"transfer chunk {c + 1}/{num_chunks} not done within {limit:g}s", **kwargs
@@ -611,10 +623,11 @@ class NixlCommunicator(Communicator):
         if not x.sends:
             return ""
         layer = x.layer
-        if self._weights is None or self._weights.by_layer is None or layer >= len(self._weights.by_layer) \
-                or not self._weights.by_layer[layer]:
+        assert layer is not None  # exchange() refuses a LayerExchange without a layer index
+        by_layer = self._weights.by_layer if self._weights is not None else None
+        tensors = by_layer[layer] if by_layer is not None and layer < len(by_layer) else None
+        if not tensors:
             return f"layer {layer}: this rank sends but registered no weights for the layer (set_weights)"
-        tensors = self._weights.by_layer[layer]
         for op in x.sends:
             base = tensors[op.weight]
             addr = op.tensor.data_ptr()
@@ -626,13 +639,15 @@ class NixlCommunicator(Communicator):
     def _read_requests(self, x: LayerExchange) -> dict[int, tuple[list[TransferOp], list[tuple], list[tuple], str]]:
         """Per peer: (ops, local descriptors, remote descriptors, mem type)."""
         out: dict[int, tuple[list[TransferOp], list[tuple], list[tuple], str]] = {}
+        layer = x.layer
+        assert layer is not None  # exchange() refuses a LayerExchange without a layer index
         for op in x.recvs:
             peer = self._peers.get(op.peer)
             if peer is None:
                 raise TransferError("no NIXL metadata for a peer", layer=x.layer, rank=x.rank, peers=[op.peer],
                                     waiting=describe_ops([op]))
             table = peer.weights
-            row = table[x.layer] if table is not None and x.layer < len(table) else None
+            row = table[layer] if table is not None and layer < len(table) else None
             if not row:
                 raise TransferError(f"rank {op.peer} published no weights for layer {x.layer}", layer=x.layer,
                                     rank=x.rank, peers=[op.peer], waiting=describe_ops([op]))
@@ -717,9 +732,9 @@ class NixlCommunicator(Communicator):
             raise  # aborted: already says why
         except RuntimeError as exc:
             others = [r for r in range(size) if r != x.rank]
-            kwargs = dict(layer=x.layer, rank=x.rank, peers=others, timeout=x.timeout,
-                          waiting="the end-of-layer all-reduce (a peer has not finished the layer)",
-                          cause=str(exc).splitlines()[0][:300])
+            kwargs = _ErrorFields(layer=x.layer, rank=x.rank, peers=others, timeout=x.timeout,
+                                  waiting="the end-of-layer all-reduce (a peer has not finished the layer)",
+                                  cause=str(exc).splitlines()[0][:300])
             if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
                 raise TransferTimeout(f"NIXL layer not agreed within {x.timeout:g}s", **kwargs) from exc
             raise TransferError("NIXL end-of-layer all-reduce failed", **kwargs) from exc

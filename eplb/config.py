@@ -11,13 +11,15 @@ class EPLBConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     enabled: bool = True
-    num_redundant_experts: int = Field(0, ge=0, description="redundant physical slots beyond one per logical expert, at the initial EP size")
+    num_redundant_experts: int = Field(
+        0, ge=0, description="redundant physical slots beyond one per logical expert, at the initial EP size")
     window_size: int = Field(1000, ge=1, description="steps of load kept in the sliding window")
     step_interval: int = Field(3000, ge=1, description="steps between rebalances")
     use_async: bool = Field(False, description="compute and transfer on a background thread, commit one layer per step")
     policy: str = Field("default", description="name of a policy in eplb.algorithm.POLICIES")
     policy_options: dict[str, Any] = Field(default_factory=dict)
-    async_layer_interval: int = Field(1, ge=1, description="async: decode steps from one layer's commit to the next layer's transfer (pacing)")
+    async_layer_interval: int = Field(
+        1, ge=1, description="async: decode steps from one layer's commit to the next layer's transfer (pacing)")
     log_balancedness: bool = False
     transfer_timeout_s: float = Field(30.0, gt=0, description="deadline of every transfer wait")
     max_ops_per_batch: int = Field(64, ge=2, description="p2p ops in one batch_isend_irecv call")

@@ -12,7 +12,8 @@ identical, and stands in for a checkpoint loader when a rank's weights are lost.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -51,7 +52,7 @@ class ModelShape(BaseModel):
     dtype: str = "float32"
 
     @model_validator(mode="after")
-    def _check(self) -> "ModelShape":
+    def _check(self) -> ModelShape:
         if self.num_experts % self.num_expert_groups:
             raise ValueError(f"num_expert_groups={self.num_expert_groups} does not divide num_experts={self.num_experts}")
         if not isinstance(getattr(torch, self.dtype, None), torch.dtype):

@@ -147,14 +147,14 @@ class Placement:
     @classmethod
     def from_physical_to_logical(
         cls, physical_to_logical: torch.Tensor, num_logical: int, width: int | None = None
-    ) -> "Placement":
+    ) -> Placement:
         validate_physical_to_logical(physical_to_logical, num_logical)
         p2l = physical_to_logical.to(torch.int64).contiguous()
         l2p, counts = build_logical_to_physical(p2l, num_logical, width)
         return cls(p2l, l2p, counts)
 
     @classmethod
-    def static(cls, num_layers: int, num_logical: int, num_physical: int) -> "Placement":
+    def static(cls, num_layers: int, num_logical: int, num_physical: int) -> Placement:
         return cls.from_physical_to_logical(
             static_physical_to_logical(num_layers, num_logical, num_physical), num_logical
         )
@@ -183,7 +183,7 @@ class Placement:
         first = rank * per_rank
         return RankView(rank, num_ranks, first, per_rank, self.physical_to_logical[:, first : first + per_rank])
 
-    def with_layer(self, layer: int, physical_to_logical_row: torch.Tensor) -> "Placement":
+    def with_layer(self, layer: int, physical_to_logical_row: torch.Tensor) -> Placement:
         """A new placement with one layer replaced (what an async commit installs)."""
         p2l = self.physical_to_logical.clone()
         p2l[layer] = physical_to_logical_row
@@ -201,7 +201,7 @@ class Placement:
         peak = loads.max(dim=1).values
         return torch.where(peak > 0, loads.mean(dim=1) / peak.clamp(min=1e-300), torch.ones_like(peak))
 
-    def equals(self, other: "Placement") -> bool:
+    def equals(self, other: Placement) -> bool:
         return torch.equal(self.physical_to_logical, other.physical_to_logical)
 
 

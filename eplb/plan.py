@@ -49,8 +49,9 @@ chunks on, identically on every rank.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Literal, Sequence
+from typing import Literal, TypedDict
 
 import torch
 
@@ -63,6 +64,14 @@ __all__ = [
     "holders_from_mapping",
     "plan_layer",
 ]
+
+
+class _RankParts(TypedDict):
+    """One rank's part of a plan while it is being built (frozen into a :class:`RankPlan`)."""
+
+    copies: list[tuple[int, int]]  # (old local slot, new local slot)
+    keeps: list[int]  # new local slots whose content is unchanged
+    reloads: dict[int, list[int]]  # expert -> new local slots reloaded with it
 
 
 class PlanError(ValueError):
@@ -272,9 +281,9 @@ def plan_layer(
     send_count: dict[int, int] = {g: 0 for g in old_slots_of}
     transfers: list[dict] = []  # mutable while planning
     recv_of: dict[tuple[int, int], dict] = {}  # (dst, expert) -> transfer being built
-    per_rank: dict[int, dict[str, list]] = {}
+    per_rank: dict[int, _RankParts] = {}
 
-    def part(g: int) -> dict[str, list]:
+    def part(g: int) -> _RankParts:
         return per_rank.setdefault(g, {"copies": [], "keeps": [], "reloads": {}})
 
     for n, g in enumerate(new_h):

@@ -26,10 +26,11 @@ import queue
 import threading
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import StrEnum
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -75,7 +76,7 @@ class LoadWindow:
         return {"buffer": self.buffer.clone(), "filled": self.filled, "position": self.position}
 
     @classmethod
-    def from_state(cls, state: dict[str, Any]) -> "LoadWindow":
+    def from_state(cls, state: dict[str, Any]) -> LoadWindow:
         size, layers, logical = state["buffer"].shape
         window = cls(size, layers, logical)
         window.buffer.copy_(state["buffer"])
@@ -231,8 +232,8 @@ class AsyncEPLBWorker:
         self.rank = rank
         self.generation = generation
         self._last_job = 0  # the newest rebalance id this thread took up
-        self._inbox: "queue.Queue[object]" = queue.Queue()
-        self.events: "queue.Queue[object]" = queue.Queue()
+        self._inbox: queue.Queue[object] = queue.Queue()
+        self.events: queue.Queue[object] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=f"{name}-rank{rank}-g{generation}", daemon=True)
         self.last_progress = time.monotonic()
 

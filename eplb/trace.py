@@ -51,7 +51,7 @@ class TraceConfig(BaseModel):
     seed: int = 0
 
     @model_validator(mode="after")
-    def _check(self) -> "TraceConfig":
+    def _check(self) -> TraceConfig:
         lo, hi = self.zipf_exponent
         if not (0.0 <= lo <= hi):
             raise ValueError(f"zipf_exponent must be a range 0 <= lo <= hi, got {self.zipf_exponent}")
@@ -71,7 +71,8 @@ class LoadTrace:
         self.num_logical = num_logical
         self._rankings: dict[int, torch.Tensor] = {}
         lo, hi = config.zipf_exponent
-        self._exponents = torch.linspace(lo, hi, num_layers, dtype=torch.float64) if num_layers > 1 else torch.tensor([lo], dtype=torch.float64)
+        self._exponents = (torch.linspace(lo, hi, num_layers, dtype=torch.float64) if num_layers > 1
+                           else torch.tensor([lo], dtype=torch.float64))
 
     def _ranking(self, epoch: int) -> torch.Tensor:
         """``[layers, L]``: expert ids from hottest to coldest for this epoch (cached)."""
@@ -114,7 +115,8 @@ class LoadTrace:
         scores = logp.unsqueeze(1) - torch.log(-torch.log(u))  # Gumbel-perturbed log-probs
         chosen = scores.topk(self.config.top_k, dim=2).indices  # [layers, tokens, k], distinct per token
         counts = torch.zeros(self.num_layers, self.num_logical, dtype=torch.int64)
-        counts.scatter_add_(1, chosen.reshape(self.num_layers, -1), torch.ones(1, dtype=torch.int64).expand(self.num_layers, chosen[0].numel()))
+        ones = torch.ones(1, dtype=torch.int64).expand(self.num_layers, chosen[0].numel())
+        counts.scatter_add_(1, chosen.reshape(self.num_layers, -1), ones)
         return counts
 
     def window_load(self, start_step: int, num_steps: int, num_ranks: int = 1) -> torch.Tensor:
@@ -122,7 +124,7 @@ class LoadTrace:
         return _window_load(self, start_step, num_steps, num_ranks)
 
 
-def _window_load(trace: "LoadTrace | PhasedTrace", start_step: int, num_steps: int, num_ranks: int) -> torch.Tensor:
+def _window_load(trace: LoadTrace | PhasedTrace, start_step: int, num_steps: int, num_ranks: int) -> torch.Tensor:
     total = torch.zeros(trace.num_layers, trace.num_logical, dtype=torch.int64)
     for step in range(start_step, start_step + num_steps):
         for rank in range(num_ranks):

@@ -57,9 +57,10 @@ Kept slots of ``staging`` are never touched.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -278,7 +279,7 @@ def pending_ops(ops: list[TransferOp], works: list) -> list[TransferOp]:
     return out or list(ops)
 
 
-def _default_communicator() -> "Communicator":
+def _default_communicator() -> Communicator:
     from eplb.communicator import TorchCommunicator  # eplb.communicator imports this module
 
     return TorchCommunicator()
@@ -295,7 +296,7 @@ def execute_layer(
     max_ops_per_batch: int = 64,
     reload_fn: Callable[[int], Sequence[torch.Tensor]] | None = None,
     layer: int | None = None,
-    communicator: "Communicator | None" = None,
+    communicator: Communicator | None = None,
 ) -> TransferStats:
     """Fill ``staging`` with every slot this rank's part changes; return what was done.
 
