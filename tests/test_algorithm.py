@@ -531,6 +531,7 @@ def test_pack_aware_counts_leave_at_most_g_replicas_above_half_the_mean():
 
 
 def test_lower_bound_sees_the_packing_and_matches_the_exact_optimum():
+    pytest.importorskip("scipy")  # the bench extra
     from eplb.bounds import optimal_peak, peak_lower_bound
 
     # 2 GPUs x 2 slots, experts [1, 1, 1, 0]: every expert needs a slot, so no replica is
@@ -549,6 +550,7 @@ def test_lower_bound_sees_the_packing_and_matches_the_exact_optimum():
 @settings(max_examples=15, deadline=None)
 @given(st.integers(0, 10_000))
 def test_lower_bound_is_below_every_placement_and_the_optimum(seed):
+    pytest.importorskip("scipy")  # the bench extra
     from eplb.bounds import optimal_peak, peak_lower_bound
 
     rng = np.random.default_rng(seed)
