@@ -713,7 +713,7 @@ def _refine_swaps(
         ga, gb = order[:, ::-1][:, :half], order[:, :half]
         rr = active[:, None]
         gap = loads[rr, ga] - loads[rr, gb]
-        cross = None if pinned is None else node_of_gpu[ga] != node_of_gpu[gb]
+        cross = None if pinned is None or node_of_gpu is None else node_of_gpu[ga] != node_of_gpu[gb]
         score, flat = _swap_candidates(slot_load, slot_expert, active, ga, gb, gap, pinned, cross)
         ok = np.isfinite(score)
         if not ok.any():
@@ -732,7 +732,7 @@ def _refine_swaps(
         cand = np.argsort(la, axis=1, kind="stable")[:, :width]
         ga = np.broadcast_to(h[:, None], cand.shape)
         gap = la[ra, h][:, None] - la[ra[:, None], cand]
-        cross = None if pinned is None else node_of_gpu[ga] != node_of_gpu[cand]
+        cross = None if pinned is None or node_of_gpu is None else node_of_gpu[ga] != node_of_gpu[cand]
         score, flat = _swap_candidates(slot_load, slot_expert, active, ga, cand, gap, pinned, cross)
         kbest = score.argmin(axis=1)
         ok = np.isfinite(score[ra, kbest])
