@@ -59,7 +59,7 @@ from typing import Any, TypedDict
 import torch
 import torch.distributed as dist
 
-from eplb.transfer import (
+from eplb.exchange import (
     LayerExchange,
     TransferError,
     TransferOp,

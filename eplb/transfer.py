@@ -60,15 +60,18 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from eplb.plan import LayerPlan, RankPlan, Transfer
-
-if TYPE_CHECKING:
-    from eplb.communicator import Communicator
+from eplb.communicator import Communicator, TorchCommunicator
+from eplb.exchange import (
+    LayerExchange,
+    TransferError,
+    TransferOp,
+    TransferTimeout,
+)
+from eplb.plan import LayerPlan, RankPlan
 
 __all__ = [
     "LayerExchange",
@@ -82,62 +85,6 @@ __all__ = [
 ]
 
 
-class TransferError(RuntimeError):
-    """A layer's transfer failed (a peer's connection broke, a reload failed, ...).
-
-    Fields: ``layer`` (index or None), ``rank`` (the raising group rank), ``peers`` (group
-    ranks involved in what failed), ``timeout`` (seconds, when a deadline applied),
-    ``waiting`` (a description of what was being waited for), ``cause`` (the original error
-    text, if any).
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        layer: int | None = None,
-        rank: int | None = None,
-        peers: Sequence[int] = (),
-        timeout: float | None = None,
-        waiting: str = "",
-        cause: str = "",
-    ):
-        self.message = message
-        self.layer = layer
-        self.rank = rank
-        self.peers = tuple(sorted(set(peers)))
-        self.timeout = timeout
-        self.waiting = waiting
-        self.cause = cause
-        super().__init__(self._describe())
-
-    def _describe(self) -> str:
-        where = f"layer {self.layer}" if self.layer is not None else "layer ?"
-        if self.rank is not None:
-            where += f", rank {self.rank}"
-        text = f"{where}: {self.message}"
-        if self.peers:
-            text += f"; peers {list(self.peers)}"
-        if self.waiting:
-            text += f"; waiting for {self.waiting}"
-        if self.cause:
-            text += f" ({self.cause})"
-        return text
-
-    def __reduce__(self):
-        kwargs = dict(layer=self.layer, rank=self.rank, peers=self.peers, timeout=self.timeout,
-                      waiting=self.waiting, cause=self.cause)
-        return (_rebuild_error, (type(self), self.message, kwargs))
-
-
-class TransferTimeout(TransferError, TimeoutError):
-    """A wait of a layer's transfer passed its deadline (a peer stuck, slow or gone)."""
-
-
-def _rebuild_error(cls, message, kwargs):
-    return cls(message, **kwargs)
-
-
 @dataclass(frozen=True)
 class TransferStats:
     """What one rank did for one layer. Counts are experts (not tensors); bytes are summed over tensors."""
@@ -149,49 +96,6 @@ class TransferStats:
     num_local_copies: int = 0
     num_reloads: int = 0
     seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class TransferOp:
-    """One weight tensor of one :class:`~eplb.plan.Transfer`, as one rank sees it.
-
-    ``index`` is the op's position in the layer's global op list (``transfer.index * T + weight``),
-    identical on every rank; ``peer`` is the other side (group rank); ``tensor`` is the local
-    side: the source slot for a send, the destination slot for a receive (a view of the
-    caller's buffer, possibly non-contiguous).
-    """
-
-    index: int
-    is_send: bool
-    peer: int
-    transfer: Transfer
-    weight: int
-    tensor: torch.Tensor
-
-
-@dataclass(frozen=True)
-class LayerExchange:
-    """The network phase of one layer on one rank, handed to a :class:`~eplb.communicator.Communicator`.
-
-    ``sends``/``recvs`` are this rank's ops in global op order. ``num_ops`` is the size of the
-    global op list (the same on every rank), ``max_ops_per_batch`` the chunk size two-sided
-    communicators cut it into. ``deadline`` (``time.monotonic()``) bounds every wait; ``timeout``
-    is the layer's limit in seconds, for messages.
-    """
-
-    layer: int | None
-    rank: int
-    group: Any
-    sends: tuple[TransferOp, ...]
-    recvs: tuple[TransferOp, ...]
-    num_ops: int
-    max_ops_per_batch: int
-    timeout: float
-    deadline: float
-
-    @property
-    def is_idle(self) -> bool:
-        return not (self.sends or self.recvs)
 
 
 def _tensors(ts: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
@@ -243,45 +147,7 @@ def _check_args(rp: RankPlan, old: list[torch.Tensor], staging: list[torch.Tenso
     return len(staging) if (needs_new and staging) else len(old)
 
 
-def global_rank(group, group_rank: int) -> int:
-    """``group_rank`` of ``group`` as a rank of the default group (what ``P2POp`` takes)."""
-    if group is None or group is dist.GroupMember.WORLD:
-        return group_rank
-    return dist.get_global_rank(group, group_rank)
-
-
-def describe_ops(ops: Sequence[TransferOp]) -> str:
-    """A short text naming the first ops (for error messages)."""
-    parts = []
-    for op in ops[:6]:
-        t = op.transfer
-        if op.is_send:
-            parts.append(f"send of expert {t.expert} to rank {op.peer}")
-        else:
-            parts.append(f"recv of expert {t.expert} from rank {op.peer}")
-    if len(ops) > 6:
-        parts.append(f"... {len(ops) - 6} more ops")
-    return ", ".join(dict.fromkeys(parts))
-
-
-def pending_ops(ops: list[TransferOp], works: list) -> list[TransferOp]:
-    """The ops whose work has not completed (all of them for a coalesced backend)."""
-    if len(works) != len(ops):  # a coalesced backend: one work for the whole chunk
-        return list(ops)
-    out = []
-    for op, work in zip(ops, works):
-        try:
-            done = work.is_completed()
-        except Exception:  # noqa: BLE001
-            done = False
-        if not done:
-            out.append(op)
-    return out or list(ops)
-
-
 def _default_communicator() -> Communicator:
-    from eplb.communicator import TorchCommunicator  # eplb.communicator imports this module
-
     return TorchCommunicator()
 
 
