@@ -1,0 +1,1 @@
+"""The core vocabulary: phases, the state machine, typed errors, the worker protocol, rank mappings, timeouts."""

@@ -1,0 +1,1 @@
+"""One EP rank: the worker process (decode loop, commands, rescale), its group generations, fault hooks, lifetime."""
