@@ -28,9 +28,18 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from bench.common import (RecordingCoordinator, consecutive_durations, fmt_bytes, fmt_s, machine_info,
-                          proc_memory, summary, verdict, write_json)
-from bench.common import BENCH_TIMEOUTS
+from bench.common import (
+    BENCH_TIMEOUTS,
+    RecordingCoordinator,
+    consecutive_durations,
+    fmt_bytes,
+    fmt_s,
+    machine_info,
+    proc_memory,
+    summary,
+    verdict,
+    write_json,
+)
 from elastic.deployment import DeploymentConfig, TracePhase
 from eplb.config import EPLBConfig
 from eplb.model import ModelShape

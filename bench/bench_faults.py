@@ -3,7 +3,7 @@
     python -m bench.bench_faults [--json bench-faults.json] [--only NAME,...]
 
 Each case is a small deployment (2-3 ranks, 3 layers, 8 experts + 4 redundant slots, CPU/gloo)
-replayed as a scenario (``elastic.replay``) with ``auto_recover: true`` and short deadlines
+replayed as a scenario (``elastic.replay.runner``) with ``auto_recover: true`` and short deadlines
 (collective 3 s, heartbeat 4 s), with one fault: a rank killed while running, or in one of a
 scale's phases (draining, suppressed, rescaling after one layer moved, resuming), a long stall,
 dropped heartbeats, a corrupted received layer (verify_transfers on), slow transfers.
@@ -94,7 +94,7 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
 
 
 def _scenario(name: str, change: dict[str, Any]):
-    from elastic.scenario import parse_scenario
+    from elastic.replay.scenario import parse_scenario
 
     deployment = {**BASE["deployment"], **change.get("deployment", {})}
     deployment["eplb"] = {**BASE["deployment"]["eplb"], **change.get("deployment", {}).get("eplb", {})}
@@ -103,7 +103,7 @@ def _scenario(name: str, change: dict[str, Any]):
 
 
 def measure(name: str, label: str, change: dict[str, Any]) -> dict[str, Any]:
-    from elastic.replay import replay
+    from elastic.replay.runner import replay
 
     scenario = _scenario(name, change)
     started = time.monotonic()

@@ -31,12 +31,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from bench.common import (BENCH_TIMEOUTS, MiB, RecordingCoordinator, fmt_bytes, fmt_s, loopback_bandwidth,
-                          machine_info, verdict, write_json)
-from elastic.coordinator import Operation
+from bench.common import BENCH_TIMEOUTS, MiB, RecordingCoordinator, fmt_bytes, fmt_s, loopback_bandwidth, machine_info, verdict, write_json
+from elastic.control.coordinator import Operation
+from elastic.core.mapping import RankMapping
+from elastic.core.phases import OPERATION_PHASES
 from elastic.deployment import DeploymentConfig, TracePhase
-from elastic.mapping import RankMapping
-from elastic.phases import OPERATION_PHASES
 from eplb.config import EPLBConfig
 from eplb.model import ModelShape
 from eplb.trace import TraceConfig

@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.common import BENCH_TIMEOUTS, write_json
-from elastic.coordinator import Coordinator, OperationStatus
+from elastic.control.coordinator import Coordinator, OperationStatus
 from elastic.deployment import DeploymentConfig
 
 WARMUP = 3

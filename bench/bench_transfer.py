@@ -60,7 +60,7 @@ def _rank_main(rank: int, args: dict[str, Any], port: int, results: Any) -> None
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     world, S, L = args["ranks"], args["slots"], args["layers"]
-    H, I = args["hidden"], args["intermediate"]
+    H, I = args["hidden"], args["intermediate"]  # noqa: E741 - the model's usual names
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120), use_libuv=True)
     dist.init_process_group("gloo", store=dist.PrefixStore("bench-transfer/", store), rank=rank,
                             world_size=world, timeout=timedelta(seconds=120))

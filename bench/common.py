@@ -13,14 +13,15 @@ import os
 import platform
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import torch
 
-from elastic import protocol as p
-from elastic.config import TimeoutsConfig
-from elastic.coordinator import Coordinator
+from elastic.control.coordinator import Coordinator
+from elastic.core import protocol as p
+from elastic.core.config import TimeoutsConfig
 
 MiB = 1024 * 1024
 
@@ -116,8 +117,9 @@ def proc_memory(pid: int) -> dict[str, int]:
 
 def _bandwidth_peer(rank: int, port: int, nbytes: int, repeats: int, message_bytes: int, batch: int,
                     result: Any) -> None:
-    import torch.distributed as dist
     from datetime import timedelta
+
+    import torch.distributed as dist
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60), use_libuv=True)
@@ -162,6 +164,7 @@ def loopback_bandwidth(nbytes: int = 128 * MiB, repeats: int = 5, message_bytes:
     ``batch_isend_irecv`` (how the transfer executor posts expert tensors).
     """
     import multiprocessing as mp
+
     import torch.distributed as dist
 
     # spawn, not forkserver: the launcher's forkserver (with torch preloaded) must stay its own

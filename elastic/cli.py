@@ -8,21 +8,21 @@ line per problem naming the file and the key path; a missing benchmark).
 from __future__ import annotations
 
 import importlib
-import logging
 import importlib.util
+import logging
 import runpy
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
-from elastic.preflight import InputError, load_yaml, read_text
+from elastic.service.preflight import InputError, load_yaml, read_text
 
 if TYPE_CHECKING:
-    from elastic.scenario import Scenario
+    from elastic.replay.scenario import Scenario
 
 app = typer.Typer(
     name="elastic-ep",
@@ -54,7 +54,7 @@ def _load(file: Path) -> Scenario:
     """A scenario file through its pre-flight checks first: a file refused there (unreadable, too
     large, not UTF-8, not YAML, an alias bomb) costs no torch import (2 s and 250 MB of a run)."""
     data = load_yaml(read_text(file), str(file))
-    from elastic.scenario import parse_scenario
+    from elastic.replay.scenario import parse_scenario
 
     return parse_scenario(data, str(file))
 
@@ -67,7 +67,7 @@ def _print_scenario_error(console: Console, exc: InputError) -> None:
 @app.command()
 def replay(
     file: Path = typer.Argument(..., help="the scenario (YAML)", show_default=False),
-    report_dir: Optional[Path] = typer.Option(None, "--report-dir", "-o",
+    report_dir: Path | None = typer.Option(None, "--report-dir", "-o",
                                               help="write report.json and report.png here [default: reports/<name>]"),
     no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar (transitions are still printed)"),
     json_only: bool = typer.Option(False, "--json-only", help="print only the JSON report on stdout"),
@@ -83,8 +83,8 @@ def replay(
     except InputError as exc:  # a ScenarioError is one too
         _print_scenario_error(err, exc)
         raise typer.Exit(EXIT_INVALID) from None
-    from elastic.replay import replay as run_replay  # after the checks: a refused file imports none of it
-    from elastic.report import LiveDisplay, render_summary, report_json
+    from elastic.replay.report import LiveDisplay, render_summary, report_json
+    from elastic.replay.runner import replay as run_replay  # after the checks: a refused file imports none of it
 
     out_dir = report_dir if report_dir is not None else Path("reports") / scenario.name
     console = _console()
@@ -205,7 +205,7 @@ def bench(
         code = run_benchmark(name, list(ctx.args))
     except LookupError as exc:
         _console(stderr=True).print(f"[red]error[/] {escape(str(exc))}")
-        raise typer.Exit(EXIT_INVALID)
+        raise typer.Exit(EXIT_INVALID) from None
     raise typer.Exit(code)
 
 
@@ -232,10 +232,10 @@ def serve(ctx: typer.Context) -> None:
 
     elastic-ep serve --help shows its options.
     """
-    # the command itself is defined next to the app (elastic.api.register_cli); importing it here
+    # the command itself is defined next to the app (elastic.service.api.register_cli); importing it here
     # would import torch and FastAPI for every command, and validate refuses a bad file without them
     try:
-        from elastic.api import register_cli
+        from elastic.service.api import register_cli
     except ModuleNotFoundError as exc:  # the API's dependencies (fastapi, uvicorn) are not installed
         _console(stderr=True).print(f"[red]error[/] serve needs the API's dependencies: {escape(str(exc))}")
         raise typer.Exit(EXIT_INVALID) from None
@@ -247,7 +247,7 @@ def serve(ctx: typer.Context) -> None:
         raise typer.Exit(exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)) from None
 
 
-from elastic import client as _client  # noqa: E402 - the client commands of a running server (httpx only)
+from elastic.service import client as _client  # noqa: E402 - the client commands of a running server (httpx only)
 
 _client.register(app)
 

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 
-from elastic.config import TimeoutsConfig
+from elastic.core.config import TimeoutsConfig
 from eplb.config import EPLBConfig
 from eplb.model import ModelShape
 from eplb.trace import TraceConfig
@@ -41,7 +41,7 @@ class LauncherConfig(BaseModel):
     """How workers are started, and where the coordinator's ``TCPStore`` listens and is reached.
 
     ``local``: processes on this machine. ``ray``: Ray actors, placed by Ray. ``command``: a
-    process per worker from a command template (``ssh {host} ... python -m elastic.remote_worker
+    process per worker from a command template (``ssh {host} ... python -m elastic.launch.remote_worker
     --store {store} --worker-id {worker_id}``), hosts filled evenly, ranks of a host contiguous.
     """
 
@@ -67,7 +67,7 @@ class LauncherConfig(BaseModel):
     hosts: list[CommandHost] = Field(default_factory=list, description="command: the hosts, in rank order")
 
     @model_validator(mode="after")
-    def _check(self) -> "LauncherConfig":
+    def _check(self) -> LauncherConfig:
         set_fields = self.model_fields_set
         if self.kind != "ray":
             wrong = [name for name in _RAY_ONLY if name in set_fields]
@@ -87,7 +87,7 @@ class LauncherConfig(BaseModel):
             text = " ".join(self.template)
             for needed in ("{store}", "{worker_id}"):
                 if needed not in text and not (needed == "{store}" and "{store_host}" in text and "{store_port}" in text):
-                    raise ValueError(f"the command template must pass {needed} to elastic.remote_worker, got {self.template}")
+                    raise ValueError(f"the command template must pass {needed} to elastic.launch.remote_worker, got {self.template}")
             names = [h.name for h in self.hosts]
             if len(set(names)) != len(names):
                 raise ValueError(f"host names must be distinct, got {names}")
@@ -145,7 +145,7 @@ class DeploymentConfig(BaseModel):
                                         "(default: this machine's available memory divided by its local ranks)")
 
     @model_validator(mode="after")
-    def _check(self) -> "DeploymentConfig":
+    def _check(self) -> DeploymentConfig:
         physical = self.num_physical
         if physical % self.ep_size:
             raise ValueError(

@@ -7,11 +7,11 @@ paths unless a scenario or test asks for it.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from elastic.phases import OPERATION_PHASES
+from elastic.core.phases import OPERATION_PHASES
 
 PHASES = tuple(str(phase) for phase in OPERATION_PHASES)  # the names a fault's in_phase takes
 
@@ -32,7 +32,7 @@ class KillRank(_Fault):
     after_layers: int | None = Field(None, ge=0, description="with in_phase=rescaling: die after moving this many layers")
 
     @model_validator(mode="after")
-    def _one_trigger(self) -> "KillRank":
+    def _one_trigger(self) -> KillRank:
         if (self.at_step is None) == (self.in_phase is None):
             raise ValueError("a kill fault needs exactly one of at_step or in_phase")
         if self.after_layers is not None and self.in_phase != "rescaling":
@@ -98,6 +98,5 @@ class HangBeforeStart(_Fault):
     kind: Literal["hang_before_start"] = "hang_before_start"
 
 
-Fault = Annotated[Union[KillRank, StallRank, DelayTransfer, DropHeartbeats, CorruptBuffer, TornCommit,
-                        SlowPrepare, HangBeforeStart],
+Fault = Annotated[KillRank | StallRank | DelayTransfer | DropHeartbeats | CorruptBuffer | TornCommit | SlowPrepare | HangBeforeStart,
                   Field(discriminator="kind")]

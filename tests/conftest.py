@@ -12,7 +12,7 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 def small_config(**overrides):
     """A tiny deployment that starts in about two seconds on two cores."""
-    from elastic.config import TimeoutsConfig
+    from elastic.core.config import TimeoutsConfig
     from elastic.deployment import DeploymentConfig, TracePhase
     from eplb.config import EPLBConfig
     from eplb.model import ModelShape
@@ -33,7 +33,7 @@ def small_config(**overrides):
 
 @contextlib.contextmanager
 def running(config, faults=()):
-    from elastic.coordinator import Coordinator
+    from elastic.control.coordinator import Coordinator
 
     coordinator = Coordinator(config, faults=tuple(faults))
     coordinator.start()

@@ -40,8 +40,9 @@ import queue as queue_mod
 import time
 import traceback
 import uuid
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any
 
 __all__ = [
     "DistributedTestError",

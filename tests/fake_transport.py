@@ -1,8 +1,8 @@
 """An in-process fake transport for the coordinator: threads and queues instead of processes and gloo.
 
-:class:`FakeLauncher` implements the :class:`elastic.launcher.Launcher` protocol. Each worker
+:class:`FakeLauncher` implements the :class:`elastic.launch.launchers.Launcher` protocol. Each worker
 it launches is a thread (:class:`FakeWorker`) that answers the coordinator's commands the way
-:mod:`elastic.worker` does, quickly and with pure-Python state:
+:mod:`elastic.worker.process` does, quickly and with pure-Python state:
 
 - a placement (``physical_to_logical``) and the contents of its local slots
   (``contents[layer][slot] = expert id``: the "weights");
@@ -34,16 +34,16 @@ from typing import Any
 
 import torch
 
+from elastic.core import protocol as p
 from eplb.algorithm import compute_placement
 from eplb.placement import Placement
 from eplb.plan import holders_from_mapping, plan_layer
-from elastic import protocol as p
 
 Contents = list[list[int]]  # [layer][local slot] -> expert id
 
 
 def digest(placement: Placement) -> str:
-    """Same digest as :func:`elastic.worker.placement_digest`."""
+    """Same digest as :func:`elastic.worker.process.placement_digest`."""
     return hashlib.blake2b(placement.physical_to_logical.numpy().tobytes(), digest_size=8).hexdigest()
 
 
@@ -69,7 +69,7 @@ class Flight:
     target: Placement
     complete_at: float
     snapshots: dict[int, Contents] = field(default_factory=dict)  # rank -> contents before
-    members: dict[int, "FakeWorker"] = field(default_factory=dict)
+    members: dict[int, FakeWorker] = field(default_factory=dict)
 
 
 @dataclass
@@ -84,7 +84,7 @@ class Round:
 
 
 class FakeHandle:
-    def __init__(self, worker: "FakeWorker"):
+    def __init__(self, worker: FakeWorker):
         self._worker = worker
         self.rank = worker.spec.rank
         self.inbox: queue.Queue = worker.inbox
@@ -144,11 +144,11 @@ class FakeLauncher:
             worker.thread.join(5)
 
     # -- faults and inspection -----------------------------------------------------------------
-    def live(self) -> list["FakeWorker"]:
+    def live(self) -> list[FakeWorker]:
         with self.lock:
             return [w for w in self.workers if w.thread.is_alive() and not w.killed.is_set() and not w.leaving]
 
-    def kill(self, rank: int | None = None, *, worker: "FakeWorker | None" = None) -> "FakeWorker | None":
+    def kill(self, rank: int | None = None, *, worker: FakeWorker | None = None) -> FakeWorker | None:
         """Kill a live worker (by rank: the newest generation's); returns it, or None if none matched."""
         if worker is None:
             candidates = [w for w in self.live() if rank is None or w.rank == rank]
@@ -159,7 +159,7 @@ class FakeLauncher:
         worker.thread.join(5)
         return worker
 
-    def _kill_worker(self, worker: "FakeWorker") -> None:
+    def _kill_worker(self, worker: FakeWorker) -> None:
         with self.lock:
             if worker.killed.is_set():
                 return
@@ -174,7 +174,7 @@ class FakeLauncher:
         with self.lock:
             return any(g == generation for g, _ in self.dead)
 
-    def members(self, generation: int) -> list["FakeWorker"]:
+    def members(self, generation: int) -> list[FakeWorker]:
         with self.lock:
             return [w for w in self.workers if w.generation == generation and not w.killed.is_set()
                     and w.thread.is_alive() and not w.leaving and not w.fresh_pending]

@@ -20,12 +20,12 @@ from hypothesis import HealthCheck, settings
 from prometheus_client.parser import text_string_to_metric_families
 from schemathesis.checks import positive_data_acceptance
 
-from elastic.api import BackgroundServer, create_app, load_serve_config, register_cli
-from elastic.autoscaler import Autoscaler, AutoscalerConfig
-from elastic.config import TimeoutsConfig
+from elastic.core.config import TimeoutsConfig
+from elastic.core.machine import Phase
 from elastic.deployment import DeploymentConfig, TracePhase
-from elastic.hooks import ScaleHooks
-from elastic.machine import Phase
+from elastic.service.api import BackgroundServer, create_app, load_serve_config, register_cli
+from elastic.service.autoscaler import Autoscaler, AutoscalerConfig
+from elastic.service.hooks import ScaleHooks
 from eplb.config import EPLBConfig
 from eplb.model import ModelShape
 from eplb.trace import TraceConfig
@@ -59,7 +59,7 @@ class Live(SimpleNamespace):
 
 @pytest.fixture(scope="module")
 def live():
-    from elastic.coordinator import Coordinator
+    from elastic.control.coordinator import Coordinator
 
     gate = threading.Event()
     gate.set()
@@ -226,7 +226,7 @@ def test_one_hundred_concurrent_scale_requests(api):
     winner = new_ops.pop()
     codes = [r.status_code for r in responses]
     assert set(codes) <= {202, 409}, codes
-    for i, r in enumerate(responses):
+    for r in responses:
         body = r.json()
         if r.status_code == 202:
             assert body["id"] == winner
@@ -396,7 +396,7 @@ def test_schema_fuzz_finds_no_server_errors(case, live):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_failed_scale_then_recover_through_the_api():
-    from elastic.coordinator import Coordinator
+    from elastic.control.coordinator import Coordinator
     from elastic.faults import KillRank
 
     # 8 redundant slots: 16 slots, 8 per rank, so one surviving rank can hold all 8 experts
@@ -448,7 +448,8 @@ class FakeController:
     def snapshot(self):
         return {"state": self.machine.state.value, "generation": 4, "ep_size": 3, "num_physical": 12,
                 # what the ranks' heartbeats would say: decoding in every state but rescaling
-                "serving": self.machine.state != Phase.RESCALING, "balancedness": None, "step": 7, "in_flight_layer": None, "operation": None,
+                "serving": self.machine.state != Phase.RESCALING, "balancedness": None, "step": 7,
+                "in_flight_layer": None, "operation": None,
                 "failure_reason": None, "history": []}
 
     def live_workers(self):

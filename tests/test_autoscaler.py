@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from elastic.autoscaler import (
+from elastic.core.errors import InvalidScaleRequest, ScaleConflict
+from elastic.service.autoscaler import (
     Autoscaler,
     AutoscalerConfig,
     AutoscalerPolicy,
@@ -26,9 +27,7 @@ from elastic.autoscaler import (
     ThresholdPolicy,
     build_policy,
 )
-from elastic.errors import InvalidScaleRequest, ScaleConflict
-from elastic.hooks import HookSpec, HooksConfig, ScaleHooks, ScaleVetoed
-
+from elastic.service.hooks import HooksConfig, HookSpec, ScaleHooks, ScaleVetoed
 
 # -- helpers ------------------------------------------------------------------------------------
 
@@ -247,7 +246,7 @@ def test_refused_decisions_are_logged_not_raised(caplog):
     coord, clock = FakeCoordinator(load=500), FakeClock()
     coord.refuse = ScaleConflict("op-other", "draining", ())
     scaler = Autoscaler(coord, cfg(up_after_s=0, cooldown_s=0), clock=clock)
-    with caplog.at_level("WARNING", logger="elastic.autoscaler"):
+    with caplog.at_level("WARNING", logger="elastic.service.autoscaler"):
         record = scaler.tick()
     assert record["action"] == "refused" and record["error"]["error"] == "scale_conflict"
     assert record["error"]["operation_id"] == "op-other"
@@ -260,7 +259,7 @@ def test_refused_decisions_are_logged_not_raised(caplog):
 def test_observe_only_changes_nothing(caplog):
     coord, clock = FakeCoordinator(load=500), FakeClock()
     scaler = Autoscaler(coord, cfg(up_after_s=0, cooldown_s=0, observe_only=True), clock=clock)
-    with caplog.at_level("INFO", logger="elastic.autoscaler"):
+    with caplog.at_level("INFO", logger="elastic.service.autoscaler"):
         for _ in range(5):
             record = scaler.tick()
             clock.t += 1
@@ -378,7 +377,7 @@ def test_after_hooks_run_in_the_background_and_failures_are_logged(caplog):
         raise RuntimeError("pager down")
 
     hooks = ScaleHooks(after=[fails, lambda op: ran.append(op["status"])])
-    with caplog.at_level("WARNING", logger="elastic.hooks"):
+    with caplog.at_level("WARNING", logger="elastic.service.hooks"):
         hooks._on_event("operation", {**OP, "status": "running"})  # not finished: nothing
         hooks._on_event("operation", {**OP, "status": "succeeded"})
         hooks._on_event("operation", {**OP, "status": "succeeded"})  # once per operation
@@ -414,7 +413,7 @@ def test_hook_config_validation():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 def test_autoscaler_triggers_a_real_scale():
-    from elastic.coordinator import Coordinator
+    from elastic.control.coordinator import Coordinator
     from tests.test_api import tiny_deployment
 
     clock = FakeClock()

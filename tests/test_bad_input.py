@@ -23,12 +23,12 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from elastic import preflight
-from elastic.api import create_app, load_serve_config
 from elastic.cli import app
 from elastic.deployment import DeploymentConfig
-from elastic.preflight import InputError
-from elastic.scenario import ScenarioError, load_scenario
+from elastic.replay.scenario import ScenarioError, load_scenario
+from elastic.service import preflight
+from elastic.service.api import create_app, load_serve_config
+from elastic.service.preflight import InputError
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = sorted((ROOT / "scenarios").glob("*.yaml"))
@@ -48,12 +48,12 @@ def billion_laughs(levels: int = 8) -> str:
 @pytest.fixture
 def no_workers(monkeypatch):
     """Any attempt to start a coordinator (workers) fails the test."""
-    import elastic.coordinator
+    import elastic.control.coordinator
 
     def refuse(*args, **kwargs):
         raise AssertionError("a coordinator was started")
 
-    monkeypatch.setattr(elastic.coordinator.Coordinator, "__init__", refuse)
+    monkeypatch.setattr(elastic.control.coordinator.Coordinator, "__init__", refuse)
 
 
 def one_error_line(output: str, path: Path) -> str:
@@ -126,7 +126,7 @@ def test_serve_refuses_a_worker_that_does_not_fit_before_any_process_starts(tmp_
     path = tmp_path / "deployment.yaml"
     path.write_text("ep_size: 2\neplb: {num_redundant_experts: 100000000}\n")
     typer_app = typer.Typer()
-    from elastic.api import register_cli
+    from elastic.service.api import register_cli
 
     register_cli(typer_app)
     typer_app.command("other")(lambda: None)  # a second command, so typer keeps "serve" as a subcommand
@@ -268,7 +268,7 @@ class _Controller:
     """Just enough of a coordinator for the app: a scale call is recorded, never run."""
 
     def __init__(self):
-        from elastic.machine import Phase
+        from elastic.core.machine import Phase
 
         self.machine = SimpleNamespace(state=Phase.RUNNING, generation=0)
         self.operations: dict = {}
@@ -382,7 +382,7 @@ inputs = (st.binary(max_size=400)
 
 @pytest.fixture(scope="module")
 def serve_app():
-    from elastic.api import register_cli
+    from elastic.service.api import register_cli
 
     typer_app = typer.Typer()
     register_cli(typer_app)
@@ -399,11 +399,11 @@ def _no_replay(*args, **kwargs):
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=inputs)
 def test_no_input_gives_a_traceback_a_hang_or_a_minute_of_work(data, tmp_path_factory, monkeypatch, serve_app):
-    import elastic.coordinator
-    import elastic.replay
+    import elastic.control.coordinator
+    import elastic.replay.runner
 
-    monkeypatch.setattr(elastic.replay, "replay", _no_replay)
-    monkeypatch.setattr(elastic.coordinator.Coordinator, "__init__",
+    monkeypatch.setattr(elastic.replay.runner, "replay", _no_replay)
+    monkeypatch.setattr(elastic.control.coordinator.Coordinator, "__init__",
                         lambda *a, **k: (_ for _ in ()).throw(AssertionError("a coordinator was started")))
     path = tmp_path_factory.mktemp("fuzz") / "input.yaml"
     path.write_bytes(data)

@@ -75,9 +75,9 @@ def test_validate_names_file_key_path_and_expectation(tmp_path):
 
 
 def test_replay_of_an_invalid_file_exits_2_and_runs_nothing(tmp_path, monkeypatch):
-    import elastic.coordinator
+    import elastic.control.coordinator
 
-    monkeypatch.setattr(elastic.coordinator.Coordinator, "__init__",
+    monkeypatch.setattr(elastic.control.coordinator.Coordinator, "__init__",
                         lambda *a, **k: (_ for _ in ()).throw(AssertionError("started")))
     bad = write(tmp_path, FAILING.replace("  ep_size: 2", "  ep_size: 6"))
     result = runner.invoke(app, ["replay", str(bad), "--report-dir", str(tmp_path / "out")])

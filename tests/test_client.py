@@ -35,8 +35,8 @@ def test_a_bad_argument_exits_2():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 def test_the_client_drives_a_served_deployment():
-    from elastic.api import BackgroundServer, create_app
-    from elastic.coordinator import Coordinator
+    from elastic.control.coordinator import Coordinator
+    from elastic.service.api import BackgroundServer, create_app
 
     coordinator = Coordinator(small_config(max_ep_size=3))
     coordinator.start()
@@ -74,8 +74,8 @@ def test_the_client_drives_a_served_deployment():
 def test_with_an_api_key_every_change_needs_it_and_reading_stays_open(monkeypatch):
     import httpx
 
-    from elastic.api import BackgroundServer, create_app
-    from elastic.machine import Phase
+    from elastic.core.machine import Phase
+    from elastic.service.api import BackgroundServer, create_app
     from tests.test_api import FakeController
 
     controller = FakeController(Phase.RUNNING)
@@ -101,7 +101,7 @@ def test_with_an_api_key_every_change_needs_it_and_reading_stays_open(monkeypatc
 def test_json_logs_carry_the_deployment_context(capsys):
     import logging
 
-    from elastic.logs import configure
+    from elastic.service.logs import configure
 
     root = logging.getLogger()
     saved = (list(root.handlers), root.level)

@@ -115,7 +115,7 @@ def body_random_layers(rank: int, world_size: int, name: str, seed: int, num_lay
     comm.bind(0, _test_store(f"{name}-{seed}"))
     cases = [make_case(layer, seed) for layer in range(num_layers)]
     olds, stagings, plans = [], [], []
-    for layer, (kind, old_row, new_row, s_old, s_new, old_holder, new_holder, _) in enumerate(cases):
+    for layer, (_kind, old_row, new_row, s_old, s_new, old_holder, new_holder, _) in enumerate(cases):
         plan = plan_layer(old_row, new_row, s_old, s_new, old_holder, new_holder)
         rp = plan.for_rank(rank)
         plans.append(plan)
@@ -301,7 +301,7 @@ def _nixl_verdict(c, size: int, generation: int) -> dict:
 @pytest.mark.timeout(100)
 @needs_nixl
 def test_nixl_async_eplb_and_scale_cycle_2_4_2():
-    from elastic.coordinator import OperationStatus
+    from elastic.control.coordinator import OperationStatus
     from tests.conftest import running, small_config
 
     config = small_config(model=dict(num_layers=4, num_experts=8),

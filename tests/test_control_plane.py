@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from elastic.coordinator import OperationStatus
-from elastic.errors import InvalidScaleRequest, ScaleConflict, StaleGeneration
+from elastic.control.coordinator import OperationStatus
+from elastic.core.errors import InvalidScaleRequest, ScaleConflict, StaleGeneration
 from elastic.faults import DelayTransfer
 from tests.conftest import running, small_config
 from tests.helpers import assert_consistent
@@ -123,7 +123,7 @@ def test_ten_scale_cycles_leak_nothing():
     with running(config) as c:
         c.wait_for_step(10)
         samples = []
-        for cycle in range(10):
+        for _ in range(10):
             _scale(c, 4)
             _scale(c, 2)
             c.wait_for_step(c.snapshot()["step"] + 5)

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from elastic.coordinator import OperationStatus
+from elastic.control.coordinator import OperationStatus
 from elastic.faults import KillRank, StallRank, TornCommit
 from tests.conftest import running, small_config
 from tests.helpers import assert_consistent, wait_for_state

@@ -12,13 +12,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from elastic import protocol as p
-from elastic.channel import StoreQueue
-from elastic.coordinator import Coordinator, OperationFailed, OperationStatus
-from elastic.errors import IdempotencyKeyReused, InvalidTransition, RebalanceFailed
+from elastic.control.coordinator import Coordinator, OperationFailed, OperationStatus
+from elastic.core import protocol as p
+from elastic.core.errors import IdempotencyKeyReused, InvalidTransition, RebalanceFailed
 from elastic.faults import DelayTransfer, HangBeforeStart, SlowPrepare, TornCommit
-from elastic.groups import open_store
-from elastic.launcher import LocalLauncher
+from elastic.launch.channel import StoreQueue
+from elastic.launch.launchers import LocalLauncher
+from elastic.worker.groups import open_store
 from eplb.config import EPLBConfig
 from eplb.state import AsyncEPLBWorker, Finish, HandshakeMismatch, Proceed, WorkerFailed
 from tests.conftest import running, small_config
@@ -177,8 +177,9 @@ def test_one_transfer_hiccup_rebuilds_the_eplb_group_and_later_rebalances_commit
         _until(lambda: min(_eplb(c, "layers_committed")) >= failed_commits + 3, 60, "commits after the hiccup")
         health = c.snapshot()["eplb_health"]
         assert health["status"] == "healthy" and health["restarts"] >= 1, health
-        from elastic.metrics import build_registry
         from prometheus_client import generate_latest
+
+        from elastic.service.metrics import build_registry
 
         exposition = generate_latest(build_registry(c)).decode()
         assert "elastic_ep_eplb_healthy 1.0" in exposition and "elastic_ep_eplb_restarts_total" in exposition
@@ -317,7 +318,7 @@ def test_a_sync_transfer_timeout_is_a_broken_group_and_no_rank_counts_as_lost():
 # -- 10. a worker never tears down a group its EPLB thread may still use -------------------------------
 
 def test_a_worker_whose_eplb_thread_does_not_stop_leaves_without_destroying_the_group():
-    from elastic.worker import Worker
+    from elastic.worker.process import Worker
 
     destroyed = []
     worker = Worker.__new__(Worker)  # the teardown alone: no process group is needed to decide it
@@ -355,7 +356,7 @@ def test_shutdown_closes_the_store_and_leaves_no_thread_behind():
 def test_command_launcher_starts_four_workers_whose_import_outlasts_the_heartbeat():
     from elastic.deployment import LauncherConfig
 
-    remote = ["{python}", "-m", "elastic.remote_worker", "--store", "{store}", "--worker-id", "{worker_id}"]
+    remote = ["{python}", "-m", "elastic.launch.remote_worker", "--store", "{store}", "--worker-id", "{worker_id}"]
     config = small_config(ep_size=4, max_ep_size=4, model=dict(num_layers=2, num_experts=8),
                           timeouts=dict(collective=0.5, heartbeat=1.0, worker_start=90),
                           launcher=LauncherConfig(kind="command", template=remote, hosts=[{"name": "h"}]))

@@ -3,7 +3,7 @@
 - ``elastic-ep serve`` stopped with SIGTERM or SIGINT exits 0 within 10 s, after shutting the
   deployment down, and leaves no process of its tree (workers, forkserver, resource tracker).
 - A coordinator killed with SIGKILL: every worker it started, and its forkserver, are gone
-  within 10 s (``elastic.lifetime``: the workers watch the coordinator's pid).
+  within 10 s (``elastic.worker.lifetime``: the workers watch the coordinator's pid).
 - A worker whose coordinator is not its ancestor (another host) is not touched by that watch;
   it leaves once the coordinator's store has been unreachable for its orphan timeout.
 
@@ -47,7 +47,7 @@ COORDINATOR = """\
 import json, sys, time
 import multiprocessing.forkserver as forkserver
 import yaml
-from elastic.coordinator import Coordinator
+from elastic.control.coordinator import Coordinator
 from elastic.deployment import DeploymentConfig
 
 if __name__ == "__main__":
@@ -254,7 +254,7 @@ def start_coordinator(tmp_path: Path, overrides: dict) -> tuple[subprocess.Popen
 
 # a command-launcher worker started here descends from the coordinator just like a local one
 COMMAND_LAUNCHER = {"launcher": {"kind": "command", "hosts": [{"name": "here"}],
-                                 "template": ["{python}", "-m", "elastic.remote_worker", "--store", "{store}",
+                                 "template": ["{python}", "-m", "elastic.launch.remote_worker", "--store", "{store}",
                                               "--worker-id", "{worker_id}"]}}
 
 
@@ -265,7 +265,7 @@ def test_workers_end_within_10s_of_a_killed_coordinator(tmp_path, overrides):
     tree = descendants(proc.pid)
     try:
         if overrides:  # the command launcher's worker ids are not pids: take its children
-            workers = {pid for pid in tree if "elastic.remote_worker" in cmdline(pid)}
+            workers = {pid for pid in tree if "elastic.launch.remote_worker" in cmdline(pid)}
         else:
             workers = set(info["workers"])
             assert info["forkserver"] in tree, "no forkserver to check"
@@ -285,7 +285,7 @@ def test_workers_end_within_10s_of_a_killed_coordinator(tmp_path, overrides):
 # -- the watch itself, without torch ---------------------------------------------------------
 
 def test_ancestors_run_from_the_parent_up_to_init():
-    from elastic.lifetime import ancestors
+    from elastic.worker.lifetime import ancestors
 
     chain = ancestors()
     assert chain[0] == os.getppid() and chain[-1] == 1, chain  # init too: a coordinator may be a container's pid 1
@@ -293,7 +293,7 @@ def test_ancestors_run_from_the_parent_up_to_init():
 
 WATCHER = """\
 import sys, time
-from elastic.lifetime import watch_coordinator
+from elastic.worker.lifetime import watch_coordinator
 watch = watch_coordinator(int(sys.argv[1]), interval_s=0.1)
 print("watching" if watch is not None else "not watching", flush=True)
 time.sleep(30)
@@ -346,7 +346,7 @@ def test_a_worker_that_does_not_descend_from_the_coordinator_is_left_alone(tmp_p
 ORPHAN = """\
 import sys, threading
 import torch.distributed  # imported before the watch starts its clock, as in a worker
-from elastic import remote_worker
+from elastic.launch import remote_worker
 remote_worker._watch("127.0.0.1", int(sys.argv[1]), 1, float(sys.argv[2]), threading.Event())
 """
 
@@ -361,7 +361,7 @@ time.sleep(60)
 
 @pytest.mark.timeout(90)
 def test_a_remote_worker_leaves_after_its_orphan_timeout(tmp_path):
-    """The store watch of ``elastic.remote_worker`` (ssh and Ray workers): exit status 4 once the
+    """The store watch of ``elastic.launch.remote_worker`` (ssh and Ray workers): exit status 4 once the
     coordinator's store has been gone for ``orphan_timeout_s``, not before."""
     orphan_timeout = 2.0
     out = tmp_path / "store.out"

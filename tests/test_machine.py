@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from elastic.config import TimeoutsConfig
-from elastic.errors import (
+from elastic.core.config import TimeoutsConfig
+from elastic.core.errors import (
     ElasticError,
     InvalidRankMapping,
     InvalidScaleRequest,
@@ -26,7 +26,7 @@ from elastic.errors import (
     StaleGeneration,
     WorkerLost,
 )
-from elastic.machine import (
+from elastic.core.machine import (
     EDGES,
     TRIGGERS,
     Phase,
@@ -263,9 +263,9 @@ def test_history_is_bounded_but_seq_keeps_counting():
 
 def test_each_transition_is_logged_as_one_sentence(caplog):
     m = ScaleMachine(clock=FakeClock(3.0))
-    with caplog.at_level(logging.INFO, logger="elastic.machine"):
+    with caplog.at_level(logging.INFO, logger="elastic.core.machine"):
         m.request_scale(operation_id="op-9", reason="rank 2 lost")
-    records = [r for r in caplog.records if r.name == "elastic.machine"]
+    records = [r for r in caplog.records if r.name == "elastic.core.machine"]
     assert len(records) == 1
     msg = records[0].getMessage()
     assert "\n" not in msg

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elastic.errors import InvalidRankMapping, InvalidScaleRequest
-from elastic.mapping import RankMapping
+from elastic.core.errors import InvalidRankMapping, InvalidScaleRequest
+from elastic.core.mapping import RankMapping
 
 # ---------------------------------------------------------------------------------- constructors
 

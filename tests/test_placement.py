@@ -8,14 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eplb.placement import (
-    align_slots,
     Placement,
     PlacementError,
+    align_slots,
     build_logical_to_physical,
     static_physical_to_logical,
     validate_physical_to_logical,
 )
-
 
 # ---------------------------------------------------------------------------------------------
 # static layout

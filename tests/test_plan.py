@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from eplb.plan import LayerPlan, PlanError, Reload, Transfer, holders_from_mapping, plan_layer
 
-
 # ---------------------------------------------------------------------------------------------
 # A reference simulation of a plan
 # ---------------------------------------------------------------------------------------------

@@ -1,11 +1,11 @@
-"""The control plane's pure decisions (elastic.plans): no process, no clock."""
+"""The control plane's pure decisions (elastic.control.plans): no process, no clock."""
 
 from __future__ import annotations
 
 import pytest
 
-from elastic.errors import InvalidScaleRequest
-from elastic.plans import Attempt, LiveWorker, plan_recovery
+from elastic.control.plans import Attempt, LiveWorker, plan_recovery
+from elastic.core.errors import InvalidScaleRequest
 
 
 def workers(*triples):

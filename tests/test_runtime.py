@@ -64,7 +64,7 @@ def test_async_commits_one_layer_per_step_on_every_rank_at_the_same_step():
             assert sorted(steps) == [0, 1, 2, 3], f"layer {layer} of rebalance {rebalance} committed on ranks {sorted(steps)} only"
             assert len(set(steps.values())) == 1, f"layer {layer} switched at different steps: {steps}"
         by_rebalance = defaultdict(list)
-        for (rebalance, layer), steps in commits.items():
+        for (rebalance, _layer), steps in commits.items():
             by_rebalance[rebalance].append(next(iter(steps.values())))
         gaps = []
         for steps in by_rebalance.values():

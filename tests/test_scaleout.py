@@ -21,18 +21,19 @@ import time
 
 import pytest
 
-from elastic.channel import StoreQueue, TaggedOutbox, connect
+from elastic.core.mapping import RankMapping
+from elastic.core.protocol import Heartbeat
 from elastic.deployment import DeploymentConfig, LauncherConfig
-from elastic.groups import num_nodes_of, open_store
-from elastic.launcher import CommandLauncher, LocalLauncher, balanced_layout, make_launcher, plan_resize
-from elastic.mapping import RankMapping
-from elastic.protocol import Heartbeat
+from elastic.launch.channel import StoreQueue, TaggedOutbox, connect
+from elastic.launch.factory import make_launcher
+from elastic.launch.launchers import CommandLauncher, LocalLauncher, balanced_layout, plan_resize
+from elastic.worker.groups import num_nodes_of, open_store
 from tests.conftest import running, small_config
 from tests.helpers import assert_consistent, wait_for_state
 
 # a survivor blocked on the lost peer gives up after the collective timeout: keep it short
 FAST_LOSS = dict(collective=10, heartbeat=14)
-REMOTE = ["{python}", "-m", "elastic.remote_worker", "--store", "{store}", "--worker-id", "{worker_id}"]
+REMOTE = ["{python}", "-m", "elastic.launch.remote_worker", "--store", "{store}", "--worker-id", "{worker_id}"]
 
 
 # -- pure parts ---------------------------------------------------------------------------------
@@ -152,14 +153,14 @@ def test_store_listens_on_the_bind_address_only():
 
 @pytest.mark.timeout(10)
 def test_remote_worker_command_line():
-    bad = subprocess.run([sys.executable, "-m", "elastic.remote_worker", "--store", "nohost", "--worker-id", "1"],
+    bad = subprocess.run([sys.executable, "-m", "elastic.launch.remote_worker", "--store", "nohost", "--worker-id", "1"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "HOST:PORT" in bad.stderr
 
 
 @pytest.mark.timeout(10)
 def test_scenario_chooses_the_launcher():
-    from elastic.scenario import ScenarioError, parse_scenario
+    from elastic.replay.scenario import ScenarioError, parse_scenario
 
     s = parse_scenario({"name": "x", "steps": 10, "deployment": {"launcher": {"kind": "ray", "address": "auto"}}})
     assert s.deployment_config().launcher.kind == "ray"
@@ -344,7 +345,7 @@ def test_two_hosts_in_network_namespaces(two_hosts):
 @pytest.mark.timeout(110)
 def test_ray_launcher_scales_actors_and_reports_their_loss():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)  # its own, never a running one
     try:
         config = small_config(launcher=LauncherConfig(kind="ray", env={"GLOO_SOCKET_IFNAME": "lo"},
                                                       num_cpus_per_worker=1), timeouts=FAST_LOSS)

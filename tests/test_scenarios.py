@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.scenario import Scenario, ScenarioError, load_scenario, parse_scenario
+from elastic.replay.scenario import Scenario, ScenarioError, load_scenario, parse_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = sorted((ROOT / "scenarios").glob("*.yaml"))
@@ -155,7 +155,8 @@ def test_timeline_errors_point_at_the_event_and_its_key(tmp_path):
     text = str(error)
     assert f"{file}: timeline[0].extra: unknown key (allowed here: action, at_step, to, " in text
     assert f"{file}: timeline[1].at_step: expected an integer, got 'soon'" in text
-    assert f"{file}: timeline[2]: expected action to be one of 'scale', 'kill', 'stall', 'drop_heartbeats', 'recover', 'rebalance', 'autoscaler', got 'teleport'" in text
+    assert (f"{file}: timeline[2]: expected action to be one of 'scale', 'kill', 'stall', 'drop_heartbeats', "
+            "'recover', 'rebalance', 'autoscaler', got 'teleport'") in text
     assert f"{file}: timeline[3]: expected a mapping with the key 'action'" in text
     assert len(error.problems) == 4  # every error at once, one line each
 
@@ -243,13 +244,13 @@ def test_yaml_syntax_and_missing_files_are_scenario_errors(tmp_path):
 
 
 def test_an_invalid_scenario_runs_nothing(tmp_path, monkeypatch):
-    import elastic.coordinator
-    from elastic.replay import replay
+    import elastic.control.coordinator
+    from elastic.replay.runner import replay
 
     def refuse(*args, **kwargs):
         raise AssertionError("a coordinator was started for an invalid scenario")
 
-    monkeypatch.setattr(elastic.coordinator.Coordinator, "__init__", refuse)
+    monkeypatch.setattr(elastic.control.coordinator.Coordinator, "__init__", refuse)
     bad = write(tmp_path, GOOD.replace("steps: 60", "steps: -3"))
     with pytest.raises(ScenarioError, match=r"steps: expected a value >= 1, got -3"):
         replay(bad, report_dir=tmp_path / "out")
@@ -319,7 +320,7 @@ def _params():
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("path", list(_params()))
 def test_shipped_scenario_replays_green(path, tmp_path):
-    from elastic.replay import replay
+    from elastic.replay.runner import replay
 
     result = replay(path, report_dir=tmp_path)
     failed = "\n".join(f"{e['name']}: expected {e['expected']}, measured {e['measured']} ({e['detail']})"
@@ -340,7 +341,7 @@ def test_shipped_scenario_replays_green(path, tmp_path):
 @pytest.mark.timeout(180)
 def test_a_kill_without_recovery_ends_failed_and_reports_it(tmp_path):
     """The replay stops waiting once the group is failed with nothing to recover it, and says so."""
-    from elastic.replay import replay
+    from elastic.replay.runner import replay
 
     text = GOOD.replace("timeline:\n  - {at_step: 20, action: scale, to: 3}\n  - {at_step: 40, action: rebalance}\n",
                         "timeline:\n  - {at_step: 25, action: kill, rank: 1}\n")

@@ -8,9 +8,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-import elastic.api
-from elastic.api import DEFAULT_SOURCE, load_serve_config, register_cli
+import elastic.service.api
 from elastic.deployment import DEFAULT_DEPLOYMENT
+from elastic.service.api import DEFAULT_SOURCE, load_serve_config, register_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -36,7 +36,7 @@ def test_every_example_deployment_passes_its_preflight(path):
 def served(monkeypatch):
     """The serve command with ``serve()`` replaced: what it would run, nothing started."""
     calls: list[dict] = []
-    monkeypatch.setattr(elastic.api, "serve", lambda config, host, port, **kwargs: calls.append(
+    monkeypatch.setattr(elastic.service.api, "serve", lambda config, host, port, **kwargs: calls.append(
         {"config": config, "host": host, "port": port, **kwargs}))
     app = typer.Typer()
     register_cli(app)

@@ -1,6 +1,6 @@
 """Property-based stateful test of the controller (issue 7).
 
-Hypothesis drives a real :class:`~elastic.coordinator.Coordinator` and its real state machine on
+Hypothesis drives a real :class:`~elastic.control.coordinator.Coordinator` and its real state machine on
 the in-process fake transport (:mod:`tests.fake_transport`) with random sequences of scale
 requests (valid and invalid sizes, stale generations), rebalances, worker kills (also in the
 middle of a scale) and recoveries. After every step:
@@ -24,9 +24,9 @@ from hypothesis import Phase as Stage
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from elastic.coordinator import Coordinator, OperationStatus
-from elastic.errors import InvalidScaleRequest, InvalidTransition, ScaleConflict, StaleGeneration
-from elastic.machine import Phase
+from elastic.control.coordinator import Coordinator, OperationStatus
+from elastic.core.errors import InvalidScaleRequest, InvalidTransition, ScaleConflict, StaleGeneration
+from elastic.core.machine import Phase
 from tests.conftest import small_config
 from tests.fake_transport import FakeLauncher
 

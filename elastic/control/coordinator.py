@@ -32,9 +32,9 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
-from elastic import protocol as p
-from elastic.deployment import DeploymentConfig
-from elastic.errors import (
+from elastic.control.plans import Attempt, LiveWorker, plan_recovery
+from elastic.core import protocol as p
+from elastic.core.errors import (
     ElasticError,
     IdempotencyKeyReused,
     InvalidScaleRequest,
@@ -43,14 +43,15 @@ from elastic.errors import (
     ScaleConflict,
     StaleGeneration,
 )
-from elastic.groups import abort_generation, open_store
-from elastic.launcher import Launcher, WorkerHandle, make_launcher, plan_mapping
-from elastic.machine import Phase, ScaleMachine
-from elastic.mapping import RankMapping
-from elastic.plans import Attempt, LiveWorker, plan_recovery
-from elastic.worker import WorkerSpec
+from elastic.core.machine import Phase, ScaleMachine
+from elastic.core.mapping import RankMapping
+from elastic.deployment import DeploymentConfig
+from elastic.launch.factory import make_launcher
+from elastic.launch.launchers import Launcher, WorkerHandle, plan_mapping
+from elastic.worker.groups import abort_generation, open_store
+from elastic.worker.process import WorkerSpec
 
-log = logging.getLogger("elastic.coordinator")
+log = logging.getLogger("elastic.control.coordinator")
 
 
 EXIT_GRACE_S = 0.3  # how long a dead worker's last reports get to arrive before it counts as lost
@@ -222,7 +223,7 @@ class Coordinator:
         self._store: dist.TCPStore | None = None
         self._subscribers: list[Callable[[str, dict[str, Any]], None]] = []
         #: Called with the operation on its thread before a scale touches the machine; raising vetoes
-        #: the scale (the operation fails with the error, the machine stays ``running``). See elastic.hooks.
+        #: the scale (the operation fails with the error, the machine stays ``running``). See elastic.service.hooks.
         self.before_scale: list[Callable[[Operation], None]] = []
         self.auto_recoveries = 0
         self._auto_recovering = False
@@ -624,7 +625,7 @@ class Coordinator:
             attempts = {g: Attempt(n, frozenset(pid for pid, r in self._done.get(seq, {}).items()
                                                 if isinstance(r.result, p.RescaleDone) and not r.result.retired))
                         for g, (n, seq) in self._attempted.items()}
-            # a pure decision (elastic.plans); it refuses before the state changes when no one survives
+            # a pure decision (elastic.control.plans); it refuses before the state changes when no one survives
             plan = plan_recovery([LiveWorker(w.handle.pid, w.rank, w.generation) for w in live], attempts,
                                  self.machine.generation, self.size)
             problem = self.config.size_problem(plan.new_size)
@@ -970,12 +971,19 @@ class Coordinator:
                 self._reports.wait(0.1)
 
     def _serving(self, live: list[WorkerRecord]) -> bool:
-        """Whether decoding runs: every rank of the serving group says so in its last heartbeat
-        (the machine's state alone does not tell: a deployment failed on a healthy group goes on
-        decoding, and one whose group broke does not)."""
+        """Whether decoding runs. ``rescaling`` pauses it; in the other phases of an operation it
+        runs unless a rank of the serving group reports its group broken. In ``failed`` the state
+        alone does not tell (a deployment failed on a healthy group goes on decoding, one whose
+        group broke does not): every rank of the serving group must say, in its last heartbeat,
+        that it decodes. (The phases' own heartbeats may lag a step behind the machine, so they
+        decide only where the machine's state cannot.)"""
+        if self.machine.state == Phase.RESCALING:
+            return False
         group = [w for w in live if w.generation == self.machine.generation]
-        return bool(group) and all(w.heartbeat is not None and w.heartbeat.state in p.DECODING_MODES for w in group) \
-            and self.machine.state != Phase.RESCALING
+        beats = [w.heartbeat.state for w in group if w.heartbeat is not None]
+        if self.machine.state != Phase.FAILED:
+            return bool(group) and p.WorkerMode.BROKEN not in beats
+        return bool(group) and len(beats) == len(group) and all(state in p.DECODING_MODES for state in beats)
 
     @staticmethod
     def _eplb_health(eplb: list[dict[str, Any]]) -> dict[str, Any]:

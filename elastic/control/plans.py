@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from elastic.errors import InvalidScaleRequest
+from elastic.core.errors import InvalidScaleRequest
 
 __all__ = ["Attempt", "LiveWorker", "RecoveryPlan", "plan_recovery"]
 

@@ -9,7 +9,7 @@ import math
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from elastic.phases import OPERATION_PHASES
+from elastic.core.phases import OPERATION_PHASES
 
 __all__ = ["TimeoutsConfig"]
 

@@ -16,11 +16,11 @@ Reading guide
 
 Rules the façade keeps
 ----------------------
-- A trigger that does not fit the state raises :class:`~elastic.errors.InvalidTransition`
+- A trigger that does not fit the state raises :class:`~elastic.core.errors.InvalidTransition`
   (``ScaleConflict`` for ``request_scale``) and changes nothing. Argument checks
   (reason, operation id, generation) also run *before* the state changes.
 - Every transition appends a frozen :class:`Transition` to a bounded history and is logged
-  as one sentence on the ``elastic.machine`` logger.
+  as one sentence on the ``elastic.core.machine`` logger.
 - Subscribers are called after each transition, in order, under the machine lock;
   an exception in one is logged and recorded (:meth:`ScaleMachine.subscriber_errors`),
   never propagated. A subscriber may fire another trigger (the lock is re-entrant); that
@@ -32,7 +32,7 @@ Generation
 ----------
 The group generation is the coordinator's number. It changes in exactly one place:
 ``rescaled(generation=g)``, when the new process group has been formed, and ``g`` must be
-greater than the current generation (else :class:`~elastic.errors.StaleGeneration`).
+greater than the current generation (else :class:`~elastic.core.errors.StaleGeneration`).
 "Greater", not "current + 1": a rescale that failed after forming group ``k+1`` leaves
 its store prefix used, so the recovery may form ``k+2``.
 
@@ -62,9 +62,9 @@ from typing import Any, cast
 from transitions import MachineError
 from transitions.extensions import LockedMachine
 
-from elastic.config import TimeoutsConfig
-from elastic.errors import InvalidScaleRequest, InvalidTransition, PhaseTimeout, ScaleConflict, StaleGeneration
-from elastic.phases import Phase
+from elastic.core.config import TimeoutsConfig
+from elastic.core.errors import InvalidScaleRequest, InvalidTransition, PhaseTimeout, ScaleConflict, StaleGeneration
+from elastic.core.phases import Phase
 
 __all__ = [
     "EDGES",
@@ -79,7 +79,7 @@ __all__ = [
     "transitions_of",
 ]
 
-logger = logging.getLogger("elastic.machine")
+logger = logging.getLogger("elastic.core.machine")
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,7 +196,7 @@ class ScaleMachine:
     """The control plane's state machine (thread-safe).
 
     Args:
-        timeouts: per-phase deadlines (:class:`~elastic.config.TimeoutsConfig`).
+        timeouts: per-phase deadlines (:class:`~elastic.core.config.TimeoutsConfig`).
         clock: seconds, monotonic; injected so tests drive time.
         generation: the generation of the group the machine starts with.
         history_limit: how many transitions :meth:`history` keeps (oldest dropped first).
@@ -321,8 +321,8 @@ class ScaleMachine:
     def request_scale(self, *, operation_id: str, reason: str = "") -> Transition:
         """``running -> draining``: operation ``operation_id`` begins.
 
-        Raises :class:`~elastic.errors.ScaleConflict` in any other phase (naming the operation
-        in progress), :class:`~elastic.errors.InvalidScaleRequest` for an empty id.
+        Raises :class:`~elastic.core.errors.ScaleConflict` in any other phase (naming the operation
+        in progress), :class:`~elastic.core.errors.InvalidScaleRequest` for an empty id.
         """
         with self._lock:
             state = self.state
@@ -347,7 +347,7 @@ class ScaleMachine:
         """``rescaling -> resuming``: group ``generation`` formed, experts redistributed.
 
         ``generation`` must be greater than :attr:`generation`
-        (else :class:`~elastic.errors.StaleGeneration`); it becomes the machine's generation.
+        (else :class:`~elastic.core.errors.StaleGeneration`); it becomes the machine's generation.
         """
         with self._lock:
             self._require("rescaled")
@@ -387,7 +387,7 @@ class ScaleMachine:
     # ------------------------------------------------------------------ deadlines
 
     def check_deadline(self, now: float | None = None) -> PhaseTimeout | None:
-        """The :class:`~elastic.errors.PhaseTimeout` if the current phase overran its deadline, else None.
+        """The :class:`~elastic.core.errors.PhaseTimeout` if the current phase overran its deadline, else None.
 
         ``now`` defaults to the machine's clock. ``running`` and ``failed`` have no deadline.
         """

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic.errors import InvalidRankMapping
+from elastic.core.errors import InvalidRankMapping
 
 __all__ = ["RankMapping"]
 

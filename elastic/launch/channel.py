@@ -1,10 +1,10 @@
 """A queue carried by the coordinator's ``TCPStore``: commands and reports for workers on other hosts.
 
-A worker started by a command (``ssh host python -m elastic.remote_worker ...``) or as a Ray
+A worker started by a command (``ssh host python -m elastic.launch.remote_worker ...``) or as a Ray
 actor shares no memory and no pipe with the coordinator, but it reaches the coordinator's
 ``TCPStore`` anyway (the group rendezvous needs it). :class:`StoreQueue` carries a queue
 through that store, with the ``put`` / ``get(block, timeout)`` interface of
-``multiprocessing.Queue``, so :func:`elastic.worker.worker_main` runs unchanged on either.
+``multiprocessing.Queue``, so :func:`elastic.worker.process.worker_main` runs unchanged on either.
 
 Layout under a queue's prefix ``P`` (all keys are plain store keys):
 

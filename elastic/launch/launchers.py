@@ -5,10 +5,10 @@ imported torch and the worker module once, so a new worker starts in well under 
 instead of paying the torch import each time.
 
 :class:`CommandLauncher` starts each worker as a process from a command template (``ssh {host}
-python -m elastic.remote_worker ...``, ``ip netns exec {host} ...``) on a list of hosts, and
-:class:`elastic.launcher_ray.RayLauncher` as a Ray actor. Their workers share no pipe with the
+python -m elastic.launch.remote_worker ...``, ``ip netns exec {host} ...``) on a list of hosts, and
+:class:`elastic.launch.ray.RayLauncher` as a Ray actor. Their workers share no pipe with the
 coordinator: commands and reports travel through the coordinator's ``TCPStore``
-(:mod:`elastic.channel`), and a worker's ``pid`` in its reports is the launcher's worker id.
+(:mod:`elastic.launch.channel`), and a worker's ``pid`` in its reports is the launcher's worker id.
 
 Hosts and ranks: a handle knows its ``host``. Before a scale, :func:`plan_mapping` asks the
 launcher for the rank mapping: a launcher that chooses hosts (``command``) lays the new group
@@ -16,7 +16,7 @@ out evenly over its hosts with the ranks of a host contiguous, keeps every survi
 its host (renumbering it if needed) and starts fresh workers where the layout has a gap; one
 that does not choose (Ray places actors) keeps survivors' order on scale-up and, on scale-down,
 retires ranks from the most loaded hosts and renumbers the survivors host by host. The group
-then counts the nodes itself (:func:`elastic.groups.num_nodes_of`).
+then counts the nodes itself (:func:`elastic.worker.groups.num_nodes_of`).
 """
 
 from __future__ import annotations
@@ -35,14 +35,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from elastic.errors import InvalidRankMapping
-from elastic.mapping import RankMapping
-from elastic.worker import WorkerSpec, worker_main
+from elastic.core.errors import InvalidRankMapping
+from elastic.core.mapping import RankMapping
+from elastic.worker.process import WorkerSpec, worker_main
 
 if TYPE_CHECKING:
-    from elastic.deployment import DeploymentConfig, LauncherConfig
+    from elastic.deployment import LauncherConfig
 
-log = logging.getLogger("elastic.launcher")
+log = logging.getLogger("elastic.launch.launchers")
 
 
 class WorkerHandle(Protocol):
@@ -113,7 +113,7 @@ class LocalLauncher:
     def __init__(self, capacity: int | None = None):
         self.capacity = capacity if capacity is not None else max(8, os.cpu_count() or 1)
         self._ctx = mp.get_context("forkserver")
-        self._ctx.set_forkserver_preload(["torch", "elastic.worker"])
+        self._ctx.set_forkserver_preload(["torch", "elastic.worker.process"])
         self._reports = self._ctx.Queue()
         self._workers: list[LocalWorker] = []
 
@@ -256,8 +256,8 @@ class StoreChannelLauncher:
         return self._reports
 
     def _attach(self, host: str, port: int) -> None:
-        from elastic.channel import StoreQueue, connect
-        from elastic.remote_worker import REPORTS_PREFIX
+        from elastic.launch.channel import StoreQueue, connect
+        from elastic.launch.remote_worker import REPORTS_PREFIX
 
         with self._lock:
             if self._store is not None:
@@ -271,8 +271,8 @@ class StoreChannelLauncher:
 
     def _prepare(self, spec: WorkerSpec, host: str | None, env: dict[str, str]) -> tuple[int, Any]:
         """Write the launch record of a new worker; returns its id and its inbox."""
-        from elastic.channel import StoreQueue
-        from elastic.remote_worker import inbox_prefix, launch_key, launch_record
+        from elastic.launch.channel import StoreQueue
+        from elastic.launch.remote_worker import inbox_prefix, launch_key, launch_record
 
         self._attach(spec.store_host, spec.store_port)
         worker_id = next(self._ids)
@@ -281,7 +281,7 @@ class StoreChannelLauncher:
 
     def _retire(self, worker_id: int) -> None:
         """Ask a remote worker to exit (its watcher polls this key)."""
-        from elastic.remote_worker import kill_key
+        from elastic.launch.remote_worker import kill_key
 
         try:
             if self._store is not None:
@@ -292,7 +292,7 @@ class StoreChannelLauncher:
     def forget(self, handle: Any) -> None:
         """The worker has exited and the coordinator is done with it: drop its handle and its
         keys in the store (launch record, inbox, kill flag)."""
-        from elastic.remote_worker import worker_prefix
+        from elastic.launch.remote_worker import worker_prefix
 
         if handle in self._workers:
             self._workers.remove(handle)
@@ -328,7 +328,7 @@ class CommandWorker:
 
     @property
     def pid(self) -> int:
-        return self.worker_id  # reports carry it (elastic.channel.TaggedOutbox)
+        return self.worker_id  # reports carry it (elastic.launch.channel.TaggedOutbox)
 
     def is_alive(self) -> bool:
         return self.process.poll() is None
@@ -382,19 +382,3 @@ class CommandLauncher(StoreChannelLauncher):
         worker = CommandWorker(spec.rank, inbox, host.name, worker_id, process, self)
         self._workers.append(worker)
         return worker
-
-
-def make_launcher(config: DeploymentConfig) -> Any:
-    """The launcher ``config.launcher`` names, with capacity ``max_ep_size``."""
-    options = config.launcher
-    if options.kind == "local":
-        return LocalLauncher(capacity=config.max_ep_size)
-    if options.kind == "command":
-        return CommandLauncher(options, capacity=config.max_ep_size)
-    if options.kind == "ray":
-        try:
-            from elastic.launcher_ray import RayLauncher
-        except ImportError as exc:
-            raise RuntimeError(f"launcher kind 'ray' needs Ray: pip install 'elastic-ep[ray]' ({exc})") from exc
-        return RayLauncher(options, capacity=config.max_ep_size)
-    raise ValueError(f"unknown launcher kind {options.kind!r}")

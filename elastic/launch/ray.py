@@ -1,8 +1,8 @@
 """Workers as Ray actors: Ray places them, the coordinator scales and retires them.
 
 Each worker is one actor (``num_cpus_per_worker`` CPUs, ``num_gpus_per_worker`` GPUs) whose
-``run`` method runs :func:`elastic.remote_worker.serve`, i.e. the unchanged
-:func:`elastic.worker.worker_main` on queues carried by the coordinator's ``TCPStore``. The
+``run`` method runs :func:`elastic.launch.remote_worker.serve`, i.e. the unchanged
+:func:`elastic.worker.process.worker_main` on queues carried by the coordinator's ``TCPStore``. The
 workers of a generation still form their group through that store (``torch.distributed``),
 so Ray only starts, places and stops processes; it carries no EP traffic.
 
@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from elastic.launcher import StoreChannelLauncher, plan_resize
-from elastic.mapping import RankMapping
-from elastic.worker import WorkerSpec
+from elastic.core.mapping import RankMapping
+from elastic.launch.launchers import StoreChannelLauncher, plan_resize
+from elastic.worker.process import WorkerSpec
 
 if TYPE_CHECKING:
     from elastic.deployment import LauncherConfig
 
-log = logging.getLogger("elastic.launcher_ray")
+log = logging.getLogger("elastic.launch.ray")
 
 
 # Ray's stub types ray.remote(**options) with task options only (no max_concurrency, an actor option),
@@ -47,9 +47,9 @@ class WorkerActor:
         return ray.util.get_node_ip_address(), os.getpid()
 
     def run(self, store_host: str, store_port: int, worker_id: int) -> int:
-        from elastic.remote_worker import serve
+        from elastic.launch.remote_worker import serve
 
-        # the group counts hosts by this name (elastic.groups.host_identity)
+        # the group counts hosts by this name (elastic.worker.groups.host_identity)
         os.environ.setdefault("ELASTIC_EP_HOST", ray.util.get_node_ip_address())
         return serve(store_host, store_port, worker_id)
 
@@ -70,7 +70,7 @@ class RayWorker:
 
     @property
     def pid(self) -> int:
-        return self.worker_id  # reports carry it (elastic.channel.TaggedOutbox)
+        return self.worker_id  # reports carry it (elastic.launch.channel.TaggedOutbox)
 
     @property
     def host(self) -> str | None:
@@ -133,7 +133,8 @@ class RayLauncher(StoreChannelLauncher):
         super().__init__(options, capacity)
         self._owns_ray = False
         if not ray.is_initialized():
-            ray.init(address=options.address, log_to_driver=True)
+            # no address: a new local instance ("local"), never a cluster that happens to run on this host
+            ray.init(address=options.address or "local", log_to_driver=True)
             self._owns_ray = True
         self.tag = uuid.uuid4().hex[:8]
 

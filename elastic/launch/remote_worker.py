@@ -1,4 +1,4 @@
-"""A worker started on another host: ``python -m elastic.remote_worker --store HOST:PORT --worker-id N``.
+"""A worker started on another host: ``python -m elastic.launch.remote_worker --store HOST:PORT --worker-id N``.
 
 The command line carries only where the coordinator's ``TCPStore`` is and the worker's id; the
 rest comes through the store, so a launcher's command template stays short and the same for
@@ -6,13 +6,13 @@ every worker:
 
 - ``elastic/workers/<id>/launch``: the pickled launch record (the ``WorkerSpec``, extra
   environment variables such as ``GLOO_SOCKET_IFNAME``, the host's name);
-- ``elastic/workers/<id>/inbox``: the worker's commands (a :class:`~elastic.channel.StoreQueue`);
+- ``elastic/workers/<id>/inbox``: the worker's commands (a :class:`~elastic.launch.channel.StoreQueue`);
 - ``elastic/reports``: every worker's reports, tagged with the worker id;
 - ``elastic/workers/<id>/kill``: set by the launcher to retire the worker where no signal
   reaches it (``ssh``); a watcher thread exits the process when it appears, or when the store
   has been unreachable for ``orphan_timeout_s`` (the coordinator is gone).
 
-The same :func:`serve` runs inside a Ray actor (:mod:`elastic.launcher_ray`).
+The same :func:`serve` runs inside a Ray actor (:mod:`elastic.launch.ray`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Any
 
-log = logging.getLogger("elastic.remote_worker")
+log = logging.getLogger("elastic.launch.remote_worker")
 
 REPORTS_PREFIX = "elastic/reports"
 
@@ -59,7 +59,7 @@ def _watch(store_host: str, store_port: int, worker_id: int, orphan_timeout_s: f
     store call that never returns (the network to the coordinator is gone without a reset)
     still ends the process after ``orphan_timeout_s``.
     """
-    from elastic.channel import connect
+    from elastic.launch.channel import connect
 
     last_answer = [time.monotonic()]
 
@@ -85,11 +85,11 @@ def _watch(store_host: str, store_port: int, worker_id: int, orphan_timeout_s: f
 
 def serve(store_host: str, store_port: int, worker_id: int, *, connect_timeout_s: float = 60.0,
           orphan_timeout_s: float = 60.0) -> int:
-    """Fetch the launch record, then run :func:`elastic.worker.worker_main` on store-carried queues.
+    """Fetch the launch record, then run :func:`elastic.worker.process.worker_main` on store-carried queues.
 
     Returns the exit code (0 when the worker left on a ``Shutdown`` or was retired).
     """
-    from elastic.channel import StoreQueue, TaggedOutbox, connect  # torch: only once the arguments are good
+    from elastic.launch.channel import StoreQueue, TaggedOutbox, connect  # torch: only once the arguments are good
 
     control = connect(store_host, store_port, connect_timeout_s)
     key = launch_key(worker_id)
@@ -97,12 +97,12 @@ def serve(store_host: str, store_port: int, worker_id: int, *, connect_timeout_s
     record = pickle.loads(control.get(key))
     os.environ.update(record["env"])
     if record.get("host"):
-        # the name the group generation uses to count hosts (elastic.groups.host_identity)
+        # the name the group generation uses to count hosts (elastic.worker.groups.host_identity)
         os.environ["ELASTIC_EP_HOST"] = str(record["host"])
     stop = threading.Event()
     threading.Thread(target=_watch, args=(store_host, store_port, worker_id, orphan_timeout_s, stop),
                      name="remote-worker-watch", daemon=True).start()
-    from elastic.worker import worker_main  # after the environment is set: torch reads some of it
+    from elastic.worker.process import worker_main  # after the environment is set: torch reads some of it
 
     # commands come from one producer, in order: a missing number is waited for, never skipped
     inbox = StoreQueue(connect(store_host, store_port, connect_timeout_s), inbox_prefix(worker_id), hole_timeout_s=None)
@@ -124,7 +124,7 @@ def _split_address(address: str) -> tuple[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m elastic.remote_worker", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m elastic.launch.remote_worker", description=__doc__.splitlines()[0])
     parser.add_argument("--store", required=True, type=_split_address, help="the coordinator's TCPStore, HOST:PORT")
     parser.add_argument("--worker-id", required=True, type=int, help="the id the launcher gave this worker")
     parser.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to reach the store")

@@ -1,6 +1,6 @@
 """The replay's report: expectations, ``report.json``, ``report.png``, the live display and tables.
 
-Everything here works on the recording a :class:`~elastic.replay.Replayer` made, or on the JSON
+Everything here works on the recording a :class:`~elastic.replay.runner.Replayer` made, or on the JSON
 report itself (``plot_report`` and ``render_summary`` read only the report dict, so a saved
 ``report.json`` can be plotted again).
 """
@@ -11,13 +11,25 @@ import bisect
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from elastic.phases import OPERATION_PHASES
+from elastic.core.phases import OPERATION_PHASES
 
 if TYPE_CHECKING:
-    from elastic.replay import Replayer
-    from elastic.scenario import Scenario
+    from elastic.replay.scenario import Scenario
+
+
+class Recording(Protocol):
+    """What a report is built from: the replayer's recording (``elastic.replay.runner.Replayer``
+    satisfies it; this module does not import the runner, which imports this one)."""
+
+    scenario: Scenario
+    coordinator: Any
+    autoscaler: Any
+    recorder: Any
+    events: list[Any]
+    errors: list[Any]
+    verifications: list[Any]
 
 __all__ = ["build_report", "evaluate", "report_json", "write_report", "plot_report", "render_summary", "LiveDisplay", "STATE_COLORS"]
 
@@ -136,7 +148,7 @@ def _rebalances(events: list[dict[str, Any]], samples: list[dict[str, Any]], tra
     return merged
 
 
-def _operations(replayer: "Replayer", transitions: list[dict[str, Any]], step_at: _StepClock) -> list[dict[str, Any]]:
+def _operations(replayer: Recording, transitions: list[dict[str, Any]], step_at: _StepClock) -> list[dict[str, Any]]:
     ops = []
     coordinator = replayer.coordinator
     records = sorted(coordinator.operations.values(), key=lambda o: o.created_at) if coordinator is not None else []
@@ -158,7 +170,7 @@ def _operations(replayer: "Replayer", transitions: list[dict[str, Any]], step_at
     return ops
 
 
-def build_report(replayer: "Replayer", *, final: dict[str, Any], started_wall: float, duration_s: float) -> dict[str, Any]:
+def build_report(replayer: Recording, *, final: dict[str, Any], started_wall: float, duration_s: float) -> dict[str, Any]:
     s = replayer.scenario
     rec = replayer.recorder
     samples = rec.samples()
@@ -205,7 +217,7 @@ def build_report(replayer: "Replayer", *, final: dict[str, Any], started_wall: f
 # ---------------------------------------------------------------------------------------------
 # expectations
 
-def evaluate(s: "Scenario", report: dict[str, Any]) -> list[dict[str, Any]]:
+def evaluate(s: Scenario, report: dict[str, Any]) -> list[dict[str, Any]]:
     """Every expectation the scenario sets, with what the run measured and whether it held."""
     x = s.expect
     final = report["final"]
@@ -535,7 +547,7 @@ def _fmt_bal(value: float | None) -> str:
 class LiveDisplay:
     """A progress bar (step, state, EP size, balancedness) with transitions printed above it."""
 
-    def __init__(self, scenario: "Scenario", console: Any = None, bar: bool = True):
+    def __init__(self, scenario: Scenario, console: Any = None, bar: bool = True):
         from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -550,7 +562,7 @@ class LiveDisplay:
         self.task = None
         self.last: dict[str, Any] | None = None
 
-    def __enter__(self) -> "LiveDisplay":
+    def __enter__(self) -> LiveDisplay:
         self.progress_bar.start()
         self.task = self.progress_bar.add_task(self.scenario.name, total=self.scenario.steps, state="[dim]starting[/]",
                                                ep=self.scenario.deployment.ep_size, bal="—")

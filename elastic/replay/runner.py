@@ -5,7 +5,7 @@ progress bar and the end-of-run tables. The replayer drives the timeline through
 coordinator API (``scale``, ``recover``, ``rebalance``, ``verify``, ``snapshot``) and records
 everything from the coordinator's subscription: worker heartbeats become per-step samples
 (balancedness of that step's global tokens, step time), transitions and operations become the
-timeline, worker events become the rebalances. :mod:`elastic.report` turns the recording into
+timeline, worker events become the rebalances. :mod:`elastic.replay.report` turns the recording into
 ``report.json``, ``report.png`` and the tables.
 """
 
@@ -15,17 +15,27 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from elastic.errors import ElasticError
-from elastic.scenario import (FAULT_EVENTS, AutoscalerEvent, KillEvent, RebalanceEvent, RecoverEvent, ScaleEvent,
-                              Scenario, StallEvent, load_scenario)
+from elastic.core.errors import ElasticError
+from elastic.replay.scenario import (
+    FAULT_EVENTS,
+    AutoscalerEvent,
+    KillEvent,
+    RebalanceEvent,
+    RecoverEvent,
+    ScaleEvent,
+    Scenario,
+    StallEvent,
+    load_scenario,
+)
 
 __all__ = ["ReplayResult", "Recorder", "Replayer", "replay"]
 
-log = logging.getLogger("elastic.replay")
+log = logging.getLogger("elastic.replay.runner")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,7 +138,7 @@ class ReplayResult:
     report_path: Path | None = None
     plot_path: Path | None = None
     source: str | None = None
-    replayer: "Replayer | None" = field(default=None, repr=False)  # the run's coordinator, stopped, for inspection
+    replayer: Replayer | None = field(default=None, repr=False)  # the run's coordinator, stopped, for inspection
 
     @property
     def expectations(self) -> list[dict[str, Any]]:
@@ -419,8 +429,8 @@ class Replayer:
 
     # -- the run ------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        from elastic.coordinator import Coordinator
-        from elastic.report import build_report
+        from elastic.control.coordinator import Coordinator
+        from elastic.replay.report import build_report
 
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         s = self.scenario
@@ -432,7 +442,7 @@ class Replayer:
         try:
             self.coordinator.start()
             if s.autoscaler is not None:
-                from elastic.autoscaler import Autoscaler
+                from elastic.service.autoscaler import Autoscaler
 
                 self.autoscaler = Autoscaler(self.coordinator, s.autoscaler).start()
             progress.start()
@@ -501,14 +511,14 @@ def replay(scenario_path_or_model: str | Path | Scenario, report_dir: str | Path
            on_worker_error: Callable[[dict[str, Any]], None] | None = None) -> ReplayResult:
     """Replay a scenario on real worker processes; returns the report and whether every expectation held.
 
-    ``scenario_path_or_model`` is a YAML file or a :class:`~elastic.scenario.Scenario`; an invalid
-    file raises :class:`~elastic.scenario.ScenarioError` before anything starts. With
+    ``scenario_path_or_model`` is a YAML file or a :class:`~elastic.replay.scenario.Scenario`; an invalid
+    file raises :class:`~elastic.replay.scenario.ScenarioError` before anything starts. With
     ``report_dir`` the JSON report and the PNG plot are written there. ``progress=True`` prints
     the transitions and a progress bar to the terminal (the command's display); the ``on_*``
     callbacks receive the same information for a caller's own display; ``source`` names the
     file a given :class:`Scenario` came from, for the report.
     """
-    from elastic.report import plot_report, write_report
+    from elastic.replay.report import plot_report, write_report
 
     if isinstance(scenario_path_or_model, Scenario):
         scenario = scenario_path_or_model
@@ -517,7 +527,7 @@ def replay(scenario_path_or_model: str | Path | Scenario, report_dir: str | Path
         scenario = load_scenario(scenario_path_or_model)
     display = None
     if progress and on_transition is None and on_progress is None:
-        from elastic.report import LiveDisplay
+        from elastic.replay.report import LiveDisplay
 
         display = LiveDisplay(scenario)
         on_transition, on_event, on_progress = display.transition, display.event, display.progress

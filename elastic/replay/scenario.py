@@ -4,7 +4,7 @@ A scenario is a deployment (``deployment:``, an ``elastic.deployment.DeploymentC
 names) plus what a replay adds: a load trace, a timeline of events, faults, an autoscaler and
 the expectations a replay checks (see ``docs/scenarios.md`` for the reference). The old scenario
 names (``model.layers``, ``initial_ep_size``...) are refused, each with the key that replaces it.
-Loading runs the pre-flight checks (``elastic.preflight``: size, encoding, YAML limits, numeric
+Loading runs the pre-flight checks (``elastic.service.preflight``: size, encoding, YAML limits, numeric
 bounds, memory) and two passes, all before anything starts:
 
 1. the schema (pydantic, ``extra="forbid"``): unknown keys, wrong types, values out of range;
@@ -24,10 +24,10 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
-from elastic.autoscaler import AutoscalerConfig
 from elastic.deployment import DeploymentConfig, TracePhase
-from elastic.faults import PHASES, CorruptBuffer, DelayTransfer, DropHeartbeats, Fault, KillRank, StallRank
-from elastic.preflight import (
+from elastic.faults import CorruptBuffer, DelayTransfer, DropHeartbeats, Fault, KillRank, StallRank
+from elastic.service.autoscaler import AutoscalerConfig
+from elastic.service.preflight import (
     InputError,
     bound_problems,
     load_yaml,
@@ -201,8 +201,8 @@ class AutoscalerEvent(_Event):
         return f"autoscaler {'on' if self.enabled else 'off'}"
 
 
-Event = Annotated[Union[ScaleEvent, KillEvent, StallEvent, DropHeartbeatsEvent, RecoverEvent, RebalanceEvent,
-                        AutoscalerEvent], Field(discriminator="action")]
+Event = Annotated[ScaleEvent | KillEvent | StallEvent | DropHeartbeatsEvent | RecoverEvent | RebalanceEvent | AutoscalerEvent,
+                  Field(discriminator="action")]
 EVENT_ACTIONS = ("scale", "kill", "stall", "drop_heartbeats", "recover", "rebalance", "autoscaler")
 FAULT_EVENTS = (KillEvent, StallEvent, DropHeartbeatsEvent)
 #: a replay's deadlines unless the scenario overrides them: a dead peer is noticed in seconds
@@ -257,7 +257,7 @@ class Scenario(_Strict):
     trace: list[TraceSpec] = Field(default_factory=lambda: [TraceSpec()], min_length=1)
     steps: int = Field(ge=1, description="decode steps to run")
     autoscaler: AutoscalerConfig | None = Field(
-        None, description="run elastic.autoscaler with this config (its 'enabled' is the state at step 0)")
+        None, description="run elastic.service.autoscaler with this config (its 'enabled' is the state at step 0)")
     faults: list[Fault] = Field(default_factory=list, description="extra fault injections (elastic.faults records)")
     timeline: list[Event] = Field(default_factory=list)
     expect: Expectations = Expectations()
@@ -621,7 +621,8 @@ def _problems_from(exc: ValidationError) -> list[ScenarioProblem]:
 def parse_scenario(data: Any, source: str = "<scenario>") -> Scenario:
     """Validate a mapping (already parsed YAML) into a :class:`Scenario`; raise :class:`ScenarioError`."""
     if not isinstance(data, dict):
-        raise ScenarioError(source, [ScenarioProblem(path="", message=f"expected a mapping of keys at the top level, got {type(data).__name__}")])
+        raise ScenarioError(source, [ScenarioProblem(
+            path="", message=f"expected a mapping of keys at the top level, got {type(data).__name__}")])
     moved = old_style_problems(data)
     if moved:  # the old vocabulary: say where each key went rather than "unknown key"
         raise ScenarioError(source, moved)
@@ -699,7 +700,7 @@ def load_scenario(path: str | Path) -> Scenario:
     """Read and validate a scenario file; every error names the file and the key path."""
     path = Path(path)
     source = str(path)
-    try:  # size, encoding and YAML limits (elastic.preflight) before any parsing work
+    try:  # size, encoding and YAML limits (elastic.service.preflight) before any parsing work
         data = load_yaml(read_text(path), source)
     except InputError as exc:
         raise ScenarioError(source, exc.problems) from None

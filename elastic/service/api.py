@@ -14,7 +14,7 @@ What it does better than a blocking scale call behind a global 503:
   ``suppressed`` keep decoding). After a failure ``POST /recover`` brings the group back.
 - Errors are ``{"error": code, "message": text, ...fields}`` everywhere, including 404/405/422.
 
-``create_app(controller)`` takes a :class:`~elastic.coordinator.Coordinator` (or anything with
+``create_app(controller)`` takes a :class:`~elastic.control.coordinator.Coordinator` (or anything with
 its methods). Every app gets its own Prometheus registry.
 """
 
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import copy
 import hmac
-import os
 import logging
+import os
 import signal
 import threading
 import time
@@ -38,15 +38,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from elastic.autoscaler import Autoscaler, AutoscalerConfig
+from elastic.core.errors import ElasticError, InvalidScaleRequest, InvalidTransition, RebalanceFailed, StaleGeneration
+from elastic.core.phases import SERVING_PHASES
 from elastic.deployment import DEFAULT_DEPLOYMENT, DeploymentConfig
-from elastic.logs import ENV_FORMAT
-from elastic.logs import configure as configure_logging
-from elastic.phases import SERVING_PHASES
-from elastic.errors import ElasticError, InvalidScaleRequest, InvalidTransition, RebalanceFailed, StaleGeneration
-from elastic.hooks import HooksConfig, ScaleHooks
-from elastic.metrics import build_registry
-from elastic.preflight import (
+from elastic.service.autoscaler import Autoscaler, AutoscalerConfig
+from elastic.service.hooks import HooksConfig, ScaleHooks
+from elastic.service.logs import ENV_FORMAT
+from elastic.service.logs import configure as configure_logging
+from elastic.service.metrics import build_registry
+from elastic.service.preflight import (
     MAX_RANKS,
     BodyLimit,
     BodyTooLarge,
@@ -63,7 +63,7 @@ from elastic.preflight import (
 
 __all__ = ["BackgroundServer", "ServeConfig", "create_app", "load_serve_config", "register_cli", "serve"]
 
-log = logging.getLogger("elastic.api")
+log = logging.getLogger("elastic.service.api")
 
 SERVING_STATES = frozenset(str(phase) for phase in SERVING_PHASES)  # a controller without heartbeats
 SERVING_NOTE = ("Decoding keeps running in draining, suppressed and resuming; only rescaling pauses it "
@@ -155,7 +155,8 @@ class Health(BaseModel):
 
 
 class RebalanceResult(BaseModel):
-    started: bool = Field(description="every rank confirmed a rebalance is under way: the requested one, or one already running (false: draining or suppressed)")
+    started: bool = Field(description="every rank confirmed a rebalance is under way: the requested one, or one already "
+                          "running (false: draining or suppressed)")
     confirmed: bool = Field(True, description="false when the ranks did not all confirm within timeout_s "
                             "(the request still reaches them at their next step boundary)")
     message: str | None = None
@@ -222,7 +223,7 @@ class RequireApiKey:
 
 def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: ScaleHooks | None = None,
                title: str = "elastic-ep", api_key: str | None = None) -> FastAPI:
-    """The scale API over ``controller`` (a :class:`~elastic.coordinator.Coordinator`); with
+    """The scale API over ``controller`` (a :class:`~elastic.control.coordinator.Coordinator`); with
     ``api_key``, every request that changes something must present it (:class:`RequireApiKey`)."""
     app = FastAPI(title=title, version="1", description=__doc__.split("\n\n")[1] if __doc__ else None)
     registry = build_registry(controller, autoscaler)
@@ -256,7 +257,7 @@ def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: 
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400:  # FastAPI could not parse the body (e.g. not UTF-8): an invalid body, like the rest
             cause = exc.__cause__
-            if isinstance(cause, BodyTooLarge):  # a chunked body past the limit (elastic.preflight.BodyLimit)
+            if isinstance(cause, BodyTooLarge):  # a chunked body past the limit (elastic.service.preflight.BodyLimit)
                 return _error(422, "invalid_request", str(cause), errors=[])
             if isinstance(cause, RecursionError):
                 return _error(422, "invalid_request", "body: JSON nested too deeply; send a flat object", errors=[])
@@ -427,7 +428,7 @@ class BackgroundServer:
         self.server = uvicorn.Server(self.config)
         self._thread: threading.Thread | None = None
 
-    def start(self, timeout: float = 10.0) -> "BackgroundServer":
+    def start(self, timeout: float = 10.0) -> BackgroundServer:
         self._thread = threading.Thread(target=self.server.run, name="api-server", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout
@@ -450,7 +451,7 @@ class BackgroundServer:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def __enter__(self) -> "BackgroundServer":
+    def __enter__(self) -> BackgroundServer:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
@@ -521,9 +522,9 @@ def _with_overrides(raw: dict[str, Any], overrides: dict[str, Any], *, default: 
 def load_serve_config(path: str | Path | None, *, overrides: dict[str, Any] | None = None,
                       available: Callable[[], int | None] = available_memory) -> ServeConfig:
     """Read a YAML serve config (``None``: the embedded default deployment, :data:`DEFAULT_DEPLOYMENT`),
-    lay ``overrides`` over it and run the pre-flight checks (:mod:`elastic.preflight`).
+    lay ``overrides`` over it and run the pre-flight checks (:mod:`elastic.service.preflight`).
 
-    Raises :class:`~elastic.preflight.InputError` (a ``ValueError``) with one line per problem,
+    Raises :class:`~elastic.service.preflight.InputError` (a ``ValueError``) with one line per problem,
     each naming the file and the key path: unreadable, too large, not UTF-8, not YAML, a bad
     field, a number out of bounds, a worker that would not fit its memory budget, a hook
     command whose program is missing.
@@ -592,7 +593,7 @@ class _StopSignals:
             raise StopRequested(name)
         log.info("%s: the deployment is stopping", name)
 
-    def __enter__(self) -> "_StopSignals":
+    def __enter__(self) -> _StopSignals:
         if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
             self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
         return self
@@ -614,7 +615,7 @@ def serve(config: DeploymentConfig, host: str = "127.0.0.1", port: int = 8000, *
     """
     import uvicorn
 
-    from elastic.coordinator import Coordinator
+    from elastic.control.coordinator import Coordinator
 
     coordinator = Coordinator(config)  # starts nothing yet: a signal now ends the process as usual
     _SERVING["coordinator"] = coordinator

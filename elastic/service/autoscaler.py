@@ -28,8 +28,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from elastic.errors import ElasticError
-from elastic.hooks import resolve_import_path
+from elastic.core.errors import ElasticError
+from elastic.service.hooks import resolve_import_path
 
 __all__ = [
     "Autoscaler",
@@ -41,7 +41,7 @@ __all__ = [
     "build_policy",
 ]
 
-log = logging.getLogger("elastic.autoscaler")
+log = logging.getLogger("elastic.service.autoscaler")
 
 Metric = Literal["load_per_rank", "max_rank_load", "step_time", "token_rate_per_rank", "queue_depth"]
 

@@ -48,11 +48,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from elastic.errors import ElasticError
+from elastic.core.errors import ElasticError
 
 __all__ = ["HookResult", "HookSpec", "HooksConfig", "ScaleHooks", "ScaleVetoed", "resolve_import_path"]
 
-log = logging.getLogger("elastic.hooks")
+log = logging.getLogger("elastic.service.hooks")
 
 When = Literal["before", "after"]
 
@@ -236,7 +236,7 @@ class _Hook:
 
 
 class ScaleHooks:
-    """Before- and after-scale hooks, installed on a :class:`~elastic.coordinator.Coordinator`."""
+    """Before- and after-scale hooks, installed on a :class:`~elastic.control.coordinator.Coordinator`."""
 
     def __init__(self, before: Iterable[Any] = (), after: Iterable[Any] = (), *, default_timeout_s: float = 30.0,
                  keep: int = 256):

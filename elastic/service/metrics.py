@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from elastic.machine import Phase
+from elastic.core.machine import Phase
 
 __all__ = ["CoordinatorCollector", "OperationRecorder", "build_registry", "PREFIX"]
 

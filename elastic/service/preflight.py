@@ -44,7 +44,7 @@ from yaml.resolver import Resolver
 
 if TYPE_CHECKING:  # deployment imports nothing from here at run time, so no cycle
     from elastic.deployment import DeploymentConfig
-    from elastic.hooks import HooksConfig
+    from elastic.service.hooks import HooksConfig
 
 __all__ = [
     "LIMITS", "MAX_BODY_BYTES", "MAX_FILE_BYTES", "MAX_YAML_DEPTH", "MAX_YAML_NODES", "BodyLimit",

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-log = logging.getLogger("elastic.groups")
+log = logging.getLogger("elastic.worker.groups")
 
 
 def backend_for(device: str) -> str:

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import torch
 
 from elastic import faults as f
-from elastic.phases import Phase
+from elastic.core.phases import Phase
 
 #: the command class name -> the phase a KillRank(in_phase=...) names
 _PHASE_OF_COMMAND = {"Drain": Phase.DRAINING, "Suppress": Phase.SUPPRESSED, "Rescale": Phase.RESCALING,

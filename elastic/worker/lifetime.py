@@ -1,11 +1,11 @@
 """A worker process never outlives its coordinator.
 
-A local worker is not the coordinator's child: the :class:`~elastic.launcher.LocalLauncher`
+A local worker is not the coordinator's child: the :class:`~elastic.launch.launchers.LocalLauncher`
 forks it from a multiprocessing *forkserver*, which is the coordinator's child. When the
 coordinator is killed (SIGKILL, OOM killer) nothing tells the workers: the forkserver is
 reparented and stays up as long as any worker holds its "alive" pipe, and the workers go on
 decoding. Two mechanisms close that gap, both started by :func:`watch_coordinator` from
-:func:`elastic.worker.worker_main`:
+:func:`elastic.worker.process.worker_main`:
 
 - **A watcher thread** checks every ``interval_s`` that the coordinator's pid is still an
   ancestor of this process (``/proc/<pid>/stat``, parent by parent). A dead coordinator's
@@ -20,7 +20,7 @@ decoding. Two mechanisms close that gap, both started by :func:`watch_coordinato
   child ends, and the coordinator launches joining workers from short-lived operation threads.
 
 A worker on another host (ssh) or in a Ray actor on a cluster started apart (``ray start``) does
-not descend from the coordinator. Its watch is the store's (:mod:`elastic.remote_worker`: it
+not descend from the coordinator. Its watch is the store's (:mod:`elastic.launch.remote_worker`: it
 exits once the coordinator's store has been unreachable for ``orphan_timeout_s``, 60 s by
 default); Ray kills an actor whose owner, the coordinator's driver, died before that (0.1 s
 measured on a local cluster).
@@ -36,9 +36,9 @@ import signal
 import sys
 import threading
 
-log = logging.getLogger("elastic.lifetime")
+log = logging.getLogger("elastic.worker.lifetime")
 
-#: exit code of a worker that left because its coordinator is gone (as elastic.remote_worker's)
+#: exit code of a worker that left because its coordinator is gone (as elastic.launch.remote_worker's)
 ORPHAN_EXIT_CODE = 4
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 

@@ -29,10 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic import protocol as p
-from elastic.fault_injector import FaultInjector
-from elastic.groups import GroupGeneration, connect_store, num_nodes_of
-from elastic.logs import configure as configure_logging
+from elastic.core import protocol as p
+from elastic.service.logs import configure as configure_logging
+from elastic.worker.groups import GroupGeneration, connect_store, num_nodes_of
+from elastic.worker.injector import FaultInjector
 from eplb.communicator import make_communicator
 from eplb.config import EPLBConfig
 from eplb.model import ModelShape, ReferenceMoE, allocate_weights
@@ -42,7 +42,7 @@ from eplb.state import CONTROL_WORDS, EPLBState, LoadWindow, TransferHooks, plac
 from eplb.trace import PhasedTrace, TraceConfig
 from eplb.transfer import commit_layer, execute_layer, materialize
 
-log = logging.getLogger("elastic.worker")
+log = logging.getLogger("elastic.worker.process")
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class WorkerSpec:
     standby_seq: int = 0  # the seq its "ready" report carries (PhaseDone, phase "Standby")
     faults: tuple[Any, ...] = field(default_factory=tuple)  # fault injections (tests, scenarios)
     # the process that built the spec, i.e. the coordinator (the launcher pickles the spec as it is):
-    # a worker that descends from it exits when it dies (elastic.lifetime)
+    # a worker that descends from it exits when it dies (elastic.worker.lifetime)
     coordinator_pid: int = field(default_factory=os.getpid)
 
 
@@ -887,7 +887,7 @@ def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any) -> None:
 
     configure_logging(None, os.environ.get("ELASTIC_EP_WORKER_LOG", "WARNING"), context=context)
     torch.set_num_threads(1)
-    from elastic.lifetime import watch_coordinator
+    from elastic.worker.lifetime import watch_coordinator
 
     watch = watch_coordinator(spec.coordinator_pid)  # a killed coordinator leaves no worker decoding
     worker = None
