@@ -20,6 +20,10 @@ class EPLBConfig(BaseModel):
     policy_options: dict[str, Any] = Field(default_factory=dict)
     async_layer_interval: int = Field(
         1, ge=1, description="async: decode steps from one layer's commit to the next layer's transfer (pacing)")
+    min_balancedness: float = Field(
+        1.0, ge=0.0, le=1.0,
+        description="skip a scheduled rebalance while the window's balancedness (mean over layers of mean rank "
+                    "load / max rank load under the current placement) is above this; 1.0: never skip")
     log_balancedness: bool = False
     transfer_timeout_s: float = Field(30.0, gt=0, description="deadline of every transfer wait")
     max_ops_per_batch: int = Field(64, ge=2, description="p2p ops in one batch_isend_irecv call")

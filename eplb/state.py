@@ -45,7 +45,8 @@ log = logging.getLogger("eplb")
 __all__ = [
     "AsyncEPLBWorker", "AsyncRun", "EPLBHealth", "EPLBState", "EPLBStats", "EPLBUnavailable", "Finish",
     "HandshakeMismatch", "LayerReady", "LoadWindow", "Proceed", "RebalanceFinished", "RebalanceJob",
-    "StagedWeightsCorrupt", "TransferHooks", "WorkerFailed", "balancedness_of",
+    "StagedWeightsCorrupt", "TransferHooks", "WorkerFailed", "balancedness_of", "balancedness_summary",
+    "layer_balancedness",
 ]
 
 
@@ -84,12 +85,34 @@ class LoadWindow:
         return window
 
 
-def balancedness_of(physical_counts: torch.Tensor, num_ranks: int) -> float:
-    """Mean over layers of (mean rank load / max rank load); 1.0 for a layer with no tokens."""
+def layer_balancedness(physical_counts: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """Per layer, mean rank load / max rank load (``[layers]`` float64; 1.0 for a layer with no tokens)."""
     rank_load = physical_counts.double().view(physical_counts.shape[0], num_ranks, -1).sum(dim=2)
     peak = rank_load.max(dim=1).values
-    per_layer = torch.where(peak > 0, rank_load.mean(dim=1) / peak.clamp(min=1e-300), torch.ones_like(peak))
-    return float(per_layer.mean())
+    return torch.where(peak > 0, rank_load.mean(dim=1) / peak.clamp(min=1e-300), torch.ones_like(peak))
+
+
+def balancedness_of(physical_counts: torch.Tensor, num_ranks: int) -> float:
+    """Mean over layers of (mean rank load / max rank load); 1.0 for a layer with no tokens."""
+    return float(layer_balancedness(physical_counts, num_ranks).mean())
+
+
+#: the statistics of the per-layer balancedness distribution that the heartbeat carries
+BALANCEDNESS_STATS = ("min", "p50", "p90", "mean")
+
+
+def balancedness_summary(per_layer: torch.Tensor) -> dict[str, float]:
+    """``min``, ``p50``, ``p90`` and ``mean`` of a per-layer balancedness vector (nearest-rank
+    percentiles: each is one layer's value). Empty: every statistic is 1.0."""
+    if per_layer.numel() == 0:
+        return dict.fromkeys(BALANCEDNESS_STATS, 1.0)
+    ordered = per_layer.double().sort().values.tolist()
+    n = len(ordered)
+
+    def nearest_rank(q: float) -> float:
+        return ordered[max(0, min(n - 1, -(-int(q * 100) * n // 100) - 1))]
+
+    return {"min": ordered[0], "p50": nearest_rank(0.5), "p90": nearest_rank(0.9), "mean": sum(ordered) / n}
 
 
 def placement_for(config: EPLBConfig, load: torch.Tensor, num_physical: int, num_ranks: int,
@@ -354,12 +377,16 @@ class EPLBStats:
     rebalances_started: int = 0
     rebalances_finished: int = 0
     rebalances_failed: int = 0
+    rebalances_skipped: int = 0  # scheduled rebalances skipped: the window was above min_balancedness
     layers_committed: int = 0
     bytes_moved: int = 0
     watchdog_stalls: int = 0
     restarts: int = 0  # async runs rebuilt (fresh EPLB group, staging and thread) after a failure
     last_balancedness: float = 1.0
     balancedness_before: float | None = None  # window balancedness under the old placement
+    #: min / p50 / p90 / mean over layers of the last recorded step's balancedness
+    layer_balancedness: dict[str, float] | None = None
+    last_rebalance_seconds: float | None = None  # the last finished rebalance, from its start on this rank
     last_failure: WorkerFailed | None = None
     placement_seconds: float = 0.0
     sync_stall_seconds: list[float] = field(default_factory=list)
@@ -430,6 +457,7 @@ class EPLBState:
         self.all_idle = True  # agreed at the last step boundary: no rank has a rebalance in flight
         self._next_id = 0
         self.steps_since_rebalance = 0
+        self._rebalance_started = 0.0  # time.monotonic() of the last rebalance_now that started one
 
     # -- what the owner reads ----------------------------------------------------------------
     @property
@@ -528,7 +556,10 @@ class EPLBState:
         logical = torch.zeros(self.placement.num_layers, self.placement.num_logical, dtype=torch.int64)
         logical.scatter_add_(1, self.placement.physical_to_logical, physical_counts.long())
         self.window.record(logical)
-        self.stats.last_balancedness = balancedness_of(physical_counts, self.num_ranks)
+        per_layer = layer_balancedness(physical_counts, self.num_ranks)
+        summary = balancedness_summary(per_layer)
+        self.stats.layer_balancedness = summary
+        self.stats.last_balancedness = summary["mean"]
         return self.stats.last_balancedness
 
     def _drain_events(self, run: AsyncRun) -> None:
@@ -553,7 +584,11 @@ class EPLBState:
                 run.in_flight = None
                 run.in_flight_layer = None
                 self.stats.rebalances_finished += 1
-                self.on_event("rebalance_finished", {"layers": event.layers_transferred, "drained": event.drained})
+                seconds = time.monotonic() - self._rebalance_started
+                self.stats.last_rebalance_seconds = seconds
+                self.on_event("rebalance_finished", {"id": event.rebalance_id, "mode": "async",
+                                                     "layers": event.layers_transferred, "drained": event.drained,
+                                                     "seconds": seconds})
             elif isinstance(event, WorkerFailed):
                 self.stats.last_failure = event
                 run.failure = event
@@ -596,7 +631,7 @@ class EPLBState:
             self._commit(run, run.ready)
         self.steps_since_rebalance += 1
         if self.steps_since_rebalance >= self.config.step_interval and not self.draining and self.all_idle:
-            self.rebalance_now()
+            self.rebalance_now(scheduled=True)
 
     def commits_now(self, reduced: list[int]) -> bool:
         """Whether :meth:`after_sync` with these reduced words commits the in-flight layer."""
@@ -644,6 +679,7 @@ class EPLBState:
         run = self.run
         failure = None if run is None else run.failure
         self.stats.rebalances_failed += 1
+        seconds = None if run is None or run.in_flight is None else time.monotonic() - self._rebalance_started
         if run is not None:
             if run.in_flight is not None:
                 run.worker.finish(run.in_flight)
@@ -651,7 +687,7 @@ class EPLBState:
             run.release_in = 0
         self.on_event("rebalance_failed", {
             "error": "another rank's layer failed" if failure is None else f"{failure.error_type}: {failure.message}",
-            "local": failure is not None, "layer": None if failure is None else failure.layer})
+            "local": failure is not None, "layer": None if failure is None else failure.layer, "seconds": seconds})
         self.stats.last_error = ("another rank's layer failed" if failure is None
                                  else f"{failure.error_type}: {failure.message}")
 
@@ -682,23 +718,35 @@ class EPLBState:
         self.stats.restarts += 1
         self.on_event("eplb_restarted", {"restarts": self.stats.restarts, "after": self.stats.last_error})
 
-    def rebalance_now(self) -> None:
-        """Start a rebalance (async: hand a job to the worker; sync: move every layer now)."""
+    def rebalance_now(self, *, scheduled: bool = False) -> bool:
+        """Start a rebalance (async: hand a job to the worker; sync: move every layer now).
+
+        A ``scheduled`` one (every ``step_interval`` steps) is skipped while the window's
+        balancedness under the current placement is above ``min_balancedness``: the window and
+        the placement are identical on every rank, so every rank skips at the same step. One an
+        operator asked for is never skipped. Returns False when skipped."""
         self.steps_since_rebalance = 0
         load = self.window.total()
-        self.stats.balancedness_before = float(self.placement.balancedness(load, self.num_ranks).mean())
+        before = float(self.placement.balancedness(load, self.num_ranks).mean())
+        self.stats.balancedness_before = before
+        if scheduled and before > self.config.min_balancedness:
+            self.stats.rebalances_skipped += 1
+            self.on_event("rebalance_skipped", {"balancedness": before, "min_balancedness": self.config.min_balancedness})
+            return False
         self.stats.rebalances_started += 1
+        self._rebalance_started = time.monotonic()
         self._next_id += 1
         if self.config.use_async:
             run = self.run
             if run is None:
-                return  # suppressed: no worker, nothing starts
+                return True  # suppressed: no worker, nothing starts
             run.in_flight = self._next_id
             self.all_idle = False
             run.worker.submit(RebalanceJob(self._next_id, load, self.placement, self.num_ranks, self.rank, run.generation))
-            self.on_event("rebalance_started", {"id": self._next_id, "mode": "async"})
+            self.on_event("rebalance_started", {"id": self._next_id, "mode": "async", "balancedness": before})
         else:
-            self._rebalance_sync(load)
+            self._rebalance_sync(load)  # its one event is rebalance_finished (the replay report reads it so)
+        return True
 
     def _rebalance_sync(self, load: torch.Tensor) -> None:
         """Move every changed layer now, in the decode thread. The maps follow the weights layer
@@ -732,4 +780,6 @@ class EPLBState:
         self.model.install_placement(self.placement, self.rank, self.num_ranks)
         self.stats.rebalances_finished += 1
         self.stats.sync_stall_seconds.append(time.perf_counter() - started)
-        self.on_event("rebalance_finished", {"mode": "sync", "seconds": self.stats.sync_stall_seconds[-1]})
+        self.stats.last_rebalance_seconds = self.stats.sync_stall_seconds[-1]
+        self.on_event("rebalance_finished", {"id": self._next_id, "mode": "sync",
+                                             "seconds": self.stats.sync_stall_seconds[-1]})

@@ -1012,6 +1012,8 @@ class Coordinator:
                 "operation": self._current.to_dict() if self._current is not None else None,
                 "failure_reason": self.machine.failure_reason,
                 "eplb_health": self._eplb_health(eplb),
+                # every rank records the same all-reduced counts: any rank's summary of its last step
+                "eplb_layer_balancedness": next((e["layer_balancedness"] for e in eplb if e.get("layer_balancedness")), None),
                 "ranks": [{"rank": w.rank, "pid": w.handle.pid, "generation": w.generation,
                            "step": w.heartbeat.step if w.heartbeat else 0,
                            "state": str(w.heartbeat.state) if w.heartbeat else p.WorkerMode.STARTING.value,

@@ -7,9 +7,12 @@ never clash):
   workers' last heartbeats **on every scrape** (so a scrape can never disagree with
   ``GET /state`` by more than the time between the two reads);
 - :class:`OperationRecorder` follows the coordinator's events (``subscribe``) and feeds a
-  histogram of phase durations, a histogram of decode pauses and a counter of transitions.
+  histogram of phase durations, a histogram of decode pauses, a histogram of rebalance
+  durations and a counter of transitions.
 
-Every metric is prefixed ``elastic_ep_``.
+Every metric is prefixed ``elastic_ep_``; counters end in ``_total`` and a quantity with a unit
+names it in base units (``_seconds``, ``_bytes``); every metric has a help text
+(``tests/test_metrics.py`` checks all three on a live scrape).
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ __all__ = ["CoordinatorCollector", "OperationRecorder", "build_registry", "PREFI
 
 PREFIX = "elastic_ep_"
 OPERATION_STATUSES = ("pending", "running", "succeeded", "failed", "noop")
+#: the statistics of the per-layer balancedness distribution (eplb.state.BALANCEDNESS_STATS)
+BALANCEDNESS_STATS = ("min", "p50", "p90", "mean")
+#: what became of a scheduled or requested rebalance
+REBALANCE_OUTCOMES = ("skipped", "started", "finished", "failed")
 PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -60,10 +67,10 @@ class CoordinatorCollector(Collector):
         in_flight = GaugeMetricFamily(PREFIX + "in_flight_layer", "layer of the async rebalance being transferred, -1 for none")
         rebalances = CounterMetricFamily(PREFIX + "rebalances", "rebalances finished (most of any rank)")
         layers = CounterMetricFamily(PREFIX + "layers_committed", "EPLB layers committed (most of any rank)")
-        eplb_bytes = CounterMetricFamily(PREFIX + "eplb_bytes_moved", "bytes moved by EPLB rebalances (sum over live ranks)")
+        eplb_bytes = CounterMetricFamily(PREFIX + "eplb_moved_bytes", "bytes moved by EPLB rebalances (sum over live ranks)")
         stalls = CounterMetricFamily(PREFIX + "watchdog_stalls", "async EPLB handshakes flagged as stalled (sum over ranks)")
         operations = GaugeMetricFamily(PREFIX + "operations", "operations by kind and status", labels=["kind", "status"])
-        scale_bytes = CounterMetricFamily(PREFIX + "scale_bytes_moved", "bytes moved by scale and recovery operations")
+        scale_bytes = CounterMetricFamily(PREFIX + "scale_moved_bytes", "bytes moved by scale and recovery operations")
         rank_load = GaugeMetricFamily(PREFIX + "rank_load", "tokens routed to a rank's slots in its last step", labels=["rank"])
         rank_step = GaugeMetricFamily(PREFIX + "rank_step_seconds", "a rank's last decode step time", labels=["rank"])
         eplb_healthy = GaugeMetricFamily(PREFIX + "eplb_healthy", "1 while the async EPLB can commit rebalances, 0 when "
@@ -72,6 +79,16 @@ class CoordinatorCollector(Collector):
                                             "(most of any rank)")
         eplb_failed = CounterMetricFamily(PREFIX + "eplb_rebalances_failed", "rebalances aborted on every rank after a "
                                           "rank's layer failed (most of any rank)")
+        outcomes = CounterMetricFamily(PREFIX + "eplb_rebalances", "rebalances by outcome: skipped (scheduled, the window "
+                                       "above eplb.min_balancedness), started, finished, failed (most of any rank)",
+                                       labels=["outcome"])
+        layer_bal = GaugeMetricFamily(PREFIX + "eplb_layer_balancedness", "distribution over MoE layers of the last "
+                                      "recorded step's balancedness (mean rank load / max rank load per layer)",
+                                      labels=["stat"])
+        window_bal = GaugeMetricFamily(PREFIX + "eplb_window_balancedness", "balancedness of the load window under the "
+                                       "placement at the last rebalance decision (mean over layers)")
+        min_bal = GaugeMetricFamily(PREFIX + "eplb_min_balancedness", "eplb.min_balancedness: a scheduled rebalance "
+                                    "is skipped while the window's balancedness is above it")
         if snap is not None:
             for phase in Phase:
                 state.add_metric([phase.value], 1.0 if snap["state"] == phase.value else 0.0)
@@ -92,6 +109,20 @@ class CoordinatorCollector(Collector):
             eplb_healthy.add_metric([], 0.0 if health.get("status") == "degraded" else 1.0)
             eplb_restarts.add_metric([], health.get("restarts") or 0)
             eplb_failed.add_metric([], health.get("rebalances_failed") or 0)
+            stats = [b.eplb for b in beats if isinstance(getattr(b, "eplb", None), dict)]
+            for outcome in REBALANCE_OUTCOMES:
+                outcomes.add_metric([outcome], max((e.get(f"rebalances_{outcome}") or 0 for e in stats), default=0))
+            summary = snap.get("eplb_layer_balancedness") or {}
+            for stat in BALANCEDNESS_STATS:
+                if summary.get(stat) is not None:
+                    layer_bal.add_metric([stat], float(summary[stat]))
+            window = [e["balancedness_before"] for e in stats if e.get("balancedness_before") is not None]
+            if window:
+                window_bal.add_metric([], float(min(window)))
+            eplb_config = getattr(getattr(self.coordinator, "config", None), "eplb", None)
+            threshold = getattr(eplb_config, "min_balancedness", None)
+            if threshold is not None:
+                min_bal.add_metric([], float(threshold))
             counts: dict[tuple[str, str], int] = {(k, s): 0 for k in ("scale", "recover") for s in OPERATION_STATUSES}
             for op in ops:
                 key = (op["kind"], op["status"])
@@ -104,7 +135,7 @@ class CoordinatorCollector(Collector):
                 rank_step.add_metric([str(hb.rank)], float(hb.step_seconds))
         yield from (state, generation, size, physical, serving, balancedness, step, in_flight, rebalances, layers,
                     eplb_bytes, stalls, operations, scale_bytes, rank_load, rank_step, eplb_healthy, eplb_restarts,
-                    eplb_failed)
+                    eplb_failed, outcomes, layer_bal, window_bal, min_bal)
         scaler = self.autoscaler
         enabled = GaugeMetricFamily(PREFIX + "autoscaler_enabled", "1 when the autoscaler is on", labels=["observe_only"])
         decisions = CounterMetricFamily(PREFIX + "autoscaler_decisions", "autoscaler decisions by what became of them",
@@ -117,7 +148,13 @@ class CoordinatorCollector(Collector):
 
 
 class OperationRecorder:
-    """Feeds phase durations, decode pauses and transitions from the coordinator's events."""
+    """Feeds phase durations, decode pauses, rebalance durations and transitions from the
+    coordinator's events.
+
+    A rebalance's duration is rank 0's (every group has a rank 0, and each rank sends its own
+    ``rebalance_finished``): from the step it started to the step its worker finished (async; the
+    other ranks finish within a step or two), or the sync rearrangement's stall.
+    """
 
     def __init__(self, registry: CollectorRegistry):
         self.phase_seconds = Histogram(PREFIX + "operation_phase_seconds", "time an operation spent in each phase",
@@ -129,12 +166,20 @@ class OperationRecorder:
                                         registry=registry, buckets=PHASE_BUCKETS)
         self.transitions = Counter(PREFIX + "transitions", "state machine transitions", ["trigger", "dest"],
                                    registry=registry)
+        self.rebalance_seconds = Histogram(PREFIX + "eplb_rebalance_seconds",
+                                           "a rebalance (rearrangement) from its start to its end on rank 0, by outcome",
+                                           ["outcome"], registry=registry, buckets=PHASE_BUCKETS)
+        for outcome in ("finished", "failed"):
+            self.rebalance_seconds.labels(outcome=outcome)  # exported at 0 before the first one
         self._seen: set[str] = set()
         self._lock = threading.Lock()
 
     def __call__(self, kind: str, data: dict[str, Any]) -> None:
         if kind == "transition":
             self.transitions.labels(trigger=data["trigger"], dest=str(data["dest"])).inc()
+            return
+        if kind == "worker_event":
+            self._worker_event(data)
             return
         if kind != "operation" or data.get("status") not in ("succeeded", "failed"):
             return
@@ -151,6 +196,14 @@ class OperationRecorder:
         self.operation_seconds.labels(kind=data["kind"], status=data["status"]).observe(total)
         if data.get("paused_seconds") is not None:
             self.paused_seconds.observe(data["paused_seconds"])
+
+
+    def _worker_event(self, data: dict[str, Any]) -> None:
+        if data.get("rank") != 0 or data.get("seconds") is None:
+            return
+        outcome = {"rebalance_finished": "finished", "rebalance_failed": "failed"}.get(str(data.get("kind")))
+        if outcome is not None:
+            self.rebalance_seconds.labels(outcome=outcome).observe(float(data["seconds"]))
 
 
 def build_registry(coordinator: Any, autoscaler: Any = None) -> CollectorRegistry:
