@@ -20,6 +20,9 @@ class EPLBConfig(BaseModel):
     policy_options: dict[str, Any] = Field(default_factory=dict)
     async_layer_interval: int = Field(
         1, ge=1, description="async: decode steps from one layer's commit to the next layer's transfer (pacing)")
+    layers_per_step: int = Field(
+        1, ge=1, description="async: layers staged, then committed together at one agreed step (a staging "
+                             "buffer of one layer each)")
     min_balancedness: float = Field(
         1.0, ge=0.0, le=1.0,
         description="skip a scheduled rebalance while the window's balancedness (mean over layers of mean rank "

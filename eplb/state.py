@@ -190,6 +190,10 @@ class LayerReady:
     new_row: torch.Tensor  # [P]
     rank_plan: Any
     stats: TransferStats
+    #: the last layer of its batch (``layers_per_step``): the worker now waits for the answer
+    batch_end: bool = True
+    #: which staging buffer of the run holds it (its position in the batch)
+    slot: int = 0
 
 
 @dataclass(frozen=True)
@@ -245,12 +249,16 @@ class AsyncEPLBWorker:
 
     def __init__(self, *, config: EPLBConfig, weights: Callable[[], list[list[torch.Tensor]]],
                  staging: list[torch.Tensor], group: Any, rank: int, name: str = "eplb-async",
-                 hooks: TransferHooks | None = None, communicator: Any = None, generation: int = 0):
+                 hooks: TransferHooks | None = None, communicator: Any = None, generation: int = 0,
+                 extra_staging: Sequence[list[torch.Tensor]] = ()):
         self.config = config
         self.hooks = hooks or TransferHooks()
         self.communicator = communicator  # eplb.communicator.Communicator; None: the group's backend
         self._weights = weights
         self.staging = staging
+        #: one staging buffer per layer of a batch: ``layers_per_step`` layers are staged, then
+        #: committed together at one agreed step
+        self.slots: list[list[torch.Tensor]] = [staging, *extra_staging]
         self.group = group
         self.rank = rank
         self.generation = generation
@@ -328,27 +336,33 @@ class AsyncEPLBWorker:
             slots = job.placement.slots_per_rank(job.num_ranks)
             identity = list(range(job.num_ranks))
             timeout = timedelta(seconds=self.config.transfer_timeout_s)
-            for layer in changed:
-                old_row = job.placement.physical_to_logical[layer]
-                new_row = new.physical_to_logical[layer]
-                plan = plan_layer(old_row, new_row, slots, slots, identity, identity)
-                rank_plan = plan.for_rank(self.rank)
-                if self.hooks.before_layer is not None:
-                    self.hooks.before_layer(layer)
-                stats = execute_layer(
-                    plan, self.rank, self._weights()[layer], self.staging, group=self.group,
-                    timeout=timeout, max_ops_per_batch=self.config.max_ops_per_batch, layer=layer,
-                    communicator=self.communicator,
-                )
-                if self.hooks.after_fill is not None:
-                    self.hooks.after_fill(layer, rank_plan, self.staging)
-                if self.hooks.verify_staged is not None:
-                    wrong = self.hooks.verify_staged(layer, new_row, rank_plan, self.staging)
-                    if wrong:
-                        raise StagedWeightsCorrupt(f"layer {layer}: staged slots {wrong} do not hold their experts")
-                self._post(LayerReady(job.rebalance_id, layer, new_row.clone(), rank_plan, stats))
+            # batches of len(self.slots) layers, cut the same way on every rank (the changed layers are)
+            per_batch = len(self.slots)
+            for first in range(0, len(changed), per_batch):
+                batch = changed[first : first + per_batch]
+                for position, layer in enumerate(batch):
+                    staging = self.slots[position]
+                    old_row = job.placement.physical_to_logical[layer]
+                    new_row = new.physical_to_logical[layer]
+                    plan = plan_layer(old_row, new_row, slots, slots, identity, identity)
+                    rank_plan = plan.for_rank(self.rank)
+                    if self.hooks.before_layer is not None:
+                        self.hooks.before_layer(layer)
+                    stats = execute_layer(
+                        plan, self.rank, self._weights()[layer], staging, group=self.group,
+                        timeout=timeout, max_ops_per_batch=self.config.max_ops_per_batch, layer=layer,
+                        communicator=self.communicator,
+                    )
+                    if self.hooks.after_fill is not None:
+                        self.hooks.after_fill(layer, rank_plan, staging)
+                    if self.hooks.verify_staged is not None:
+                        wrong = self.hooks.verify_staged(layer, new_row, rank_plan, staging)
+                        if wrong:
+                            raise StagedWeightsCorrupt(f"layer {layer}: staged slots {wrong} do not hold their experts")
+                    self._post(LayerReady(job.rebalance_id, layer, new_row.clone(), rank_plan, stats,
+                                          batch_end=position == len(batch) - 1, slot=position))
                 answer = self._inbox.get()  # the decode loop answers after the commit step
-                done += 1
+                done += len(batch)
                 if isinstance(answer, Shutdown):
                     return False
                 if not isinstance(answer, (Proceed, Finish)) or answer.rebalance_id != job.rebalance_id \
@@ -356,7 +370,7 @@ class AsyncEPLBWorker:
                     raise self._mismatch(answer, job.rebalance_id) if isinstance(answer, (Proceed, Finish)) \
                         else HandshakeMismatch(f"{type(answer).__name__} arrived while layer {layer} waited for its answer")
                 if isinstance(answer, Finish):
-                    self._post(RebalanceFinished(job.rebalance_id, done, drained=layer != changed[-1]))
+                    self._post(RebalanceFinished(job.rebalance_id, done, drained=batch[-1] != changed[-1]))
                     return True
             self._post(RebalanceFinished(job.rebalance_id, done, drained=False))
         except Exception as exc:  # noqa: BLE001 - every failure goes back as data
@@ -423,7 +437,9 @@ class AsyncRun:
     worker: AsyncEPLBWorker
     staging: list[torch.Tensor]
     in_flight: int | None = None  # rebalance id being transferred, if any
-    ready: LayerReady | None = None
+    ready: LayerReady | None = None  # the last layer of a complete batch: the batch can commit
+    staged: list[LayerReady] = field(default_factory=list)  # the batch's layers staged so far
+    slots: list[list[torch.Tensor]] = field(default_factory=list)  # staging buffer per batch position
     in_flight_layer: int | None = None
     release_in: int = 0  # pacing: agreed steps until the next layer's transfer starts
     failure: WorkerFailed | None = None
@@ -493,14 +509,16 @@ class EPLBState:
             raise RuntimeError("the async EPLB worker is already running")
         self.group = group if group is not None else self.group
         weights = self.model.expert_weights()
-        # one layer of local experts, allocated once per run, never per layer
-        staging = [torch.empty_like(t) for t in weights[0]]
+        # one layer of local experts per layer of a batch, allocated once per run, never per layer
+        slots = [[torch.empty_like(t) for t in weights[0]]
+                 for _ in range(min(self.config.layers_per_step, max(1, len(weights))))]
+        staging = [t for slot in slots for t in slot]
         if self.communicator is not None:
             self.communicator.add_buffer(staging)  # NIXL reads land here: registered once per start
-        worker = AsyncEPLBWorker(config=self.config, weights=self.model.expert_weights, staging=staging,
+        worker = AsyncEPLBWorker(config=self.config, weights=self.model.expert_weights, staging=slots[0],
                                  group=self.group, rank=self.rank, hooks=self.hooks,
-                                 communicator=self.communicator, generation=generation)
-        self.run = AsyncRun(generation, worker, staging)
+                                 communicator=self.communicator, generation=generation, extra_staging=slots[1:])
+        self.run = AsyncRun(generation, worker, staging, slots=slots)
         self.all_idle = True
         worker.start()
 
@@ -575,7 +593,9 @@ class EPLBState:
             if getattr(event, "rebalance_id", None) != run.in_flight:
                 continue  # a late record of a rebalance already aborted
             if isinstance(event, LayerReady):
-                run.ready = event
+                run.staged.append(event)
+                if event.batch_end:
+                    run.ready = event  # every layer of the batch is staged here
             elif isinstance(event, PlacementComputed):
                 self.stats.placement_seconds = event.seconds
                 if event.layers:
@@ -628,7 +648,7 @@ class EPLBState:
             self._release_worker(run)  # pacing: the last commit's worker is still held back
         elif self.commits_now(reduced):
             assert run is not None and run.ready is not None
-            self._commit(run, run.ready)
+            self._commit(run)
         self.steps_since_rebalance += 1
         if self.steps_since_rebalance >= self.config.step_interval and not self.draining and self.all_idle:
             self.rebalance_now(scheduled=True)
@@ -644,17 +664,21 @@ class EPLBState:
         """Every rank's worker has finished (agreed at the last step boundary)."""
         return self.all_idle
 
-    def _commit(self, run: AsyncRun, ready: LayerReady) -> None:
-        layer = ready.layer
-        commit_layer(ready.rank_plan, run.staging, self.model.expert_weights()[layer])
-        self.placement = self.placement.with_layer(layer, ready.new_row)
+    def _commit(self, run: AsyncRun) -> None:
+        """Commit every layer of the staged batch (``layers_per_step``, 1 by default) at this step."""
+        weights = self.model.expert_weights()
+        for ready in run.staged:
+            commit_layer(ready.rank_plan, run.slots[ready.slot], weights[ready.layer])
+            self.placement = self.placement.with_layer(ready.layer, ready.new_row)
         self.model.install_placement(self.placement, self.rank, self.num_ranks)
-        self.stats.layers_committed += 1
-        self.stats.bytes_moved += ready.stats.bytes_received
+        for ready in run.staged:
+            self.stats.layers_committed += 1
+            self.stats.bytes_moved += ready.stats.bytes_received
+            self.on_event("layer_committed", {"rebalance": ready.rebalance_id, "layer": ready.layer,
+                                              "bytes": ready.stats.bytes_received})
+        run.staged = []
         run.ready = None
         run.in_flight_layer = None
-        self.on_event("layer_committed", {"rebalance": ready.rebalance_id, "layer": layer,
-                                          "bytes": ready.stats.bytes_received})
         # the next layer starts only `async_layer_interval` steps after this commit (1: at once):
         # spreading a rebalance over more steps leaves more of the machine to the decode loop.
         # The count is of agreed step boundaries, so every rank releases its worker at the same step.
@@ -684,6 +708,7 @@ class EPLBState:
             if run.in_flight is not None:
                 run.worker.finish(run.in_flight)
             run.in_flight = run.ready = run.in_flight_layer = run.failure = None
+            run.staged = []
             run.release_in = 0
         self.on_event("rebalance_failed", {
             "error": "another rank's layer failed" if failure is None else f"{failure.error_type}: {failure.message}",

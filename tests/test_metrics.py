@@ -332,3 +332,33 @@ def test_min_balancedness_skips_on_every_rank_and_counts_it():
         _, _, m = wait_for(client, lambda m: m.get("elastic_ep_eplb_rebalances_total{outcome=finished}", 0) >= 1,
                            60, "the requested rebalance finished")
         assert_consistent(c, 2)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_layers_per_step_commits_a_batch_of_layers_at_one_agreed_step():
+    """``layers_per_step: 2``: each rank stages two layers, then every rank commits both at the
+    same step; the weights stay bit-exact."""
+    config = small_config(eplb=dict(step_interval=6, window_size=6, layers_per_step=2))
+    commits: list[tuple[int, int, int]] = []  # (rank, step, layer)
+
+    def on_event(kind: str, data: dict) -> None:
+        if kind == "worker_event" and data.get("kind") == "layer_committed":
+            commits.append((data["rank"], data["step"], data["layer"]))
+
+    with running(config) as c:
+        c.subscribe(on_event)
+        deadline = time.monotonic() + 60
+        while not any(sum(1 for r, s, _ in commits if r == 0 and s == step) >= 2 for _, step, _ in list(commits)):
+            assert time.monotonic() < deadline, f"no two layers committed at one step: {commits}"
+            time.sleep(0.05)
+        c.wait_for_step(max(s for _, s, _ in commits) + 3, timeout=30)
+        assert_consistent(c, 2)
+        by_rank = {rank: {(s, layer) for r, s, layer in list(commits) if r == rank} for rank in (0, 1)}
+        last = min(max(s for s, _ in v) for v in by_rank.values())
+        # the same layers at the same steps on both ranks (up to the newest step both reported)
+        assert {x for x in by_rank[0] if x[0] <= last} == {x for x in by_rank[1] if x[0] <= last}
+        per_step = {}
+        for s, _ in by_rank[0]:
+            per_step[s] = per_step.get(s, 0) + 1
+        assert max(per_step.values()) == 2 and all(n <= 2 for n in per_step.values()), per_step
