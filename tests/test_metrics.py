@@ -256,6 +256,17 @@ def test_the_dashboard_is_grafana_json_with_a_query_in_every_panel():
         assert wanted in used
 
 
+def test_the_readme_metrics_table_lists_every_exported_metric():
+    coordinator = SimpleNamespace(snapshot=lambda: None, live_workers=lambda: [], list_operations=lambda: [])
+    registry = CollectorRegistry()
+    registry.register(CoordinatorCollector(coordinator))
+    OperationRecorder(registry)
+    readme = (DASHBOARD.parent.parent.parent / "README.md").read_text()
+    table = {m.group(1) for m in re.finditer(r"`(elastic_ep_\w+)`", readme)}
+    exported = {m.name + ("_total" if m.type == "counter" else "") for m in registry.collect()}
+    assert len(exported) > 25 and exported - table == set()
+
+
 # -- a live scrape of real workers -----------------------------------------------------------------
 
 def scrape(client: httpx.Client) -> tuple[str, dict[str, object], dict[str, float]]:
