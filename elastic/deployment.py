@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any, Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 
 from elastic.core.config import TimeoutsConfig
 from eplb.config import EPLBConfig
-from eplb.model import ModelShape
+from eplb.models.config import ModelSpec
+from eplb.models.serving import ModelSizes, model_info
 from eplb.trace import TraceConfig
 
 
@@ -102,7 +104,7 @@ class LauncherConfig(BaseModel):
     def capacity(self) -> int | None:
         """Most workers the hosts hold (command launcher with slots on every host), else None."""
         if self.kind == "command" and self.hosts and all(h.slots for h in self.hosts):
-            return sum(h.slots for h in self.hosts)
+            return sum(h.slots or 0 for h in self.hosts)  # all() above: every host has slots, "or 0" only narrows
         return None
 
 
@@ -119,7 +121,9 @@ DEFAULT_DEPLOYMENT: dict[str, Any] = {
 class DeploymentConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: ModelShape = ModelShape()
+    model: ModelSpec = Field(default_factory=lambda: {"kind": "reference"},
+                             description="the reference MoE (kind: reference, the default) or a Hugging Face MoE "
+                             "(kind: hf, path: DIR | architecture: NAME)", validate_default=True)
     eplb: EPLBConfig = EPLBConfig()
     trace: list[TracePhase] = Field(default_factory=lambda: [TracePhase()])
     ep_size: int = Field(2, ge=1, description="EP ranks at start")
@@ -149,7 +153,7 @@ class DeploymentConfig(BaseModel):
         physical = self.num_physical
         if physical % self.ep_size:
             raise ValueError(
-                f"{self.model.num_experts} experts + {self.eplb.num_redundant_experts} redundant = {physical} "
+                f"{self.sizes.num_logical_experts} experts + {self.eplb.num_redundant_experts} redundant = {physical} "
                 f"physical slots do not divide over ep_size={self.ep_size}")
         if self.store_bind_host in ALL_INTERFACES and not self.launcher.allow_all_interfaces:
             where = "launcher.bind_host" if self.launcher.bind_host else "store_host"
@@ -172,8 +176,8 @@ class DeploymentConfig(BaseModel):
         if not starts or starts[0] != 0 or starts != sorted(set(starts)):
             raise ValueError(f"trace phases must start at step 0 and increase strictly, got starts {starts}")
         for phase in self.trace:
-            if phase.trace.top_k > self.model.num_experts:
-                raise ValueError(f"trace top_k={phase.trace.top_k} exceeds num_experts={self.model.num_experts}")
+            if phase.trace.top_k > self.sizes.num_logical_experts:
+                raise ValueError(f"trace top_k={phase.trace.top_k} exceeds num_experts={self.sizes.num_logical_experts}")
         return self
 
     @property
@@ -186,7 +190,12 @@ class DeploymentConfig(BaseModel):
 
     @property
     def num_physical(self) -> int:
-        return self.model.num_experts + self.eplb.num_redundant_experts
+        return self.sizes.num_logical_experts + self.eplb.num_redundant_experts
+
+    @cached_property
+    def sizes(self) -> ModelSizes:
+        """Layer and expert counts of the model (a Hugging Face model's from its config, no weights)."""
+        return model_info(self.model)
 
     @property
     def slots_per_rank(self) -> int:
@@ -198,7 +207,7 @@ class DeploymentConfig(BaseModel):
             return f"ep_size must be at least 1, got {ep_size}"
         if ep_size > self.max_ep_size:
             return f"ep_size={ep_size} exceeds the launcher's capacity of {self.max_ep_size} workers"
-        if self.slots_per_rank * ep_size < self.model.num_experts:
+        if self.slots_per_rank * ep_size < self.sizes.num_logical_experts:
             return (f"ep_size={ep_size} gives {self.slots_per_rank * ep_size} physical slots "
-                    f"({self.slots_per_rank} per rank), fewer than the {self.model.num_experts} logical experts")
+                    f"({self.slots_per_rank} per rank), fewer than the {self.sizes.num_logical_experts} logical experts")
         return None

@@ -353,3 +353,14 @@ def test_a_kill_without_recovery_ends_failed_and_reports_it(tmp_path):
     assert data["events"][0]["ok"] and data["samples"][-1]["step"] <= 26  # nothing decoded after the kill
     assert [t["dest"] for t in data["transitions"]] == ["failed"]
     assert result.duration_s < 60
+
+
+def test_the_real_model_scenarios_expect_identical_output_and_the_reference_cannot():
+    hf = [load_scenario(path) for path in SHIPPED if path.stem.startswith("hf_")]
+    assert {s.deployment.model.architecture for s in hf} >= {"deepseek_v3", "gpt_oss"} and len(hf) >= 3
+    assert all(s.expect.identical_output for s in hf)
+    from elastic.replay.scenario import parse_scenario
+
+    data = {"name": "x", "deployment": {"ep_size": 2}, "steps": 10, "expect": {"identical_output": True}}
+    with pytest.raises(Exception, match="identical_output.*kind: hf"):
+        parse_scenario(data, "inline")

@@ -50,6 +50,7 @@ from elastic.launch.factory import make_launcher
 from elastic.launch.launchers import Launcher, WorkerHandle, plan_mapping
 from elastic.worker.groups import abort_generation, open_store
 from elastic.worker.process import WorkerSpec
+from eplb.models.config import HFModelConfig
 
 log = logging.getLogger("elastic.control.coordinator")
 
@@ -230,6 +231,12 @@ class Coordinator:
         self._last_generation = 0
         self._attempted: dict[int, tuple[int, int]] = {}  # generation -> (size, command seq) of every rescale attempt
         self.machine.subscribe(lambda t: self._emit("transition", t.to_dict()))
+        #: the invariant as a product feature (Hugging Face models): after every scale, recovery and
+        #: rebalance the probe batch's tokens and logits must equal the unsharded model's, bitwise
+        self.output_check: dict[str, Any] = {"enabled": isinstance(config.model, HFModelConfig), "checks": 0,
+                                             "mismatches": 0, "identical": None, "last": None}
+        self._probe_wanted = threading.Event()
+        self._reference_digest: str | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> Coordinator:
@@ -238,6 +245,9 @@ class Coordinator:
             self._launch(rank, self.size, generation=0)
         self._threads = [threading.Thread(target=self._read_reports, name="coordinator-reports", daemon=True),
                          threading.Thread(target=self._watchdog, name="coordinator-watchdog", daemon=True)]
+        if self.output_check["enabled"]:
+            self._threads.append(threading.Thread(target=self._check_outputs, name="coordinator-output-check", daemon=True))
+            self._probe_wanted.set()  # a first check once the group serves
         for thread in self._threads:
             thread.start()
         # the watchdog finds a worker that never reported at worker_start and names it; this wait
@@ -352,6 +362,8 @@ class Coordinator:
             self._reports.notify_all()
         if isinstance(report, p.WorkerError) and report.where == "decode":
             self._note_broken_group(report)
+        if isinstance(report, p.WorkerEvent) and report.kind == "rebalance_finished":
+            self._probe_wanted.set()  # experts moved: the output must not have changed
         if isinstance(report, p.WorkerEvent):
             self._emit("worker_event", {"rank": report.rank, "step": report.step, "kind": report.kind, **report.data})
         elif isinstance(report, p.WorkerError):
@@ -700,6 +712,8 @@ class Coordinator:
             op.generation_after = self.machine.generation
             data = op.to_dict()
             self._forget_old_operations()
+        if status == OperationStatus.SUCCEEDED:
+            self._probe_wanted.set()  # the group changed: check the output once it serves
         self._emit("operation", data)
         op.done.set()
 
@@ -908,6 +922,68 @@ class Coordinator:
             log.exception("recovery %s crashed", op.id)
             self._fail(op, f"{type(exc).__name__}: {exc}")
 
+    # -- the output never changes when experts move (Hugging Face models) ---------------------
+    def reference_digest(self) -> str:
+        """The probe digest of the unsharded single-process model (built once, in this process,
+        with one intra-op thread like the workers: the bits depend on the thread count)."""
+        if self._reference_digest is None:
+            import torch
+
+            from eplb.models.hf import reference_probe
+
+            model = self.config.model
+            assert isinstance(model, HFModelConfig), "only a real model has a probe"
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                self._reference_digest = reference_probe(model).digest
+            finally:
+                torch.set_num_threads(threads)
+        return self._reference_digest
+
+    def probe(self, timeout: float = 60.0) -> dict[str, Any]:
+        """Every rank decodes the fixed probe batch; the digests must equal the unsharded model's.
+
+        Returns ``{"identical", "digests" (rank -> digest), "reference", "generation", "step"}``
+        and records it in ``output_check`` (a mismatch counts in ``mismatches``).
+        """
+        if not self.output_check["enabled"]:
+            raise InvalidScaleRequest("model", "the probe compares a real model's output (model kind hf); the "
+                                      "reference model is checked slot by slot with verify()")
+        reference = self.reference_digest()
+        seq, pids = self._broadcast(p.Probe)
+        reports = self._await(seq, pids, "probe", timeout, fail_machine=False)
+        digests = {r.rank: r.result.digest for r in reports.values() if isinstance(r.result, p.ProbeDone)}
+        identical = bool(digests) and all(d == reference for d in digests.values())
+        result = {"identical": identical, "digests": digests, "reference": reference,
+                  "generation": self.machine.generation, "step": max((r.step for r in reports.values()), default=0)}
+        with self._lock:
+            self.output_check["checks"] += 1
+            self.output_check["mismatches"] += 0 if identical else 1
+            self.output_check["identical"] = identical
+            self.output_check["last"] = result
+        if not identical:
+            log.error("output changed: probe digests %s differ from the unsharded model's %s", digests, reference)
+        self._emit("output_check", result)
+        return result
+
+    def _check_outputs(self) -> None:
+        """Probe once the group serves again after a scale, a recovery or a rebalance."""
+        while not self._stop.is_set():
+            if not self._probe_wanted.wait(0.2):
+                continue
+            with self._lock:
+                busy = self._current is not None and not self._current.terminal
+            if busy or self.machine.state != Phase.RUNNING:
+                continue  # checked once the operation ends (its end sets the flag again)
+            self._probe_wanted.clear()
+            try:
+                self.probe(timeout=self.config.timeouts.collective * 2)
+            except (ElasticError, OperationFailed) as exc:
+                log.warning("output check skipped: %s", exc)
+            except Exception:  # noqa: BLE001 - the checker thread must outlive one bad probe
+                log.exception("output check failed")
+
     def _maybe_replace_lost(self, recovery: Operation) -> None:
         """``replace_lost``: a recovery that shrank the group is followed by a scale back to the
         size it had, with fresh workers in place of the lost ones, when the launcher has room."""
@@ -1014,6 +1090,7 @@ class Coordinator:
                 "eplb_health": self._eplb_health(eplb),
                 # every rank records the same all-reduced counts: any rank's summary of its last step
                 "eplb_layer_balancedness": next((e["layer_balancedness"] for e in eplb if e.get("layer_balancedness")), None),
+                "output_check": {k: v for k, v in self.output_check.items()},
                 "ranks": [{"rank": w.rank, "pid": w.handle.pid, "generation": w.generation,
                            "step": w.heartbeat.step if w.heartbeat else 0,
                            "state": str(w.heartbeat.state) if w.heartbeat else p.WorkerMode.STARTING.value,

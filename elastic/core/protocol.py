@@ -91,6 +91,12 @@ class Verify(Command):
 
 
 @dataclass(frozen=True)
+class Probe(Command):
+    """Decode the model's fixed probe batch (greedy, a collective) and report a digest of the
+    tokens and logits, to compare bitwise with the unsharded single-process model."""
+
+
+@dataclass(frozen=True)
 class StopEPLB(Command):
     """The deployment failed while the group is healthy: stop and join the async EPLB thread
     (an in-flight rebalance is dropped at the same step everywhere) and go on decoding, so a
@@ -222,6 +228,13 @@ class VerifyResult(Result):
 
 
 @dataclass(frozen=True)
+class ProbeDone(Result):
+    digest: str = ""  # of the probe's greedy tokens and logits (eplb.models.hf.ProbeResult)
+    tokens: tuple[tuple[int, ...], ...] = ()  # the probe's greedy tokens, per sequence
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
 class EPLBStopped(Result):
     threads: tuple[str, ...] = ()
 
@@ -234,7 +247,7 @@ class ShutdownDone(Result):
 #: the result type of each command
 RESULT_OF: dict[type[Command], type[Result]] = {
     Drain: DrainDone, Suppress: SuppressDone, Rescale: RescaleDone, Resume: ResumeDone,
-    RebalanceNow: RebalanceAck, Verify: VerifyResult, StopEPLB: EPLBStopped, Shutdown: ShutdownDone,
+    RebalanceNow: RebalanceAck, Verify: VerifyResult, Probe: ProbeDone, StopEPLB: EPLBStopped, Shutdown: ShutdownDone,
 }
 _PHASE_OF_RESULT = {result: command.__name__ for command, result in RESULT_OF.items()}
 _PHASE_OF_RESULT.update({Started: "Started", StandbyReady: "Standby"})

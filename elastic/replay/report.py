@@ -16,6 +16,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 from elastic.core.phases import OPERATION_PHASES
 
 if TYPE_CHECKING:
+    from rich.console import JustifyMethod
+    from rich.progress import TaskID
+
     from elastic.replay.scenario import Scenario
 
 
@@ -156,7 +159,7 @@ def _operations(replayer: Recording, transitions: list[dict[str, Any]], step_at:
         d = op.to_dict()
         d.pop("phases", None)
         own = [t for t in transitions if t.get("operation_id") == op.id]
-        phases: dict[str, float] = {}
+        phases: dict[str, float | None] = {}
         for a, b in zip(own, own[1:] + [None]):
             if a["dest"] in PHASES:
                 end = b["t"] if b is not None else None
@@ -253,11 +256,18 @@ def evaluate(s: Scenario, report: dict[str, Any]) -> list[dict[str, Any]]:
                 check(name, True, None, True, "not checked: the group ended failed, so no rank could verify")
         _rest(x, report, check)
         return out
+    if x.identical_output:
+        probed = [v for v in verifications if "output_identical" in v]
+        same = [v for v in probed if v["output_identical"]]
+        check("identical_output", "every probe bitwise equal to the unsharded model", f"{len(same)}/{len(probed)} identical",
+              bool(probed) and len(same) == len(probed) == len([v for v in verifications if v.get("ranks")]),
+              "; ".join(f"after {v['after']}: {v.get('output_error') or 'digests ' + str(v.get('output_digests'))}"
+                        for v in probed if not v["output_identical"]))
     if x.no_lost_expert:
         mins = [v.get("replica_min", 0) for v in verifications if v.get("ranks")]
         measured = min(mins) if mins else None
         check("no_lost_expert", "replica_min >= 1 in every verification", measured,
-              bool(mins) and measured >= 1 and len(mins) == len(verifications),
+              measured is not None and measured >= 1 and len(mins) == len(verifications),
               f"{len(verifications)} verification(s)" if verifications else "nothing was verified")
     if x.all_slots_verified:
         bad = [v for v in verifications if not v.get("ok")]
@@ -290,13 +300,13 @@ def _rest(x: Any, report: dict[str, Any], check: Any) -> None:
     if x.min_balancedness_after_rebalance is not None:
         measured = [(r["balancedness_after"], r["index"], r["start_step"]) for r in report["rebalances"]
                     if r["outcome"] == "finished" and not r["drained"] and r["balancedness_after"] is not None]
-        worst = min(measured) if measured else None
+        lowest = min(measured) if measured else None
         check("min_balancedness_after_rebalance", x.min_balancedness_after_rebalance,
-              None if worst is None else round(worst[0], 4),
-              worst is not None and worst[0] >= x.min_balancedness_after_rebalance,
-              (f"worst: rebalance #{worst[1]} from step {worst[2]}, over {len(measured)} rebalance(s), "
+              None if lowest is None else round(lowest[0], 4),
+              lowest is not None and lowest[0] >= x.min_balancedness_after_rebalance,
+              (f"worst: rebalance #{lowest[1]} from step {lowest[2]}, over {len(measured)} rebalance(s), "
                f"mean of the {report['rebalance_window_steps']} steps after each")
-              if worst else "no rebalance completed with steps after it")
+              if lowest else "no rebalance completed with steps after it")
     if x.drain_committed_in_flight:
         results = _drain_checks(report)
         with_flight = [r for r in results if r["in_flight"]]
@@ -559,7 +569,7 @@ class LiveDisplay:
             TextColumn("step {task.completed:>5.0f}/{task.total:.0f}"), TextColumn("{task.fields[state]}"),
             TextColumn("EP [bold]{task.fields[ep]}[/]"), TextColumn("bal {task.fields[bal]}"),
             TimeElapsedColumn(), console=self.console, transient=False, disable=not bar)
-        self.task = None
+        self.task: TaskID | None = None
         self.last: dict[str, Any] | None = None
 
     def __enter__(self) -> LiveDisplay:
@@ -605,7 +615,9 @@ def render_summary(report: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
     timeline = Table(title="Timeline", title_justify="left", header_style="bold")
-    for col, just in (("t (s)", "right"), ("step", "right"), ("what", "left"), ("lasted", "right"), ("detail", "left")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("t (s)", "right"), ("step", "right"), ("what", "left"), ("lasted", "right"), ("detail", "left"))
+    for col, just in columns:
         timeline.add_column(col, justify=just, overflow="fold")
     rows: list[tuple[float, int, str, str, str]] = []
     trans = report["transitions"]

@@ -247,7 +247,7 @@ class Replayer:
             self._verify_unplanned(snap)
             stuck = snap["state"] == "failed" and not self._op_running()
             failed_since = (failed_since or time.monotonic()) if stuck else None
-            if stuck and (not self._recovering() or time.monotonic() - failed_since > 10.0):
+            if failed_since is not None and (not self._recovering() or time.monotonic() - failed_since > 10.0):
                 return "failed"  # nothing is going to recover it (auto-recovery gave up or was refused)
             if snap["step"] >= step and snap["state"] != "failed":
                 return "ok"
@@ -286,6 +286,15 @@ class Replayer:
             )
             entry["ok"] = entry["mismatched"] == 0 and entry["digests_agree"] and entry["all_ranks"] \
                 and entry["replica_min"] >= 1
+            if self.coordinator.output_check["enabled"]:  # a real model: its output must not have changed
+                try:
+                    probe = self.coordinator.probe(timeout=max(30.0, self.scenario.deployment.timeouts.collective))
+                except Exception as exc:  # noqa: BLE001 - a probe that cannot run is a failed one
+                    entry.update(output_identical=False, output_error=f"{type(exc).__name__}: {exc}")
+                else:
+                    entry.update(output_identical=probe["identical"], output_digests=probe["digests"],
+                                 reference_digest=probe["reference"])
+                entry["ok"] = entry["ok"] and entry["output_identical"]
         self.verifications.append(entry)
         return entry
 
@@ -384,7 +393,7 @@ class Replayer:
         s = self.scenario
         plan = s.planned()
         for index, event in enumerate(s.timeline):
-            entry = {"index": index, "action": event.action, "label": event.label(), "at_step": event.at_step,
+            entry: dict[str, Any] = {"index": index, "action": event.action, "label": event.label(), "at_step": event.at_step,
                      "event": event.model_dump(), "planned": plan[index]}
             if isinstance(event, RecoverEvent):
                 reached = "ok" if self._wait_until(lambda: self._state() == "failed", self._failure_budget()) else "timeout"
@@ -420,6 +429,7 @@ class Replayer:
                 elif isinstance(event, RebalanceEvent):
                     out = self._rebalance(event)
                 else:
+                    assert isinstance(event, AutoscalerEvent)  # only a stall may keep its rank (loses_rank False)
                     out = self._autoscaler(event)
                 entry.update(status="done" if out.ok else "failed", ok=out.ok, detail=out.detail, **out.extra)
             entry["t_end"] = self._now()

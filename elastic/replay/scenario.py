@@ -23,12 +23,14 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic_core import ErrorDetails
 
 from elastic.deployment import DeploymentConfig, TracePhase
 from elastic.faults import CorruptBuffer, DelayTransfer, DropHeartbeats, Fault, KillRank, StallRank
 from elastic.service.autoscaler import AutoscalerConfig
 from elastic.service.preflight import (
     InputError,
+    InputProblem,
     bound_problems,
     load_yaml,
     memory_problems,
@@ -240,6 +242,9 @@ class Expectations(_Strict):
     min_refused_layers: int | None = Field(
         None, ge=0, description="received layers a rank refused (its own verification failed: rebalance_failed, local)")
     min_failures: int | None = Field(None, ge=0, description="times the deployment went failed (a fault was detected)")
+    identical_output: bool = Field(
+        False, description="every verification of a real model (deployment.model.kind: hf): the probe batch's greedy "
+        "tokens and logits bitwise equal to the unsharded single-process model's")
 
 
 class Scenario(_Strict):
@@ -298,16 +303,20 @@ class Scenario(_Strict):
 # ---------------------------------------------------------------------------------------------
 # the plan pass
 
-def _plan(s: Scenario) -> tuple[list[dict[str, Any]], list[ScenarioProblem]]:
-    problems: list[ScenarioProblem] = []
+def _plan(s: Scenario) -> tuple[list[dict[str, Any]], list[ScenarioProblem | InputProblem]]:
+    problems: list[ScenarioProblem | InputProblem] = []
     plan: list[dict[str, Any]] = []
 
     def problem(path: str, message: str) -> None:
         problems.append(ScenarioProblem(path=path, message=message))
 
     d = s.deployment  # its own validation already holds: sizes divide, ep_size <= max_ep_size, groups divide
-    experts, max_size = d.model.num_experts, d.max_ep_size
+    experts, max_size = d.sizes.num_logical_experts, d.max_ep_size
     problems.extend(policy_problems(d, "deployment.eplb.policy"))
+    if s.expect.identical_output and getattr(d.model, "kind", "reference") != "hf":
+        problem("expect.identical_output", "expected false or absent: it compares a real model's output with the "
+                "unsharded model (deployment.model.kind: hf); the reference model is checked slot by slot "
+                "(all_slots_verified)")
     starts = [t.at_step for t in s.trace]
     if starts[0] != 0:
         problem("trace[0].at_step", f"expected 0 (the first regime starts the run), got {starts[0]}")
@@ -462,7 +471,7 @@ def _plan_phase_kill(s: Scenario, armed: tuple[int, KillEvent], scale: ScaleEven
         problem(f"{where}.in_phase", f"expected the next scale to change the size (a scale to {size} ranks is a no-op "
                 f"and has no {kill.in_phase} phase), got a scale to {scale.to}")
         return size, generation
-    layers = s.deployment.model.num_layers
+    layers = s.deployment.sizes.num_moe_layers
     if kill.after_layers is not None and kill.after_layers >= layers:
         problem(f"{where}.after_layers", f"expected fewer than the model's {layers} layers, got {kill.after_layers}")
     # which group the rank belongs to when the phase's command reaches it
@@ -529,8 +538,15 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     return current if isinstance(current, type) and issubclass(current, BaseModel) else None
 
 
-_TAGS = {"timeline": {"scale": ScaleEvent, "kill": KillEvent, "stall": StallEvent, "drop_heartbeats": DropHeartbeatsEvent,
-                      "recover": RecoverEvent, "rebalance": RebalanceEvent, "autoscaler": AutoscalerEvent}}
+_TAGS: dict[str, dict[str, type[BaseModel]]] = {
+    "timeline": {"scale": ScaleEvent, "kill": KillEvent, "stall": StallEvent, "drop_heartbeats": DropHeartbeatsEvent,
+                 "recover": RecoverEvent, "rebalance": RebalanceEvent, "autoscaler": AutoscalerEvent}}
+
+
+#: the tags pydantic puts in an error's location for a tagged union member (never a key of the file)
+FAULT_KINDS = ("kill", "stall", "delay_transfer", "drop_heartbeats", "corrupt_buffer", "torn_commit", "slow_prepare",
+               "hang_before_start")
+MODEL_KINDS = ("reference", "hf")
 
 
 def _clean_loc(loc: tuple[Any, ...]) -> tuple[tuple[Any, ...], type[BaseModel] | None]:
@@ -548,9 +564,16 @@ def _clean_loc(loc: tuple[Any, ...]) -> tuple[tuple[Any, ...], type[BaseModel] |
             i += 3
             continue
         if part == "faults" and i + 2 < len(parts) and isinstance(parts[i + 1], int) and isinstance(parts[i + 2], str) \
-                and parts[i + 2] in ("kill", "stall", "delay_transfer", "drop_heartbeats", "corrupt_buffer"):
+                and parts[i + 2] in FAULT_KINDS:
             out.append(parts[i + 1])
             i += 3
+            continue
+        if part == "model" and i + 1 < len(parts) and parts[i + 1] in MODEL_KINDS:  # the model's kind (tag)
+            from eplb.models.config import HFModelConfig, ReferenceModelConfig
+
+            kinds: dict[str, type[BaseModel]] = {"reference": ReferenceModelConfig, "hf": HFModelConfig}
+            member = kinds[parts[i + 1]]
+            i += 2
             continue
         i += 1
     return tuple(out), member
@@ -561,7 +584,7 @@ def _describe(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _message(err: dict[str, Any], loc: tuple[Any, ...], member: type[BaseModel] | None) -> str:
+def _message(err: ErrorDetails, loc: tuple[Any, ...], member: type[BaseModel] | None) -> str:
     kind = err["type"]
     ctx = err.get("ctx") or {}
     given = err.get("input")

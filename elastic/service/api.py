@@ -225,7 +225,7 @@ def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: 
                title: str = "elastic-ep", api_key: str | None = None) -> FastAPI:
     """The scale API over ``controller`` (a :class:`~elastic.control.coordinator.Coordinator`); with
     ``api_key``, every request that changes something must present it (:class:`RequireApiKey`)."""
-    app = FastAPI(title=title, version="1", description=__doc__.split("\n\n")[1] if __doc__ else None)
+    app = FastAPI(title=title, version="1", description=__doc__.split("\n\n")[1] if __doc__ else "")
     registry = build_registry(controller, autoscaler)
     app.state.controller, app.state.autoscaler, app.state.hooks, app.state.registry = controller, autoscaler, hooks, registry
     app.add_middleware(BodyLimit)  # an oversized body is refused (422) before it is read and parsed
@@ -471,9 +471,12 @@ class ServeConfig(BaseModel):
 def _config_problem(err: Any) -> InputProblem:
     """One pydantic error of a serve config as a key path (in the file's own terms) and a message."""
     where = ""
+    previous = None
     for part in err["loc"]:
-        if part == "deployment":
+        if part == "deployment" or (previous == "model" and part in ("reference", "hf")):  # not keys of the file
+            previous = part
             continue
+        previous = part
         where = f"{where}[{part}]" if isinstance(part, int) else (f"{where}.{part}" if where else str(part))
     if err["type"] == "extra_forbidden":
         return InputProblem(where, "unknown key; remove it or check its spelling")
@@ -495,7 +498,7 @@ def _with_overrides(raw: dict[str, Any], overrides: dict[str, Any], *, default: 
     at least twice it) and redundant slots that divide over it, unless those are given too, so
     ``serve --ep-size 3`` just works; a file's own values are never changed behind its back.
     """
-    out = {key: dict(value) if isinstance(value, dict) else value for key, value in raw.items()}
+    out: dict[str, Any] = {key: dict(value) if isinstance(value, dict) else value for key, value in raw.items()}
     for dotted, value in overrides.items():
         if value is None:
             continue

@@ -35,7 +35,9 @@ from elastic.worker.groups import GroupGeneration, connect_store, num_nodes_of
 from elastic.worker.injector import FaultInjector
 from eplb.communicator import make_communicator
 from eplb.config import EPLBConfig
-from eplb.model import ModelShape, ReferenceMoE, allocate_weights
+from eplb.model import ModelShape
+from eplb.models.config import HFModelConfig
+from eplb.models.serving import DecodeBatches, build_model, model_info
 from eplb.placement import Placement
 from eplb.plan import LayerPlan, holders_from_mapping, plan_layer
 from eplb.state import CONTROL_WORDS, EPLBState, LoadWindow, TransferHooks, placement_for
@@ -54,7 +56,7 @@ class WorkerSpec:
     generation: int
     store_host: str
     store_port: int
-    shape: ModelShape
+    shape: ModelShape | HFModelConfig  # the model: the reference MoE or a Hugging Face MoE
     eplb: EPLBConfig
     trace: tuple[tuple[int, TraceConfig], ...]
     seed: int = 0
@@ -125,13 +127,18 @@ class Worker:
         # was in flight)
         self.step_timings: list[tuple[int, float, float, float, int]] = []
         self._control_seconds = (0.0, 0.0)
-        self.trace = PhasedTrace(list(spec.trace), spec.shape.num_layers, spec.shape.num_experts)
+        self.sizes = model_info(spec.shape)
+        # the reference model decodes a synthetic load trace; a Hugging Face model decodes real
+        # batches (self.decoder) and its router's choices are the load
+        self.trace = PhasedTrace(list(spec.trace), self.sizes.num_moe_layers, self.sizes.num_logical_experts)
+        self.decoder: DecodeBatches | None = None
+        self.non_expert_sync: dict[str, float] | None = None  # bytes and seconds of the last peer copy (joining ranks)
         self.store = connect_store(spec.store_host, spec.store_port, spec.join_timeout_s)
         self.comm = make_communicator(spec.eplb.communicator, spec.backend)  # moves expert weights
         self.group: GroupGeneration | None = None
         # the model and the EPLB state exist once this rank is in a group (a joining rank gets
         # them at its first rescale); ``eplb``/``model`` raise before that, ``_eplb``/``_model`` tell
-        self._model: ReferenceMoE | None = None
+        self._model: Any = None  # ReferenceMoE or eplb.models.hf.HFMoE (both MixtureOfExperts)
         self._eplb: EPLBState | None = None
         self.faults = FaultInjector(spec.faults, lambda: (self.rank, self.generation))
         self._prepared_weights: list[list[torch.Tensor]] | None = None  # a joining rank's, allocated while standing by
@@ -149,13 +156,13 @@ class Worker:
         self._eplb = state
 
     @property
-    def model(self) -> ReferenceMoE:
+    def model(self) -> Any:
         if self._model is None:
             raise RuntimeError(f"rank {self.rank} has no model yet: it has not joined a group")
         return self._model
 
     @model.setter
-    def model(self, model: ReferenceMoE) -> None:
+    def model(self, model: Any) -> None:
         self._model = model
 
     def _in_group(self) -> GroupGeneration:
@@ -203,9 +210,11 @@ class Worker:
             self.group = GroupGeneration.join(self.store, self.generation, self.rank, self.size,
                                               backend=spec.backend, timeout_s=spec.collective_timeout_s,
                                               rendezvous_timeout_s=spec.join_timeout_s)
-            placement = Placement.static(spec.shape.num_layers, spec.shape.num_experts, spec.num_physical)
-            self.progress = ("loading weights", 0, spec.shape.num_layers)
-            self.model = ReferenceMoE(spec.shape, placement, self.rank, self.size, seed=spec.seed)
+            placement = Placement.static(self.sizes.num_moe_layers, self.sizes.num_logical_experts, spec.num_physical)
+            self.progress = ("loading weights", 0, self.sizes.num_moe_layers)
+            self.model = build_model(spec.shape, placement, self.rank, self.size, seed=spec.seed,
+                                     timeout=spec.collective_timeout_s)
+            self._start_decoder()
             self.progress = None
         self.eplb = EPLBState(spec.eplb, self.model, placement, self.rank, self.size, on_event=self._eplb_event,
                               hooks=self._hooks(), communicator=self.comm)
@@ -226,7 +235,7 @@ class Worker:
         started = time.perf_counter()
         with self._busy(p.WorkerMode.STANDBY):
             self.faults.slow_prepare(self._set_progress)
-            self._prepared_weights = allocate_weights(spec.shape, spec.num_physical // spec.size)
+            self._prepared_weights = self.sizes.allocate(spec.num_physical // spec.size)
             for i, layer in enumerate(self._prepared_weights):
                 self.progress = ("allocating expert weights", i, len(self._prepared_weights))
                 for tensor in layer:
@@ -345,6 +354,15 @@ class Worker:
     def _on_verify(self, command: p.Verify) -> None:
         self._done(command, self._verify())
 
+    def _on_probe(self, command: p.Probe) -> None:
+        probe = getattr(self.model, "probe", None)
+        if probe is None:
+            raise TypeError("the reference model has no probe batch (probes are for real models, kind: hf)")
+        started = time.perf_counter()
+        result = probe()
+        self._done(command, p.ProbeDone(digest=result.digest, tokens=tuple(tuple(row) for row in result.tokens.tolist()),
+                                        seconds=time.perf_counter() - started))
+
     def _on_stop_eplb(self, command: p.StopEPLB) -> None:
         self.eplb.begin_drain()  # nothing starts again until a recovery's Resume
         if not self.eplb.stop_worker(timeout=self.spec.eplb.transfer_timeout_s + self.spec.collective_timeout_s):
@@ -359,7 +377,7 @@ class Worker:
     #: one handler per command type: the whole of what a worker does with its commands
     _HANDLERS: dict[type, Any] = {
         p.Drain: _on_drain, p.Suppress: _on_suppress, p.Rescale: _on_rescale, p.Resume: _on_resume,
-        p.RebalanceNow: _on_rebalance_now, p.Verify: _on_verify, p.StopEPLB: _on_stop_eplb,
+        p.RebalanceNow: _on_rebalance_now, p.Verify: _on_verify, p.Probe: _on_probe, p.StopEPLB: _on_stop_eplb,
         p.Shutdown: _on_shutdown,
     }
 
@@ -453,7 +471,11 @@ class Worker:
                 return
             self.group = self._join(cmd, new_rank)
             timing["group_seconds"] = time.perf_counter() - mark
+            self.non_expert_sync = None
             base, held = self._share_state(cmd, new_rank, fresh)
+            if self.non_expert_sync is not None:  # a Hugging Face model's replicated weights, from a peer
+                timing["non_expert_bytes"] = self.non_expert_sync["bytes"]
+                timing["non_expert_seconds"] = self.non_expert_sync["seconds"]
             # layers where some survivor's slots hold what the base maps do not (a torn commit)
             diverged = sorted({int(x) for x in (held != base.physical_to_logical).any(dim=1).nonzero().flatten()})
             new_placement, new_weights, bytes_moved, undo = self._move_experts(cmd, base, held, new_rank, timing)
@@ -508,6 +530,7 @@ class Worker:
         payload: list[Any] = [None]
         if new_rank == source:
             payload = [{
+                "batch_index": self.decoder.batch_index if self.decoder is not None else -1,
                 "step": self.step,
                 "p2l": self.eplb.placement.physical_to_logical,
                 "window": self.eplb.window.state(),
@@ -519,7 +542,7 @@ class Worker:
         own: list[Any] = [None] * cmd.new_size
         dist.all_gather_object(own, None if fresh else (self.rank, self.eplb.placement.physical_to_logical))
         self.step = state["step"]
-        base = Placement.from_physical_to_logical(state["p2l"], self.spec.shape.num_experts)
+        base = Placement.from_physical_to_logical(state["p2l"], self.sizes.num_logical_experts)
         held = base.physical_to_logical.clone()
         per_rank = held.shape[1] // len(cmd.mapping)
         for entry in own:
@@ -527,13 +550,22 @@ class Worker:
                 old_rank, rows = entry
                 held[:, old_rank * per_rank : (old_rank + 1) * per_rank] = rows[:, old_rank * per_rank : (old_rank + 1) * per_rank]
         if fresh:
-            self.model = ReferenceMoE(self.spec.shape, base, 0, 1, seed=self.spec.seed, materialize=False)
+            # nothing read from disk: experts arrive by the rescale's plan, a Hugging Face model's
+            # other weights from the lowest survivor (below)
+            self.model = build_model(self.spec.shape, base, new_rank, cmd.new_size, seed=self.spec.seed,
+                                     timeout=self.spec.collective_timeout_s, joining=True)
             self.model.replace_weights([])
+            self._start_decoder()
             self.eplb = EPLBState(self.spec.eplb, self.model, base, new_rank, cmd.new_size, on_event=self._eplb_event,
                                   hooks=self._hooks(), communicator=self.comm)
             self.eplb.carry_over(LoadWindow.from_state(state["window"]), state["stats"], state["steps_since_rebalance"])
         else:
             self.eplb.carry_over(LoadWindow.from_state(state["window"]))
+        if self.decoder is not None:
+            self.decoder.batch_index = state["batch_index"]  # every rank goes on with the same batches
+            if cmd.new_size > len(survivors):  # fresh ranks: the replicated weights come from a survivor
+                self.non_expert_sync = self.model.sync_non_expert(src=source, group=None,
+                                                                  timeout=self.spec.collective_timeout_s)
         return base, held
 
     def _announced_plan(self, cmd: p.Rescale, base: Placement) -> tuple[Placement, list[LayerPlan]] | None:
@@ -692,6 +724,8 @@ class Worker:
         self.model.install_placement(placement, new_rank, cmd.new_size)
         self.comm.adopt_incoming()  # registrations follow the tensors (old ones deregistered first)
         self.model.replace_weights(weights)
+        if self.decoder is not None:
+            self.decoder.state = None  # a joining rank has no KV cache: every rank starts the next batch
         # the EPLB stays off until Resume restarts it on the new group; a broken group's EPLB
         # subgroup is released now (a healthy one went with its group)
         self.eplb.adopt(placement, new_rank, cmd.new_size)
@@ -736,24 +770,44 @@ class Worker:
             self._done(op, p.DrainDone(layers_committed=self.eplb.stats.layers_committed,
                                        steps_while_draining=self.step - self.drain_started_step))
         started = time.perf_counter()
-        logical = self.trace.token_counts(self.step, self.rank)
-        physical = self.model.route(logical)
-        try:
-            dist.all_reduce(physical)
-        except Exception as exc:  # noqa: BLE001
-            raise BrokenGroup(f"token all-reduce failed at step {self.step}: {exc}") from exc
+        if self.decoder is not None:
+            physical, tokens = self._decode_batch()
+        else:
+            logical = self.trace.token_counts(self.step, self.rank)
+            physical = self.model.route(logical)
+            try:
+                dist.all_reduce(physical)
+            except Exception as exc:  # noqa: BLE001
+                raise BrokenGroup(f"token all-reduce failed at step {self.step}: {exc}") from exc
+            tokens = self.trace.config_at(self.step).tokens_per_step
         mark, cpu = time.perf_counter(), time.thread_time()
         self.eplb.record(physical)
         eplb_seconds += time.perf_counter() - mark
         eplb_cpu += time.thread_time() - cpu
-        self.model.forward(physical)
-        self.tokens_since += self.trace.config_at(self.step).tokens_per_step
+        if self.decoder is None:
+            self.model.forward(physical)
+        self.tokens_since += tokens
         self.step += 1
         if len(self.step_timings) < 10_000:  # bounded even when heartbeats are dropped
             self.step_timings.append((self.step, time.monotonic(), eplb_seconds, eplb_cpu, rebalancing))
         self._maybe_heartbeat(time.perf_counter() - started, physical)
         if self.spec.step_delay_s:
             time.sleep(self.spec.step_delay_s)
+
+    def _start_decoder(self) -> None:
+        """A Hugging Face model decodes real batches: seeded prompts, greedy, with its KV cache."""
+        if isinstance(self.spec.shape, HFModelConfig):
+            self.decoder = DecodeBatches(self.model, batch=4, prompt_len=8, max_new_tokens=16, seed=self.spec.seed)
+
+    def _decode_batch(self) -> tuple[torch.Tensor, int]:
+        """One greedy step of the batch on every rank (attention replicated, experts combined over
+        the group): ``(the router's choices per physical slot, already the group's; tokens)``."""
+        assert self.decoder is not None
+        try:
+            out = self.decoder.step()
+        except Exception as exc:  # noqa: BLE001 - a combine failed (a peer died or diverged)
+            raise BrokenGroup(f"decode step {self.step} failed: {type(exc).__name__}: {exc}") from exc
+        return out.physical, int(out.tokens.numel())
 
     def _maybe_heartbeat(self, step_seconds: float, physical: torch.Tensor | None, force: bool = False) -> None:
         if self.faults.drops_heartbeat(self.step):

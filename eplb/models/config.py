@@ -90,9 +90,11 @@ class ReferenceModelConfig(ModelShape):
 
 
 def _default_kind(value: Any) -> Any:
-    # configs written before model kinds existed describe the reference model
+    # configs written before model kinds existed describe the reference model, as does a ModelShape
     if isinstance(value, dict) and "kind" not in value:
         return {**value, "kind": "reference"}
+    if isinstance(value, ModelShape) and not isinstance(value, ReferenceModelConfig):
+        return {**value.model_dump(), "kind": "reference"}
     return value
 
 
