@@ -195,7 +195,7 @@ class _Bounds:
 if getattr(yaml, "__with_libyaml__", False):
     from yaml._yaml import CParser
 
-    class BoundedLoader(_Bounds, Composer, CParser, SafeConstructor, Resolver):  # type: ignore[misc]
+    class BoundedLoader(_Bounds, Composer, CParser, SafeConstructor, Resolver):
         """libyaml's parser (C, about 6x faster) under PyYAML's composer, which :class:`_Bounds` hooks."""
 
         def __init__(self, stream: Any):
@@ -370,8 +370,10 @@ def estimate_worker_memory(config: DeploymentConfig) -> MemoryEstimate | None:
     every rank) is the part that grows with traffic history instead. A rescale writes through
     the same one-layer staging buffer, so the peak is the same during a scale.
     """
+    from eplb.model import ModelShape  # torch: loaded already by the config's model
+
     shape = config.model
-    if not all(hasattr(shape, name) for name in ("expert_bytes", "hidden_size", "intermediate_size", "num_layers")):
+    if not isinstance(shape, ModelShape):
         return None  # a model described by a checkpoint (not a reference shape): its size is read at load time
     slots = config.slots_per_rank
     expert = shape.expert_bytes

@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -37,14 +37,29 @@ from eplb.models.kernel import (
 )
 from eplb.placement import Placement
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 __all__ = ["CheckpointSource", "DecodeState", "HFMoE", "ModelInfo", "ProbeResult", "RandomSource", "describe",
            "open_source", "reference_probe", "unsharded"]
 
 
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The causal LM's decoder layers, ``model.model.layers``."""
+    layers = model.get_submodule("model.layers")
+    assert isinstance(layers, nn.ModuleList)  # every architecture served keeps its decoder layers in a ModuleList
+    return layers
+
+
+def _experts_of(model: nn.Module, layer: int) -> nn.Module:
+    """Decoder layer ``layer``'s fused experts module, ``model.model.layers[layer].mlp.experts``."""
+    return _decoder_layers(model)[layer].get_submodule("mlp.experts")
+
+
 def _moe_layers(model: nn.Module) -> list[int]:
     """Indices of the decoder layers whose ``mlp`` has fused experts (dense layers are skipped)."""
-    return [i for i, layer in enumerate(model.model.layers)
-            if hasattr(getattr(layer, "mlp", None), "experts") and hasattr(layer.mlp.experts, "down_proj")]
+    return [i for i, layer in enumerate(_decoder_layers(model))
+            if hasattr(getattr(getattr(layer, "mlp", None), "experts", None), "down_proj")]
 
 
 def _expert_names(experts: nn.Module) -> tuple[str, ...]:
@@ -84,6 +99,12 @@ def _materialize(model: nn.Module, config) -> None:
             module._buffers[n] = getattr(rebuilt, n).to(b.dtype)
 
 
+def _counts(ctx: ExpertsContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """A context's ``(logical_counts, physical_counts)``: :meth:`HFMoE._bind` gives every context both."""
+    assert ctx.logical_counts is not None and ctx.physical_counts is not None
+    return ctx.logical_counts, ctx.physical_counts
+
+
 class RandomSource:
     """A tiny random model: the architecture's tiny config under the user's overrides, seeded.
 
@@ -94,24 +115,25 @@ class RandomSource:
     def __init__(self, spec: HFModelConfig):
         from transformers import AutoConfig
 
+        assert spec.architecture is not None  # HFModelConfig holds exactly one of path and architecture; no path here
         self.spec = spec
         self.config = AutoConfig.for_model(spec.architecture, **tiny_config(spec.architecture, spec.config))
-        self._full: nn.Module | None = None
+        self._full: PreTrainedModel | None = None
         self._experts: dict[int, list[torch.Tensor]] = {}
 
-    def _build_full(self) -> nn.Module:
+    def _build_full(self) -> PreTrainedModel:
         if self._full is None:
             from transformers import AutoModelForCausalLM
 
             torch.manual_seed(self.spec.seed)
             model = AutoModelForCausalLM.from_config(self.config).to(getattr(torch, self.spec.dtype)).eval()
             for i in _moe_layers(model):
-                experts = model.model.layers[i].mlp.experts
+                experts = _experts_of(model, i)
                 self._experts[i] = [getattr(experts, n).detach().clone() for n in _expert_names(experts)]
             self._full = model
         return self._full
 
-    def build(self, load: bool = True) -> nn.Module:
+    def build(self, load: bool = True) -> PreTrainedModel:
         """The model with its non-expert weights (``load=False``: a meta skeleton, for a joining rank)."""
         from transformers import AutoModelForCausalLM
 
@@ -143,6 +165,7 @@ class CheckpointSource:
     def __init__(self, spec: HFModelConfig):
         from transformers import AutoConfig
 
+        assert spec.path is not None  # open_source opens a checkpoint only for a spec with a path
         self.spec = spec
         self.path = spec.path
         if not os.path.isdir(self.path):
@@ -186,13 +209,13 @@ class CheckpointSource:
                 return candidate
         raise KeyError(f"checkpoint {self.path} has no tensor for parameter {name}")
 
-    def build(self, load: bool = True) -> nn.Module:
+    def build(self, load: bool = True) -> PreTrainedModel:
         from transformers import AutoModelForCausalLM
 
         dtype = getattr(torch, self.spec.dtype)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(self.config, dtype=dtype).eval()
-        self._names = {i: _expert_names(model.model.layers[i].mlp.experts) for i in _moe_layers(model)}
+        self._names = {i: _expert_names(_experts_of(model, i)) for i in _moe_layers(model)}
         _materialize(model, self.config)
         if load:
             missing = []
@@ -300,7 +323,7 @@ class HFMoE:
         self.group = group
         self.timeout = timeout
         self.combine_one_shot_bytes = combine_one_shot_bytes
-        first = self.model.model.layers[self.moe_layer_ids[0]].mlp.experts
+        first = _experts_of(self.model, self.moe_layer_ids[0])
         self.names = _expert_names(first)
         self._tails = [(tuple(getattr(first, n).shape[1:]), getattr(first, n).dtype) for n in self.names]
         self.num_moe_layers = len(self.moe_layer_ids)
@@ -355,7 +378,7 @@ class HFMoE:
         old = {c.layer: c for c in self._contexts}
         self._contexts = []
         for index, layer_id in enumerate(self.moe_layer_ids):
-            experts = self.model.model.layers[layer_id].mlp.experts
+            experts = _experts_of(self.model, layer_id)
             tensors = self._weights[index]
             for name, t in zip(self.names, tensors):
                 # the module's parameters are views of the slot tensors: state_dict and the kernel agree
@@ -370,9 +393,10 @@ class HFMoE:
                 logical_counts=torch.zeros(self.num_logical_experts, dtype=torch.int64),
                 physical_counts=torch.zeros(self.num_physical_experts, dtype=torch.int64),
             )
-            if prev is not None and prev.physical_counts.numel() == ctx.physical_counts.numel():
-                ctx.logical_counts, ctx.physical_counts = prev.logical_counts, prev.physical_counts
-            experts._eplb = ctx
+            if prev is not None and _counts(prev)[1].numel() == _counts(ctx)[1].numel():
+                ctx.logical_counts, ctx.physical_counts = _counts(prev)
+            # ignore: torch types Module.__setattr__'s value as Tensor | Module, yet plain attributes work
+            experts._eplb = ctx  # type: ignore[assignment]
             self._contexts.append(ctx)
 
     def set_combine_one_shot_bytes(self, limit: int) -> None:
@@ -423,7 +447,7 @@ class HFMoE:
 
     def self_check(self) -> None:
         """Start-up check that the experts kernel's bits do not depend on rows per call (see kernel)."""
-        experts = self.model.model.layers[self.moe_layer_ids[0]].mlp.experts
+        experts = _experts_of(self.model, self.moe_layer_ids[0])
         # seeded weights of the experts' shapes and dtypes: the slots may not be filled yet
         g = torch.Generator().manual_seed(0)
         weights = {n: (torch.randn((4, *tail), generator=g) * 0.2).to(dtype) for n, (tail, dtype) in zip(self.names, self._tails)}
@@ -479,11 +503,11 @@ class HFMoE:
         Every rank runs the router on the whole batch, so these are already the group's counts
         (identical on every rank): no all-reduce is needed. The counters restart at zero.
         """
-        logical = torch.stack([c.logical_counts.clone() for c in self._contexts])
-        physical = torch.stack([c.physical_counts.clone() for c in self._contexts])
+        logical = torch.stack([_counts(c)[0].clone() for c in self._contexts])
+        physical = torch.stack([_counts(c)[1].clone() for c in self._contexts])
         for c in self._contexts:
-            c.logical_counts.zero_()
-            c.physical_counts.zero_()
+            for counts in _counts(c):
+                counts.zero_()
         return logical, physical
 
     def _recording(self, on: bool) -> None:

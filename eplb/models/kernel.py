@@ -28,9 +28,10 @@ that they routed the same pairs from the same bits before the sizes are trusted 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -92,14 +93,20 @@ def pair_forward(module: torch.nn.Module, weights: dict[str, torch.Tensor], x: t
             if out is None:
                 out = inp.new_empty(inp.shape[0], r.shape[1], dtype=r.dtype)
             out[rows] = r
+        assert out is not None  # every caller passes at least one row
         return out
 
     h = linear(x, "gate_up_proj" if has_gate else "up_proj")
     h = _activate(module, h, has_gate)
     h = linear(h, "down_proj")
     if getattr(module, "has_post_expert_norm", False):
-        h = module.post_expert_norm(h)
+        h = _module_fn(module, "post_expert_norm")(h)
     return h
+
+
+def _module_fn(module: torch.nn.Module, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``module.<name>``, a method or submodule of the transformers experts class (not known to nn.Module)."""
+    return getattr(module, name)
 
 
 #: Activations run on rows padded to a multiple of this many elements (see _activate).
@@ -125,11 +132,11 @@ def _activate(module: torch.nn.Module, h: torch.Tensor, has_gate: bool) -> torch
             wide[:, padded : padded + inter] = h[:, inter:]
         else:  # interleaved [g0, u0, g1, u1, ...]: pairs stay pairs
             wide[:, : 2 * inter] = h
-        return module._apply_gate(wide)[:, :inter]
+        return _module_fn(module, "_apply_gate")(wide)[:, :inter]
     padded = -(-width // _LANES) * _LANES
     wide = h.new_zeros(n, padded)
     wide[:, :width] = h
-    return module.act_fn(wide)[:, :width]
+    return _module_fn(module, "act_fn")(wide)[:, :width]
 
 
 def _wait(work, timeout: float, what: str) -> None:
@@ -206,7 +213,8 @@ def _combine(ctx: ExpertsContext, out: torch.Tensor, mine: torch.Tensor, owner: 
 def ep_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                        top_k_weights: torch.Tensor) -> torch.Tensor:
     """The ``ALL_EXPERTS_FUNCTIONS`` entry: ``hidden_states [T, H]``, routing ``[T, k]`` -> ``[T, H]``."""
-    ctx: ExpertsContext = self._eplb
+    # cast: torch types nn.Module attributes as Tensor | Module; _eplb is the plain attribute HFMoE._bind sets
+    ctx = cast(ExpertsContext, self._eplb)
     num_tokens, top_k = top_k_index.shape
     hidden = hidden_states.size(-1)
     ids = top_k_index.reshape(-1)
@@ -216,6 +224,7 @@ def ep_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k
     replica = token % ctx.replica_count[ids]
     physical = ctx.logical_to_physical[ids, replica]
     if ctx.record and ctx.logical_counts is not None:
+        assert ctx.physical_counts is not None  # the counters are set together
         ctx.logical_counts += torch.bincount(ids, minlength=ctx.logical_counts.numel())
         ctx.physical_counts += torch.bincount(physical, minlength=ctx.physical_counts.numel())
     owner = physical // ctx.slots_per_rank

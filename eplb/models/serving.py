@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +20,9 @@ from eplb.model import ModelShape, ReferenceMoE, allocate_weights
 from eplb.models.config import HFModelConfig
 from eplb.placement import Placement
 from eplb.trace import seed_for
+
+if TYPE_CHECKING:
+    from eplb.models.hf import DecodeState
 
 __all__ = ["DecodeBatches", "ModelSizes", "StepOutput", "build_model", "model_info"]
 
@@ -94,7 +97,7 @@ class DecodeBatches:
         self.model = model
         self.batch, self.prompt_len, self.max_new_tokens, self.seed = batch, prompt_len, max_new_tokens, seed
         self.batch_index = -1
-        self.state = None
+        self.state: DecodeState | None = None
 
     def prompts(self, index: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(seed_for(self.seed, "prompts", index))
@@ -108,6 +111,7 @@ class DecodeBatches:
             self.state = self.model.prefill(self.prompts(self.batch_index))
             tokens = self.state.last
         else:
+            assert self.state is not None  # not a new batch: one is being decoded
             tokens = self.model.decode_step(self.state)
         logical, physical = self.model.take_load()
         return StepOutput(tokens, new_batch, logical, physical, time.perf_counter() - started)
