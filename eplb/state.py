@@ -263,6 +263,7 @@ class AsyncEPLBWorker:
         self.rank = rank
         self.generation = generation
         self._last_job = 0  # the newest rebalance id this thread took up
+        self._finished_early: set[int] = set()  # rebalances the decode loop ended before their job arrived
         self._inbox: queue.Queue[object] = queue.Queue()
         self.events: queue.Queue[object] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=f"{name}-rank{rank}-g{generation}", daemon=True)
@@ -309,12 +310,23 @@ class AsyncEPLBWorker:
                 return
             if isinstance(message, RebalanceJob):
                 self._last_job = message.rebalance_id
+                if message.rebalance_id in self._finished_early:
+                    # the decode loop ended this rebalance before the thread took it up: nothing to do
+                    self._finished_early.discard(message.rebalance_id)
+                    self._post(RebalanceFinished(message.rebalance_id, 0, drained=True))
+                    continue
                 if not self._rebalance(message):
                     return
             elif isinstance(message, (Proceed, Finish)):
                 # an answer to a rebalance that already ended here (it failed, and the decode loop
-                # aborted it everywhere) needs none; anything else is a protocol break
-                if message.generation != self.generation or message.rebalance_id > self._last_job:
+                # aborted it everywhere) needs none; a Finish for one not taken up yet ends it before
+                # it starts; anything else (another generation's answer, a Proceed for a layer this
+                # thread never staged) is a protocol break
+                if message.generation == self.generation and message.rebalance_id > self._last_job \
+                        and isinstance(message, Finish):
+                    log.warning("rebalance %d finished before the thread took it up", message.rebalance_id)
+                    self._finished_early.add(message.rebalance_id)
+                elif message.generation != self.generation or message.rebalance_id > self._last_job:
                     exc = self._mismatch(message, None)
                     log.error("%s", exc)
                     self._post(WorkerFailed(message.rebalance_id, None, type(exc).__name__, str(exc), ""))
@@ -637,7 +649,10 @@ class EPLBState:
         ``BUSY`` is agreed, not local: a rank whose worker already reported the end of a
         rebalance still waits until every rank's has, so no rank starts the next one alone.
         """
-        self.all_idle = not reduced[BUSY]
+        # a rebalance that a command started at this very step is in flight on every rank (commands
+        # run at agreed steps) but is not in the agreed BUSY yet: it counts as busy, so a Drain in
+        # the same step waits for it instead of reporting drained with a transfer in flight
+        self.all_idle = not reduced[BUSY] and self.in_flight is None
         if not self.config.enabled:
             return
         run = self.run

@@ -426,3 +426,35 @@ def test_with_replace_lost_a_recovery_that_shrank_the_group_is_followed_by_a_sca
         assert ops[0]["target_size"] == 3 and ops[0]["cause"] == f"replace_lost after {ops[1]['id']}"
         assert ops[1]["target_size"] == 2
         assert_consistent(c, 3)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_survivors_too_few_to_hold_the_model_recover_with_fresh_workers():
+    # 8 experts in 6 slots per rank: the one survivor cannot hold them all; the recovery adds one
+    config = small_config(ep_size=2, max_ep_size=3, model=dict(num_layers=3, num_experts=8),
+                          eplb=dict(num_redundant_experts=4), timeouts=dict(collective=3, heartbeat=4))
+    with running(config) as c:
+        c.wait_for_step(5)
+        c.live_workers()[1].handle.kill()
+        wait_for_state(c, "failed", timeout=60)
+        op = c.recover(timeout=90)
+        assert op.status == OperationStatus.SUCCEEDED, op.error
+        assert op.target_size == 2 and c.size == 2
+        assert_consistent(c, 2)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_rebalance_started_in_the_same_step_as_a_drain_is_drained_not_left_in_flight():
+    config = small_config(eplb=dict(step_interval=100000, window_size=4), step_delay_s=0.02)
+    with running(config, faults=[DelayTransfer(rank=0, seconds=1.0)]) as c:
+        c.wait_for_step(8)
+        for size in (3, 2, 3, 2, 3, 2):
+            # the RebalanceNow and the scale's Drain reach the ranks within one decode step
+            asker = threading.Thread(target=lambda: c.rebalance(timeout=30))
+            asker.start()
+            op = c.scale(size, timeout=90)
+            asker.join(40)
+            assert op.status == OperationStatus.SUCCEEDED, op.error
+        assert_consistent(c, 2)

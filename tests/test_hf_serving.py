@@ -8,6 +8,8 @@ tests/test_scenarios.py): a kill and its recovery, 1 -> 4 -> 2 ranks, a rebalanc
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from elastic.coordinator import Coordinator, OperationStatus
@@ -56,11 +58,25 @@ def test_an_architecture_answers_the_same_through_a_rebalance_and_a_scale(archit
 
 @pytest.mark.timeout(180)
 def test_a_wrong_expert_in_one_slot_trips_the_output_check():
-    # verify_transfers off: a corrupted received layer is committed, as a silent bug would
-    config = hf_config("qwen3_moe", eplb={"verify_transfers": False})
-    with Coordinator(config, faults=(CorruptBuffer(rank=0, times=1),)) as c:
-        c.wait_for_step(c.snapshot()["step"] + 30, timeout=120)
+    # verify_transfers off: corrupted received layers are committed, as a silent bug would; one
+    # rebalance, asked for by hand, so no later rebalance rewrites the corrupted slots first
+    config = hf_config("qwen3_moe", eplb={"verify_transfers": False, "step_interval": 100000})
+    with Coordinator(config, faults=(CorruptBuffer(rank=0, times=100),)) as c:
+        assert c.probe()["identical"]
+        c.wait_for_step(c.snapshot()["step"] + 10, timeout=60)  # a load window to rebalance from
+        assert c.rebalance(timeout=60)
+        deadline = time.monotonic() + 90
+        while (committed(c) == 0 or c.snapshot()["in_flight_layer"] is not None) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert committed(c) > 0, "the rebalance moved nothing: nothing was corrupted"
         result = c.probe()
         assert not result["identical"], result
         assert c.output_check["mismatches"] >= 1 and c.snapshot()["output_check"]["identical"] is False
-        assert any(v["mismatched"] for v in c.verify().values())  # verify names the slot too
+        assert any(v["mismatched"] for v in c.verify().values())  # verify names the slots too
+        from prometheus_client import generate_latest
+
+        from elastic.service.metrics import build_registry
+
+        exposition = generate_latest(build_registry(c)).decode()
+        mismatches = next(line for line in exposition.splitlines() if line.startswith("elastic_ep_output_mismatch_total "))
+        assert float(mismatches.split()[1]) >= 1, mismatches

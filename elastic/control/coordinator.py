@@ -345,7 +345,10 @@ class Coordinator:
         with self._reports:
             record = self.workers.get(report.pid)
             if record is not None:
-                record.last_report = time.monotonic()
+                if isinstance(report, (p.Heartbeat, p.PhaseDone)):
+                    # liveness is heartbeats (and phase reports): an EPLB thread's events can keep
+                    # coming from a rank whose decode loop no longer reports
+                    record.last_report = time.monotonic()
                 record.rank, record.generation = report.rank, report.generation
             if isinstance(report, p.Heartbeat) and record is not None:
                 record.heartbeat = report
@@ -557,6 +560,10 @@ class Coordinator:
                 lost = [self.workers[pid] for pid in pids if pid in self.workers and self.workers[pid].lost_reason]
                 if lost:
                     raise OperationFailed(phase, "; ".join(f"rank {w.rank} {w.lost_reason}" for w in lost))
+                gone = [pid for pid in pids - done.keys() if pid not in self.workers]
+                if gone:  # retired by a scale (and forgotten) before it answered: no answer will come
+                    raise OperationFailed(phase, f"worker(s) {sorted(gone)} left the group (a scale retired them) "
+                                                 f"before answering {phase}")
                 if self._stop.is_set():
                     raise OperationFailed(phase, "the coordinator is shutting down")
                 if fail_machine and self.machine.state == Phase.FAILED:
@@ -640,12 +647,14 @@ class Coordinator:
             # a pure decision (elastic.control.plans); it refuses before the state changes when no one survives
             plan = plan_recovery([LiveWorker(w.handle.pid, w.rank, w.generation) for w in live], attempts,
                                  self.machine.generation, self.size)
-            problem = self.config.size_problem(plan.new_size)
+            # too few survivors to hold every expert: fresh workers join the recovery, as few as needed
+            target = self._recovery_size(plan.new_size)
+            problem = self.config.size_problem(target)
             if problem:
                 raise InvalidScaleRequest("ep_size", f"cannot recover with {len(plan.survivors)} living workers: {problem}")
             survivors = [self.workers[pid] for pid in plan.survivors]
             lost_ranks = plan.lost_ranks
-            op = Operation(id=f"op-{uuid.uuid4().hex[:12]}", kind="recover", target_size=len(survivors),
+            op = Operation(id=f"op-{uuid.uuid4().hex[:12]}", kind="recover", target_size=target,
                            from_size=self.size, generation_before=self.machine.generation)
             keep = set(plan.survivors)
             for w in self.workers.values():
@@ -662,6 +671,14 @@ class Coordinator:
         if wait:
             op.done.wait(timeout)
         return op
+
+    def _recovery_size(self, survivors: int) -> int:
+        """The survivors, or the fewest ranks at least as many that hold every logical expert (the
+        slots per rank are fixed), when the launcher has room for the fresh ones."""
+        size = survivors
+        while self.config.size_problem(size) and size < self.config.max_ep_size:
+            size += 1
+        return size if not self.config.size_problem(size) else survivors
 
     def _check_recoverable(self) -> None:
         with self._lock:
@@ -798,7 +815,7 @@ class Coordinator:
     def _await_joiners_ready(self, run: OperationRun) -> None:
         """The pause starts only once the joining ranks are ready: the old group decodes meanwhile."""
         if run.joining:
-            self._await(run.standby_seq, {w.handle.pid for w in run.joining}, Phase.DRAINING.value,
+            self._await(run.standby_seq, {w.handle.pid for w in run.joining}, run.op.phase,
                         self.config.timeouts.worker_start, operation=run.op)
 
     def _send_suppress(self, run: OperationRun) -> tuple[int, set[int]]:
@@ -904,22 +921,32 @@ class Coordinator:
                 del self._attempted[g]
 
     def _run_recovery(self, op: Operation, survivors: list[WorkerRecord], lost_ranks: tuple[int, ...]) -> None:
+        run: OperationRun | None = None
         try:
-            mapping = RankMapping.without(self.size, lost_ranks)
+            without = RankMapping.without(self.size, lost_ranks)
+            mapping = RankMapping(without.old_to_new, op.target_size)  # fresh ranks after the survivors, if any
             keep = {w.handle.pid for w in survivors}
             for w in list(self.workers.values()):
                 if w.handle.pid not in keep and w.handle.is_alive():
                     w.expected_exit = True
                     w.handle.kill()  # retired: a fresh rank of a failed attempt, or a lost one
-            run = OperationRun(op, mapping, survivors, lost=lost_ranks, generation=self._reserve_generation())
+            run = OperationRun(op, mapping, survivors, lost=lost_ranks, generation=self._reserve_generation(),
+                               standby_seq=next(self._standby_ids))
+            for rank in mapping.joining:  # the survivors alone cannot hold the model
+                run.joining.append(self._launch(rank, mapping.new_size, run.generation, joining=True,
+                                                standby_seq=run.standby_seq))
+            if run.joining:
+                self._await_joiners_ready(run)
             self._execute_steps(run, RECOVERY_STEPS)
             self._finish(op, OperationStatus.SUCCEEDED)
             self._delete_retired_generations()
             self._maybe_replace_lost(op)
         except (OperationFailed, ElasticError) as exc:
+            self._retire_standby(run.joining if run else [])
             self._fail(op, str(exc))
         except Exception as exc:  # noqa: BLE001
             log.exception("recovery %s crashed", op.id)
+            self._retire_standby(run.joining if run else [])
             self._fail(op, f"{type(exc).__name__}: {exc}")
 
     # -- the output never changes when experts move (Hugging Face models) ---------------------
@@ -1015,7 +1042,8 @@ class Coordinator:
         """Ask every rank to start a rebalance at the next step boundary; True if one is under way on
         every rank then (this one, or one that was already running)."""
         if self.machine.state != Phase.RUNNING:
-            raise ScaleConflict(self._current.id if self._current else None, self.machine.state, self.machine.allowed())
+            raise ScaleConflict(self._current.id if self._current else None, self.machine.state, self.machine.allowed(),
+                                trigger="rebalance")
         seq, pids = self._broadcast(p.RebalanceNow)
         try:
             reports = self._await(seq, pids, "rebalance", timeout, fail_machine=False)

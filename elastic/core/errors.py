@@ -122,9 +122,12 @@ class ScaleConflict(InvalidTransition):
 
     def __init__(self, operation_id: str | None, state: str, allowed: Iterable[str] = (), *, trigger: str = "request_scale"):
         state_s = _label(state)
-        who = f"operation {operation_id!r}" if operation_id else "another operation"
-        hint = "; recover first" if state_s == "failed" else ""
-        msg = f"cannot {trigger} while {state_s}: {who} holds the machine{hint}"
+        if state_s == "failed" and not operation_id:
+            msg = f"cannot {trigger} while failed: recover first"
+        else:
+            who = f"operation {operation_id!r}" if operation_id else "another operation"
+            hint = "; recover first" if state_s == "failed" else ""
+            msg = f"cannot {trigger} while {state_s}: {who} holds the machine{hint}"
         super().__init__(state_s, trigger, allowed, message=msg, operation_id=operation_id)
 
 
@@ -170,6 +173,8 @@ class StaleGeneration(ElasticError):
     """A group generation that does not move forward: ``actual`` was given, at least ``expected`` needed."""
 
     code = "stale_generation"
+    expected: int  # both set from the fields by ElasticError.__init__
+    actual: int
 
     def __init__(self, expected: int, actual: int):
         super().__init__(

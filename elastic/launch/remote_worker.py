@@ -83,6 +83,15 @@ def _watch(store_host: str, store_port: int, worker_id: int, orphan_timeout_s: f
             os._exit(4)
 
 
+def _watch_parent(parent: int, stop: threading.Event) -> None:
+    """Exit when this process is re-parented: whatever started it (the coordinator on this host, an
+    ssh session, a namespace exec) is gone, so nobody will retire it."""
+    while not stop.wait(0.5):
+        if os.getppid() != parent:
+            log.warning("the process that started this worker (pid %d) is gone: exiting", parent)
+            os._exit(4)
+
+
 def serve(store_host: str, store_port: int, worker_id: int, *, connect_timeout_s: float = 60.0,
           orphan_timeout_s: float = 60.0) -> int:
     """Fetch the launch record, then run :func:`elastic.worker.process.worker_main` on store-carried queues.
@@ -91,6 +100,12 @@ def serve(store_host: str, store_port: int, worker_id: int, *, connect_timeout_s
     """
     from elastic.launch.channel import StoreQueue, TaggedOutbox, connect  # torch: only once the arguments are good
 
+    # the watches start before anything can block (reaching the store, waiting for the launch
+    # record): a worker whose coordinator died while it was starting must not linger
+    stop = threading.Event()
+    threading.Thread(target=_watch_parent, args=(os.getppid(), stop), name="remote-worker-parent", daemon=True).start()
+    threading.Thread(target=_watch, args=(store_host, store_port, worker_id, orphan_timeout_s, stop),
+                     name="remote-worker-watch", daemon=True).start()
     control = connect(store_host, store_port, connect_timeout_s)
     key = launch_key(worker_id)
     control.wait([key])
@@ -99,9 +114,6 @@ def serve(store_host: str, store_port: int, worker_id: int, *, connect_timeout_s
     if record.get("host"):
         # the name the group generation uses to count hosts (elastic.worker.groups.host_identity)
         os.environ["ELASTIC_EP_HOST"] = str(record["host"])
-    stop = threading.Event()
-    threading.Thread(target=_watch, args=(store_host, store_port, worker_id, orphan_timeout_s, stop),
-                     name="remote-worker-watch", daemon=True).start()
     from elastic.worker.process import worker_main  # after the environment is set: torch reads some of it
 
     # commands come from one producer, in order: a missing number is waited for, never skipped

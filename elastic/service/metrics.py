@@ -73,6 +73,10 @@ class CoordinatorCollector(Collector):
         scale_bytes = CounterMetricFamily(PREFIX + "scale_moved_bytes", "bytes moved by scale and recovery operations")
         rank_load = GaugeMetricFamily(PREFIX + "rank_load", "tokens routed to a rank's slots in its last step", labels=["rank"])
         rank_step = GaugeMetricFamily(PREFIX + "rank_step_seconds", "a rank's last decode step time", labels=["rank"])
+        output_checks = CounterMetricFamily(PREFIX + "output_checks", "probes of a real model's output compared with the "
+                                            "unsharded model's (after scales, recoveries and rebalances)")
+        output_mismatch = CounterMetricFamily(PREFIX + "output_mismatch", "probes whose greedy tokens or logits differed "
+                                              "from the unsharded model's (should stay 0)")
         eplb_healthy = GaugeMetricFamily(PREFIX + "eplb_healthy", "1 while the async EPLB can commit rebalances, 0 when "
                                          "degraded (it failed and could not be rebuilt; /state says why)")
         eplb_restarts = CounterMetricFamily(PREFIX + "eplb_restarts", "async EPLB runs rebuilt after a failed layer "
@@ -109,6 +113,10 @@ class CoordinatorCollector(Collector):
             eplb_healthy.add_metric([], 0.0 if health.get("status") == "degraded" else 1.0)
             eplb_restarts.add_metric([], health.get("restarts") or 0)
             eplb_failed.add_metric([], health.get("rebalances_failed") or 0)
+            check = snap.get("output_check") or {}
+            if check.get("enabled"):
+                output_checks.add_metric([], check.get("checks") or 0)
+                output_mismatch.add_metric([], check.get("mismatches") or 0)
             stats = [b.eplb for b in beats if isinstance(getattr(b, "eplb", None), dict)]
             for outcome in REBALANCE_OUTCOMES:
                 outcomes.add_metric([outcome], max((e.get(f"rebalances_{outcome}") or 0 for e in stats), default=0))
@@ -135,7 +143,7 @@ class CoordinatorCollector(Collector):
                 rank_step.add_metric([str(hb.rank)], float(hb.step_seconds))
         yield from (state, generation, size, physical, serving, balancedness, step, in_flight, rebalances, layers,
                     eplb_bytes, stalls, operations, scale_bytes, rank_load, rank_step, eplb_healthy, eplb_restarts,
-                    eplb_failed, outcomes, layer_bal, window_bal, min_bal)
+                    eplb_failed, outcomes, layer_bal, window_bal, min_bal, output_checks, output_mismatch)
         scaler = self.autoscaler
         enabled = GaugeMetricFamily(PREFIX + "autoscaler_enabled", "1 when the autoscaler is on", labels=["observe_only"])
         decisions = CounterMetricFamily(PREFIX + "autoscaler_decisions", "autoscaler decisions by what became of them",

@@ -215,10 +215,11 @@ class Worker:
             self.model = build_model(spec.shape, placement, self.rank, self.size, seed=spec.seed,
                                      timeout=spec.collective_timeout_s)
             self._start_decoder()
+            self.progress = ("starting the EPLB", 0, 1)  # memory registration (NIXL) can take a while
+            self.eplb = EPLBState(spec.eplb, self.model, placement, self.rank, self.size, on_event=self._eplb_event,
+                                  hooks=self._hooks(), communicator=self.comm)
+            self._resume_eplb()
             self.progress = None
-        self.eplb = EPLBState(spec.eplb, self.model, placement, self.rank, self.size, on_event=self._eplb_event,
-                              hooks=self._hooks(), communicator=self.comm)
-        self._resume_eplb()
         self.mode = p.WorkerMode.DECODING
         self.report(p.PhaseDone, seq=0, step=self.step, result=p.Started(num_physical=placement.num_physical))
 
@@ -339,7 +340,8 @@ class Worker:
 
     def _on_resume(self, command: p.Resume) -> None:
         started = time.perf_counter()
-        self._resume_eplb()
+        with self._busy(p.WorkerMode.RESUMING):  # the EPLB group and memory registration: not silence
+            self._resume_eplb()
         self.mode = p.WorkerMode.DECODING
         self._done(command, p.ResumeDone(seconds=time.perf_counter() - started, threads=_thread_names()))
 
