@@ -554,7 +554,9 @@ class Worker:
         if fresh:
             # nothing read from disk: experts arrive by the rescale's plan, a Hugging Face model's
             # other weights from the lowest survivor (below)
-            self.model = build_model(self.spec.shape, base, new_rank, cmd.new_size, seed=self.spec.seed,
+            # built on the old maps (as rank 0 of the old group: the same slots per rank); the new
+            # placement is installed at adoption
+            self.model = build_model(self.spec.shape, base, 0, len(cmd.mapping), seed=self.spec.seed,
                                      timeout=self.spec.collective_timeout_s, joining=True)
             self.model.replace_weights([])
             self._start_decoder()
