@@ -958,7 +958,9 @@ def worker_main(spec: WorkerSpec, inbox: Any, outbox: Any) -> None:
                                  generation=spec.generation if worker is None else worker.generation,
                                  pid=os.getpid(), at=time.time(), step=0 if worker is None else worker.step,
                                  where="worker", error_type=type(exc).__name__, message=str(exc),
-                                 traceback=traceback.format_exc(), fatal=True))
+                                 traceback=traceback.format_exc(), fatal=True,
+                                 # the command it had taken up: the wait for that command names this error
+                                 seq=0 if worker is None else worker.executed_seq))
         raise SystemExit(1) from exc
     finally:
         if watch is not None:
