@@ -13,7 +13,7 @@ identical, and stands in for a checkpoint loader when a rank's weights are lost.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -21,7 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from eplb.placement import Placement
 from eplb.trace import seed_for
 
-__all__ = ["MixtureOfExperts", "ModelShape", "ReferenceMoE", "allocate_weights", "split_over_replicas"]
+__all__ = ["MixtureOfExperts", "ModelShape", "ReferenceMoE", "allocate_weights", "mismatched_slots", "mismatched_staged",
+           "split_over_replicas"]
 
 
 @runtime_checkable
@@ -100,6 +101,29 @@ def allocate_weights(shape: ModelShape, num_local: int) -> list[list[torch.Tenso
     ]
 
 
+def mismatched_slots(model: Any) -> list[tuple[int, int]]:
+    """``(layer, physical slot)`` of every local slot of ``model`` (a :class:`MixtureOfExperts` with
+    ``placement``, ``rank``, ``num_ranks`` and ``canonical_expert``) not holding exactly its expert."""
+    view = model.placement.rank_view(model.rank, model.num_ranks)
+    weights = model.expert_weights()
+    bad = []
+    for layer in range(model.num_moe_layers):
+        for local, expert in enumerate(view.physical_to_logical[layer].tolist()):
+            want = model.canonical_expert(layer, expert)
+            if not all(torch.equal(w[local], c) for w, c in zip(weights[layer], want)):
+                bad.append((layer, view.first_slot + local))
+    return bad
+
+
+def mismatched_staged(model: Any, layer: int, new_row: torch.Tensor, rank_plan: Any,
+                      staging: list[torch.Tensor]) -> list[int]:
+    """Local slots of a staged layer that do not hold exactly the expert ``new_row`` assigns."""
+    first = rank_plan.num_new_slots * model.rank
+    return [local for local in rank_plan.changed_slots
+            if not all(torch.equal(s[local], c)
+                       for s, c in zip(staging, model.canonical_expert(layer, int(new_row[first + local]))))]
+
+
 class ReferenceMoE:
     """A real MoE block per layer on one EP rank: ``y = relu(x @ w1) @ w2`` for each local slot."""
 
@@ -156,24 +180,11 @@ class ReferenceMoE:
 
     def verify(self) -> list[tuple[int, int]]:
         """``(layer, physical slot)`` of every local slot that does not hold exactly its expert."""
-        view = self.placement.rank_view(self.rank, self.num_ranks)
-        bad = []
-        for layer in range(self.num_moe_layers):
-            for local, expert in enumerate(view.physical_to_logical[layer].tolist()):
-                want = self.canonical_expert(layer, expert)
-                if not all(torch.equal(w[local], c) for w, c in zip(self._weights[layer], want)):
-                    bad.append((layer, view.first_slot + local))
-        return bad
+        return mismatched_slots(self)
 
     def verify_staged(self, layer: int, new_row: torch.Tensor, rank_plan, staging: list[torch.Tensor]) -> list[int]:
         """Local slots of a staged layer that do not hold exactly the expert ``new_row`` assigns."""
-        first = rank_plan.num_new_slots * self.rank
-        wrong = []
-        for local in rank_plan.changed_slots:
-            want = self.canonical_expert(layer, int(new_row[first + local]))
-            if not all(torch.equal(s[local], c) for s, c in zip(staging, want)):
-                wrong.append(local)
-        return wrong
+        return mismatched_staged(self, layer, new_row, rank_plan, staging)
 
     # -- compute ------------------------------------------------------------------------
     def route(self, logical_counts: torch.Tensor) -> torch.Tensor:

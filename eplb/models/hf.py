@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from eplb.model import mismatched_slots, mismatched_staged
 from eplb.models.config import HFModelConfig, tiny_config
 from eplb.models.kernel import (
     KERNEL_NAME,
@@ -429,21 +430,11 @@ class HFMoE:
 
     def verify(self) -> list[tuple[int, int]]:
         """``(layer, physical slot)`` of every local slot that does not hold exactly its expert."""
-        view = self.placement.rank_view(self.rank, self.num_ranks)
-        bad = []
-        for layer in range(self.num_moe_layers):
-            for local, expert in enumerate(view.physical_to_logical[layer].tolist()):
-                want = self.canonical_expert(layer, expert)
-                if not all(torch.equal(w[local], c) for w, c in zip(self._weights[layer], want)):
-                    bad.append((layer, view.first_slot + local))
-        return bad
+        return mismatched_slots(self)
 
     def verify_staged(self, layer: int, new_row: torch.Tensor, rank_plan, staging: list[torch.Tensor]) -> list[int]:
         """Local slots of a staged layer that do not hold exactly the expert ``new_row`` assigns."""
-        first = rank_plan.num_new_slots * self.rank
-        return [local for local in rank_plan.changed_slots
-                if not all(torch.equal(s[local], c)
-                           for s, c in zip(staging, self.canonical_expert(layer, int(new_row[first + local]))))]
+        return mismatched_staged(self, layer, new_row, rank_plan, staging)
 
     def self_check(self) -> None:
         """Start-up check that the experts kernel's bits do not depend on rows per call (see kernel)."""
