@@ -112,7 +112,7 @@ class Worker:
         self.size = spec.size
         self.generation = spec.generation
         self.step = 0
-        self.received_seq = 0  # highest command seq received from the inbox
+        self.received_seq = 0  # the end of the gap-free run of command seqs received (see _take)
         self.executed_seq = 0
         self.pending: dict[int, p.Command] = {}
         self.broken = False
