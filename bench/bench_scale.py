@@ -44,8 +44,10 @@ PHASES = tuple(str(phase) for phase in OPERATION_PHASES)
 
 
 def deployment(args: argparse.Namespace) -> DeploymentConfig:
-    shape = ModelShape(num_layers=args.layers, num_experts=args.experts, hidden_size=args.hidden,
-                       intermediate_size=args.intermediate)
+    shape: Any = ModelShape(num_layers=args.layers, num_experts=args.experts, hidden_size=args.hidden,
+                            intermediate_size=args.intermediate)
+    if args.architecture:  # a real MoE (a tiny random one of that architecture): its own layers and experts
+        shape = {"kind": "hf", "architecture": args.architecture, "seed": args.seed}
     eplb = EPLBConfig(use_async=True, num_redundant_experts=args.redundant, window_size=args.window,
                       step_interval=args.interval, communicator=args.communicator)
     trace = [TracePhase(trace=TraceConfig(kind="drift", drift_period=args.interval, tokens_per_step=args.tokens))]
@@ -151,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                          "for (checking the announced plan, installing the maps: about 0.1-0.3 ms); it decides only "
                          "when almost nothing moves, e.g. a scale down whose survivors already hold every expert")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--architecture", default=None, help="a Hugging Face MoE architecture (deepseek_v3, gpt_oss, ...) "
+                    "instead of the reference model; --layers/--experts/--hidden/--intermediate then do not apply")
     ap.add_argument("--json", dest="json_path", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     args.sizes = [int(x) for x in args.sizes.split(",")]
@@ -161,9 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=170)
 
     cfg = deployment(args)
-    expert_bytes = cfg.model.expert_bytes
-    console.print(f"[bold]bench_scale[/bold]: sizes {' -> '.join(map(str, args.sizes))} x{args.cycles}, {args.layers} layers, "
-                  f"{args.experts} experts + {args.redundant} redundant ({cfg.slots_per_rank} slots per rank), expert "
+    expert_bytes = cfg.sizes.expert_bytes
+    what = f"{args.architecture} (Hugging Face, tiny random)" if args.architecture else "the reference model"
+    console.print(f"[bold]bench_scale[/bold] on {what}: sizes {' -> '.join(map(str, args.sizes))} x{args.cycles}, "
+                  f"{cfg.sizes.num_moe_layers} layers, "
+                  f"{cfg.sizes.num_logical_experts} experts + {args.redundant} redundant ({cfg.slots_per_rank} slots per rank), expert "
                   f"{fmt_bytes(expert_bytes)}, async EPLB every {args.interval} steps")
     load_before = os.getloadavg()[0]
     t0 = time.monotonic()
