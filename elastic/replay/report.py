@@ -439,6 +439,13 @@ def plot_report(report: dict[str, Any], path: str | Path) -> Path:
     ax_bal.plot([], [], color="#59a14f", lw=6, label="EPLB rebalance (start→last commit)")
     if drained:
         ax_bal.plot([], [], color="#f28e2b", lw=6, label="rebalance cut short by a drain")
+    probes = [v for v in report["verifications"] if "output_identical" in v]  # a real model's output check
+    for ok in (True, False):
+        at = [v["step"] for v in probes if bool(v["output_identical"]) is ok]
+        if at:
+            ax_bal.scatter(at, [1.0] * len(at), marker="D" if ok else "X", s=40 if ok else 70, zorder=6,
+                           color="#2e7d32" if ok else "#b00020",
+                           label="output identical to the unsharded model" if ok else "output CHANGED")
     lo = min([x["balancedness"] for x in samples] + [0.5] + ([x_expect] if x_expect else []))
     ax_bal.set_ylim(max(0.0, lo - 0.05), 1.04)
     ax_bal.set_ylabel("balancedness\n(mean / max rank load)")
@@ -665,15 +672,18 @@ def render_summary(report: dict[str, Any], console: Any) -> None:
 
     if report["verifications"]:
         vt = Table(title="Verifications (every slot bit-exact on every rank)", title_justify="left", header_style="bold")
-        for col in ("after", "step", "ranks", "mismatched", "replica min", "digests"):
+        probed = any("output_identical" in v for v in report["verifications"])
+        for col in ("after", "step", "ranks", "mismatched", "replica min", "digests", *(("output",) if probed else ())):
             vt.add_column(col, justify="left" if col == "after" else "right")
         for v in report["verifications"]:
             if v.get("error"):
                 vt.add_row(_esc(v["after"]), str(v["step"]), "—", "—", "—", f"[red]{_esc(v['error'])}[/]")
                 continue
+            output = () if not probed else (
+                ("[green]identical[/]" if v["output_identical"] else "[red]CHANGED[/]") if "output_identical" in v else "—",)
             vt.add_row(_esc(v["after"]), str(v["step"]), str(len(v["ranks"])),
                        f"[{'green' if v['mismatched'] == 0 else 'red'}]{v['mismatched']}[/]", str(v["replica_min"]),
-                       "[green]agree[/]" if v["digests_agree"] else "[red]differ[/]")
+                       "[green]agree[/]" if v["digests_agree"] else "[red]differ[/]", *output)
         console.print(vt)
 
     ex = Table(title="Expectations", title_justify="left", header_style="bold")
