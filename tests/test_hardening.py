@@ -152,7 +152,9 @@ def test_a_scale_that_fails_while_the_group_is_healthy_halts_eplb_and_recovers_a
         op = c.scale(3, timeout=60)
         assert op.status == OperationStatus.FAILED and "did not finish draining" in op.error, op.error
         assert c.machine.state.value == "failed"
-        _until(lambda: {str(w.heartbeat.state) for w in c.live_workers()} == {"halted"}, 20, "every rank halted")
+        _until(lambda: {str(w.heartbeat.state) for w in c.live_workers()} == {"halted"}
+               and all("rebalances_started" in w.heartbeat.eplb for w in c.live_workers()), 20,
+               "every rank halted and decoding (its decode heartbeats carry the EPLB statistics)")
         started = max(_eplb(c, "rebalances_started"))
         step = c.snapshot()["step"]
         c.wait_for_step(step + 12, timeout=30)  # decoding goes on ...

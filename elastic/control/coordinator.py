@@ -977,7 +977,13 @@ class Coordinator:
         if not self.output_check["enabled"]:
             raise InvalidScaleRequest("model", "the probe compares a real model's output (model kind hf); the "
                                       "reference model is checked slot by slot with verify()")
-        reference = self.reference_digest()
+        reference = self.reference_digest()  # built first: it can take a while, the check below must not age
+        with self._lock:
+            # the probe is a collective of the group: never while an operation is replacing it. One
+            # that starts right after this check sends its Drain after the Probe (the bus keeps the
+            # order), so every rank still runs the probe in the old group
+            if self._current is not None and not self._current.terminal:
+                raise ScaleConflict(self._current.id, self.machine.state, self.machine.allowed(), trigger="probe")
         seq, pids = self._broadcast(p.Probe)
         reports = self._await(seq, pids, "probe", timeout, fail_machine=False)
         digests = {r.rank: r.result.digest for r in reports.values() if isinstance(r.result, p.ProbeDone)}

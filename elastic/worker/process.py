@@ -133,6 +133,7 @@ class Worker:
         self.trace = PhasedTrace(list(spec.trace), self.sizes.num_moe_layers, self.sizes.num_logical_experts)
         self.decoder: DecodeBatches | None = None
         self.non_expert_sync: dict[str, float] | None = None  # bytes and seconds of the last peer copy (joining ranks)
+        self._abandoned_groups: list[Any] = []  # broken generations' EPLB subgroups, never torn down (see _enter_broken)
         self.store = connect_store(spec.store_host, spec.store_port, spec.join_timeout_s)
         self.comm = make_communicator(spec.eplb.communicator, spec.backend)  # moves expert weights
         self.group: GroupGeneration | None = None
@@ -321,8 +322,9 @@ class Worker:
         if not self.eplb.drained:
             raise RuntimeError("suppress before the drain finished: a transfer is still in flight")
         started = time.perf_counter()
-        if not self.eplb.stop_worker(timeout=self.spec.collective_timeout_s):
-            raise TimeoutError("the async EPLB thread did not stop in time")
+        with self._busy(p.WorkerMode.SUPPRESSED):  # joining the thread: busy, not silent
+            if not self.eplb.stop_worker(timeout=self.spec.collective_timeout_s):
+                raise TimeoutError("the async EPLB thread did not stop in time")
         self.mode = p.WorkerMode.SUPPRESSED
         joined = time.perf_counter() - started
         self._announced = None
@@ -367,8 +369,9 @@ class Worker:
 
     def _on_stop_eplb(self, command: p.StopEPLB) -> None:
         self.eplb.begin_drain()  # nothing starts again until a recovery's Resume
-        if not self.eplb.stop_worker(timeout=self.spec.eplb.transfer_timeout_s + self.spec.collective_timeout_s):
-            raise TimeoutError("the async EPLB thread did not stop in time")
+        with self._busy(p.WorkerMode.HALTED):  # joining the thread (a transfer may end first): busy, not silent
+            if not self.eplb.stop_worker(timeout=self.spec.eplb.transfer_timeout_s + self.spec.collective_timeout_s):
+                raise TimeoutError("the async EPLB thread did not stop in time")
         self.mode = p.WorkerMode.HALTED
         self._done(command, p.EPLBStopped(threads=_thread_names()))
 
@@ -889,11 +892,14 @@ class Worker:
                 stopped = self.eplb.stop_worker(timeout=self.spec.eplb.transfer_timeout_s + self.spec.collective_timeout_s)
             if not stopped:
                 raise RuntimeError("the async EPLB thread did not stop: the group cannot be destroyed safely")
+        if self._eplb is not None and self._eplb.group is not None:
+            # never torn down: destroying a gloo group whose peer failed can block until its failed
+            # work times out, holding the GIL, so no heartbeat gets out and the rank looks lost. It
+            # is kept (one per broken generation) until the process exits
+            self._abandoned_groups.append(self._eplb.group)
         if self.group is not None:
-            # the EPLB subgroup stays referenced: tearing down a gloo group whose peer failed can
-            # block until its failed work times out, holding the GIL (no heartbeat gets out), so
-            # it is released at adoption, after the recovery's rendezvous
-            self.group.destroy()
+            with self._busy(p.WorkerMode.BROKEN):
+                self.group.destroy()
         self.group = None
 
     def run(self) -> None:
