@@ -132,9 +132,8 @@ class WorkerRecord:
     heartbeat: p.Heartbeat | None = None
     expected_exit: bool = False
     lost_reason: str | None = None
-    dead_since: float | None = None
+    dead_since: float | None = None  # first seen gone: a lost one gets EXIT_GRACE_S, a retired one is then forgotten
     standby: bool = False  # launched ahead of a scale-up, not yet sent its Rescale: in no group
-    exited_at: float | None = None  # when it was seen gone after an expected exit (then forgotten)
 
 
 @dataclass
@@ -498,9 +497,9 @@ class Coordinator:
             for pid, record in list(self.workers.items()):
                 if not record.expected_exit or record.handle.is_alive():
                     continue
-                record.exited_at = record.exited_at or now
+                record.dead_since = record.dead_since or now
                 # kept a moment for its last reports (and for recovery to see it was lost)
-                if now - record.exited_at > max(2.0, 4 * EXIT_GRACE_S) and (self._current is None or self._current.terminal):
+                if now - record.dead_since > max(2.0, 4 * EXIT_GRACE_S) and (self._current is None or self._current.terminal):
                     gone.append(self.workers.pop(pid))
         for record in gone:
             forget = getattr(self.launcher, "forget", None)
