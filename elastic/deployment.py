@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 
-from elastic.core.config import TimeoutsConfig
+from elastic.core.config import ServingConfig, TimeoutsConfig
 from eplb.config import EPLBConfig
 from eplb.models.config import ModelSpec
 from eplb.models.serving import ModelSizes, model_info
@@ -130,6 +130,8 @@ class DeploymentConfig(BaseModel):
     max_ep_size: int = Field(8, ge=1, description="the launcher's capacity: no scale beyond it")
     seed: int = 0
     timeouts: TimeoutsConfig = TimeoutsConfig()
+    serving: ServingConfig = Field(ServingConfig(), description="completion requests (a real model, kind: hf): batch, "
+                                   "queue and limits")
     heartbeat_s: float = Field(0.1, gt=0, description="how often each worker reports")
     step_delay_s: float = Field(0.0, ge=0, description="sleep after each decode step (pacing a replay)")
     auto_recover: bool = Field(False, description="after a failure, recover with the living workers without waiting for an operator")

@@ -44,10 +44,12 @@ from elastic.core.errors import (
     StaleGeneration,
 )
 from elastic.core.machine import Phase, ScaleMachine
+from elastic.core.phases import SERVING_PHASES
 from elastic.core.mapping import RankMapping
 from elastic.deployment import DeploymentConfig
 from elastic.launch.factory import make_launcher
 from elastic.launch.launchers import Launcher, WorkerHandle, plan_mapping
+from elastic.serving.engine import Completion, RequestEngine
 from elastic.worker.groups import abort_generation, open_store
 from elastic.worker.process import WorkerSpec
 from eplb.models.config import HFModelConfig
@@ -230,12 +232,20 @@ class Coordinator:
         self._last_generation = 0
         self._attempted: dict[int, tuple[int, int]] = {}  # generation -> (size, command seq) of every rescale attempt
         self.machine.subscribe(lambda t: self._emit("transition", t.to_dict()))
+        self.machine.subscribe(self._note_failure)
         #: the invariant as a product feature (Hugging Face models): after every scale, recovery and
         #: rebalance the probe batch's tokens and logits must equal the unsharded model's, bitwise
         self.output_check: dict[str, Any] = {"enabled": isinstance(config.model, HFModelConfig), "checks": 0,
                                              "mismatches": 0, "identical": None, "last": None}
         self._probe_wanted = threading.Event()
         self._reference_digest: str | None = None
+        #: completion requests (a real model): queue, admission into the group's batch, tokens
+        self.requests: RequestEngine | None = None
+        if isinstance(config.model, HFModelConfig):
+            self.requests = RequestEngine(self, config.serving, clock=clock, on_mismatch=self._request_mismatch)
+        #: scales, recoveries and rebalances with wall-clock times (what a load generator shades)
+        self.timeline: deque[dict[str, Any]] = deque(maxlen=10 * history)
+        self._rebalance_open: dict[Any, dict[str, Any]] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> Coordinator:
@@ -247,6 +257,8 @@ class Coordinator:
         if self.output_check["enabled"]:
             self._threads.append(threading.Thread(target=self._check_outputs, name="coordinator-output-check", daemon=True))
             self._probe_wanted.set()  # a first check once the group serves
+        if self.requests is not None:
+            self.requests.start()
         for thread in self._threads:
             thread.start()
         # the watchdog finds a worker that never reported at worker_start and names it; this wait
@@ -264,6 +276,8 @@ class Coordinator:
         """Retire every worker (a Shutdown, then a kill past ``timeout``), stop the threads, join
         the operation threads (bounded) and close the store. Safe to call more than once."""
         deadline = time.monotonic() + timeout
+        if self.requests is not None:
+            self.requests.stop()  # every request still queued or decoding gets a 503 to retry elsewhere
         with self._lock:
             live = [w for w in self.workers.values() if w.handle.is_alive()]
             for w in live:
@@ -312,6 +326,7 @@ class Coordinator:
             # coordinator names the hung rank (lost at worker_start) before the peer's rendezvous fails
             collective_timeout_s=t.collective, join_timeout_s=t.worker_start + 2.0,
             heartbeat_s=cfg.heartbeat_s, step_delay_s=cfg.step_delay_s, joining=joining, standby_seq=standby_seq,
+            serving=cfg.serving,
             # standing by lasts through draining and suppressed (the scale fails past those)
             standby_timeout_s=t.worker_start + t.draining + t.suppressed,
             faults=tuple(self.faults),
@@ -341,6 +356,9 @@ class Coordinator:
         thread.start()
 
     def _file(self, report: p.Report) -> None:
+        if isinstance(report, (p.TokensOut, p.RequestsHeld)):
+            self._file_serving(report)
+            return
         with self._reports:
             record = self.workers.get(report.pid)
             if record is not None:
@@ -366,6 +384,8 @@ class Coordinator:
             self._note_broken_group(report)
         if isinstance(report, p.WorkerEvent) and report.kind == "rebalance_finished":
             self._probe_wanted.set()  # experts moved: the output must not have changed
+        if isinstance(report, p.WorkerEvent) and report.rank == 0:
+            self._note_rebalance(report)
         if isinstance(report, p.WorkerEvent):
             self._emit("worker_event", {"rank": report.rank, "step": report.step, "kind": report.kind, **report.data})
         elif isinstance(report, p.WorkerError):
@@ -376,6 +396,82 @@ class Coordinator:
                                      "balancedness": report.balancedness, "state": report.state,
                                      "in_flight_layer": report.in_flight_layer, "rank_load": report.rank_load,
                                      "progress": report.progress, "received": time.monotonic()})
+
+    def _file_serving(self, report: p.TokensOut | p.RequestsHeld) -> None:
+        """Tokens and the held list go to the request engine; only the serving group's rank 0 counts."""
+        if self.requests is None:
+            return
+        # a retired or replaced rank's last tokens are still good: the engine checks them by position
+        if isinstance(report, p.TokensOut):
+            self.requests.on_tokens(report)
+        else:
+            self.requests.on_held(report)
+
+    def _note_failure(self, transition: Any) -> None:
+        """A failure opens a timeline window; the recovery that brings the group back closes it."""
+        if transition.dest == Phase.FAILED and not any(w["kind"] == "failure" and w["ended_at"] is None
+                                                       for w in self.timeline):
+            self.timeline.append({"kind": "failure", "id": f"failure-{transition.seq}", "started_at": time.time(),
+                                  "ended_at": None, "reason": transition.reason})
+        elif transition.source == Phase.FAILED or (transition.dest == Phase.RUNNING and transition.trigger == "resumed"):
+            for window in self.timeline:
+                if window["kind"] == "failure" and window["ended_at"] is None and transition.dest == Phase.RUNNING:
+                    window["ended_at"] = time.time()
+
+    def _note_operation(self, op: Operation) -> None:
+        """A finished scale or recovery as a timeline window, with its pause (``rescaling``) in wall time."""
+        offset = time.time() - time.monotonic()
+        window: dict[str, Any] = {"kind": op.kind, "id": op.id, "status": op.status.value,
+                                  "started_at": op.created_at, "ended_at": op.finished_at}
+        rescaling = op.phases.get(Phase.RESCALING.value)
+        if rescaling and "ended" in rescaling:
+            window["pause"] = [rescaling["started"] + offset, rescaling["ended"] + offset]
+        self.timeline.append(window)
+
+    def _note_rebalance(self, report: p.WorkerEvent) -> None:
+        """Rank 0's rebalance events as timeline windows (wall clock, the worker's)."""
+        key = report.data.get("id")
+        if report.kind == "rebalance_started":
+            window = {"kind": "rebalance", "id": f"rebalance-{report.generation}-{key}", "started_at": report.at,
+                      "ended_at": None}
+            self._rebalance_open[(report.generation, key)] = window
+            self.timeline.append(window)
+        elif report.kind in ("rebalance_finished", "rebalance_failed"):
+            window = self._rebalance_open.pop((report.generation, key), None)
+            if window is None:  # a sync rebalance: started and finished within one step
+                window = {"kind": "rebalance", "id": f"rebalance-{report.generation}-{key}", "started_at": report.at}
+                self.timeline.append(window)
+            window["ended_at"] = report.at
+            window["outcome"] = "failed" if report.kind == "rebalance_failed" else "finished"
+
+    # -- serving requests (elastic.serving.engine's gate) -----------------------------------------
+    def send_serving(self, command: type[p.Command], **fields: Any) -> bool:
+        """Send an Admit or Cancel to the serving group; False while it cannot decode (an
+        operation replaces it, or it failed). Whatever the bus order against an operation's
+        commands, every rank that will decode the request receives it (see docs/design.md)."""
+        with self._lock:
+            if self.machine.state not in SERVING_PHASES or self._stop.is_set():
+                return False
+            self._broadcast(command, **fields)
+        return True
+
+    def serving_health(self) -> str:
+        state = self.machine.state
+        if state in SERVING_PHASES:
+            return "ok"
+        if state != Phase.FAILED or (self._current is not None and not self._current.terminal):
+            return "paused"  # a scale or a recovery is replacing the group
+        if self._auto_recovering or (self.config.auto_recover and self.auto_recoveries < self.config.max_auto_recoveries):
+            return "failed"  # a recovery is coming
+        return "down"
+
+    def _request_mismatch(self, completion: Completion, position: int, expected: int, got: int) -> None:
+        with self._lock:
+            self.output_check["mismatches"] += 1
+            self.output_check["identical"] = False
+            self.output_check["last"] = {"identical": False, "request": completion.id, "position": position,
+                                         "expected": expected, "got": got}
+        log.error("output changed: request %s token %d replayed as %d, was %d", completion.id, position, got, expected)
 
     def _forget_old_reports(self) -> None:
         """Keep the phase reports of the most recent command seqs (recovery reads a failed
@@ -728,6 +824,8 @@ class Coordinator:
             op.generation_after = self.machine.generation
             data = op.to_dict()
             self._forget_old_operations()
+            if status != OperationStatus.NOOP:
+                self._note_operation(op)
         if status == OperationStatus.SUCCEEDED:
             self._probe_wanted.set()  # the group changed: check the output once it serves
         self._emit("operation", data)
@@ -835,8 +933,11 @@ class Coordinator:
             self._attempted[run.generation] = (new_size, seq)
             for w in run.joining:
                 w.standby = False  # in the new group from here on (a failed attempt's recovery retires it)
+            # a recovery's survivors may hold a request's KV cache mid-step: its batch starts empty, and
+            # the request engine replays every request from its prompt (elastic.serving.engine)
             return p.Rescale(seq=seq, operation_id=run.op.id, generation=run.generation, new_size=new_size,
-                             mapping=tuple(run.mapping.old_to_new), lost=run.lost, execute_on=execute_on)
+                             mapping=tuple(run.mapping.old_to_new), lost=run.lost, execute_on=execute_on,
+                             keep_requests=run.op.kind != "recover")
 
         seq, _ = self._bus.send(command, members)
         self._forget_attempts()
@@ -1127,6 +1228,7 @@ class Coordinator:
                 "ranks": [{"rank": w.rank, "pid": w.handle.pid, "generation": w.generation,
                            "step": w.heartbeat.step if w.heartbeat else 0,
                            "state": str(w.heartbeat.state) if w.heartbeat else p.WorkerMode.STARTING.value,
+                           "requests": w.heartbeat.requests if w.heartbeat else 0,
                            "progress": list(w.heartbeat.progress) if w.heartbeat and w.heartbeat.progress else None}
                           for w in live],
                 "rebalances": max((e.get("rebalances_finished", 0) for e in eplb), default=0),
@@ -1134,6 +1236,7 @@ class Coordinator:
                 "bytes_moved": sum(e.get("bytes_moved", 0) for e in eplb),
                 "watchdog_stalls": sum(e.get("watchdog_stalls", 0) for e in eplb),
                 "history": [t.to_dict() for t in self.machine.history()[-20:]],
+                "requests": self.requests.stats() if self.requests is not None else None,
             }
 
 

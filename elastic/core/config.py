@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from elastic.core.phases import OPERATION_PHASES
 
-__all__ = ["TimeoutsConfig"]
+__all__ = ["ServingConfig", "TimeoutsConfig"]
 
 
 # --------------------------------------------------------------------------------------
@@ -47,3 +47,26 @@ class TimeoutsConfig(BaseModel):
         """The deadline of state-machine phase ``phase`` (a ``Phase`` or its value), or None if untimed."""
         name = getattr(phase, "value", phase)
         return getattr(self, name) if name in OPERATION_PHASES else None  # running and failed have none
+
+
+# --------------------------------------------------------------------------------------
+# Serving requests (elastic.serving)
+# --------------------------------------------------------------------------------------
+
+class ServingConfig(BaseModel):
+    """How a deployment of a real model (``model.kind: hf``) serves completion requests."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_batch: int = Field(8, ge=1, le=1024, description="requests decoded at once (the batch); more wait in the queue")
+    max_queue: int = Field(64, ge=0, le=100_000, description="requests waiting for a batch slot; beyond it: 429")
+    max_tokens_limit: int = Field(1024, ge=1, description="the most tokens one request may ask for")
+    background_load: bool = Field(True, description="while no request runs, decode seeded synthetic batches so the "
+                                  "EPLB has load to balance (demos, scenarios); false: idle ranks only keep the "
+                                  "step-boundary agreement going")
+    idle_step_s: float = Field(0.002, ge=0, le=1.0, description="sleep of a decode step with nothing to decode")
+    failed_grace_s: float = Field(30.0, gt=0, description="requests in flight when the deployment fails wait this long "
+                                  "for a recovery (then replay); past it, or with nothing recovering, they get 503")
+    retry_after_s: int = Field(1, ge=1, le=3600, description="the Retry-After of a 429 or 503")
+    model_name: str | None = Field(None, description="the name /v1/models lists and requests must give "
+                                   "(default: the checkpoint directory's name, or the architecture)")

@@ -34,6 +34,11 @@ __all__ = [
     "ScaleNoop",
     "StaleGeneration",
     "WorkerLost",
+    "InvalidCompletionRequest",
+    "ModelNotFound",
+    "Overloaded",
+    "RequestNotServed",
+    "ServiceUnavailable",
 ]
 
 
@@ -219,3 +224,48 @@ class ScaleNoop(ElasticError):
 
     def __init__(self, size: int):
         super().__init__(f"already at size {size}: nothing to do", size=int(size))
+
+
+# -- serving requests (elastic.serving) -----------------------------------------------------------
+
+class InvalidCompletionRequest(ElasticError, ValueError):
+    """A completion request whose field ``field`` is invalid (``reason`` says why); nothing was queued."""
+
+    code = "invalid_request"
+
+    def __init__(self, field: str, reason: str, *, value: Any = None):
+        shown = f" (got {value!r})" if value is not None else ""
+        super().__init__(f"invalid {field}: {reason}{shown}", field=field, reason=reason, value=value)
+
+
+class ModelNotFound(ElasticError):
+    """The request names a model this deployment does not serve (``served`` is the one it does)."""
+
+    code = "model_not_found"
+
+    def __init__(self, requested: str, served: str):
+        super().__init__(f"model {requested!r} is not served here; this deployment serves {served!r} (GET /v1/models)",
+                         requested=requested, served=served)
+
+
+class RequestNotServed(ElasticError):
+    """A request the deployment cannot take or finish now, and should be sent again after
+    ``retry_after_s`` (HTTP ``Retry-After``): nothing of it is kept."""
+
+    code = "request_not_served"
+    retryable: ClassVar[bool] = True
+
+    def __init__(self, message: str, *, retry_after_s: int, **fields: Any):
+        super().__init__(message, retry_after_s=retry_after_s, **fields)
+
+
+class Overloaded(RequestNotServed):
+    """Every batch slot and queue place is taken (HTTP 429)."""
+
+    code = "overloaded"
+
+
+class ServiceUnavailable(RequestNotServed):
+    """The deployment cannot decode: failed, and no recovery brought it back in time (HTTP 503)."""
+
+    code = "unavailable"

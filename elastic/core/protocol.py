@@ -72,7 +72,10 @@ class Rescale(Command):
     new_size: int = 0
     mapping: tuple[int, ...] = ()
     lost: tuple[int, ...] = ()
-    execute_on: Literal["old", "new"] = "new"  # "old": move over the old group first (scale down); "new": form the new group first
+    execute_on: Literal["old", "new"] = "new"
+    #: a scale keeps the request batch (joining ranks get it, KV caches included, from a survivor);
+    #: a recovery drops it: survivors' caches may be mid-step, the coordinator replays the requests
+    keep_requests: bool = True  # "old": move over the old group first (scale down); "new": form the new group first
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,47 @@ class Shutdown(Command):
     """Leave the decode loop and exit."""
 
 
+# -- serving requests (elastic.serving): commands without a result, tokens as reports ---------
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One completion request as every rank decodes it: the prompt's token ids and how to decode.
+
+    Decoding is deterministic on every rank and on every replay: greedy at ``temperature`` 0,
+    otherwise a sample drawn with a generator seeded by ``(seed, position)``.
+    """
+
+    request_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    temperature: float = 0.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # None: no log-probabilities; n: the chosen token's and the top n
+
+
+@dataclass(frozen=True)
+class Admit(Command):
+    """Requests join the batch at this step (prefilled, then decoded one token per step).
+
+    No result: the tokens come back as :class:`TokensOut`. A rank outside a decoding group
+    drops it; the coordinator re-admits what the group does not hold (:class:`RequestsHeld`).
+    """
+
+    requests: tuple[RequestSpec, ...] = ()
+
+
+@dataclass(frozen=True)
+class Cancel(Command):
+    """These requests leave the batch at this step (a client went away, a stop string matched)."""
+
+    request_ids: tuple[str, ...] = ()
+
+
+#: commands that change the request batch only: no result, and dropped outside a decoding group
+SERVING_COMMANDS: tuple[type[Command], ...] = (Admit, Cancel)
+
+
 # -- reports (worker -> coordinator) ----------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -130,9 +174,39 @@ class Heartbeat(Report):
     in_flight_layer: int | None = None
     eplb: dict[str, Any] = field(default_factory=dict)
     rank_load: float = 0.0
+    requests: int = 0  # completion requests in this rank's batch
     # per decode step since the last heartbeat: (step, monotonic end time, wall and CPU seconds
     # the decode thread spent in EPLB control/after_sync/record, 1 if a rebalance was in flight)
     step_timings: tuple[tuple[int, float, float, float, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    """A request's token at ``position`` (0 = the first generated token)."""
+
+    request_id: str
+    position: int
+    token: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    finish_reason: str | None = None  # "length" (max_tokens) or "stop" (a stop token); None: more follow
+
+
+@dataclass(frozen=True)
+class TokensOut(Report):
+    """The tokens one decode step produced (sent by rank 0 of the group only)."""
+
+    step: int = 0
+    tokens: tuple[TokenOut, ...] = ()
+
+
+@dataclass(frozen=True)
+class RequestsHeld(Report):
+    """After a rescale, rank 0 of the new group lists the requests the group decodes, with the
+    number of tokens each has generated: the coordinator re-admits those it misses."""
+
+    seq: int = 0  # the Rescale's
+    held: tuple[tuple[str, int], ...] = ()
 
 
 # -- results: one type per command, carried by PhaseDone --------------------------------------

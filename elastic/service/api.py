@@ -38,7 +38,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from elastic.core.errors import ElasticError, InvalidScaleRequest, InvalidTransition, RebalanceFailed, StaleGeneration
+from elastic.core.errors import (
+    ElasticError,
+    InvalidCompletionRequest,
+    InvalidScaleRequest,
+    InvalidTransition,
+    ModelNotFound,
+    Overloaded,
+    RebalanceFailed,
+    RequestNotServed,
+    StaleGeneration,
+)
 from elastic.core.phases import SERVING_PHASES
 from elastic.deployment import DEFAULT_DEPLOYMENT, DeploymentConfig
 from elastic.service.autoscaler import Autoscaler, AutoscalerConfig
@@ -168,8 +178,12 @@ ERRORS = {code: {"model": ErrorBody} for code in (404, 409, 422)}
 # -- errors -------------------------------------------------------------------------------------
 
 def _status_for(exc: ElasticError) -> int:
-    if isinstance(exc, InvalidScaleRequest):
+    if isinstance(exc, (InvalidScaleRequest, InvalidCompletionRequest)):
         return 422
+    if isinstance(exc, ModelNotFound):
+        return 404
+    if isinstance(exc, RequestNotServed):
+        return 429 if isinstance(exc, Overloaded) else 503
     if isinstance(exc, RebalanceFailed):
         return 503  # a rank failed: the deployment cannot rebalance now (GET /state says why)
     if isinstance(exc, (StaleGeneration, InvalidTransition)):
@@ -269,7 +283,8 @@ def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: 
 
     @app.exception_handler(ElasticError)
     async def _elastic(request: Request, exc: ElasticError) -> JSONResponse:
-        return JSONResponse(_error_body(exc), status_code=_status_for(exc))
+        headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, RequestNotServed) else None
+        return JSONResponse(_error_body(exc), status_code=_status_for(exc), headers=headers)
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> JSONResponse:
@@ -383,6 +398,18 @@ def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: 
     def metrics() -> PlainTextResponse:
         """Prometheus metrics (read from the coordinator at scrape time)."""
         return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/timeline", tags=["state"])
+    def timeline() -> Any:
+        """Scales, recoveries (from the failure to the group's return) and rebalances, with wall-clock
+        ``started_at``/``ended_at`` (seconds since the epoch) and a scale's ``pause``: what a load
+        generator splits its latencies by."""
+        return {"now": time.time(), "windows": [dict(w) for w in list(getattr(controller, "timeline", ()))]}
+
+    if getattr(controller, "requests", None) is not None:
+        from elastic.serving.openai import completion_routes
+
+        app.include_router(completion_routes(controller))
 
     # -- autoscaler ---------------------------------------------------------------------------
     def need_autoscaler() -> Autoscaler | JSONResponse:

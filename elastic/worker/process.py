@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 
 from elastic.core import protocol as p
+from elastic.core.config import ServingConfig
+from elastic.serving.batch import RequestBatch
 from elastic.service.logs import configure as configure_logging
 from elastic.worker.groups import GroupGeneration, connect_store, num_nodes_of
 from elastic.worker.injector import FaultInjector
@@ -72,6 +74,7 @@ class WorkerSpec:
     standby_timeout_s: float = 120.0
     standby_seq: int = 0  # the seq its "ready" report carries (PhaseDone, phase "Standby")
     faults: tuple[Any, ...] = field(default_factory=tuple)  # fault injections (tests, scenarios)
+    serving: ServingConfig = field(default_factory=ServingConfig)  # the request batch (a real model)
     # the process that built the spec, i.e. the coordinator (the launcher pickles the spec as it is):
     # a worker that descends from it exits when it dies (elastic.worker.lifetime)
     coordinator_pid: int = field(default_factory=os.getpid)
@@ -131,7 +134,8 @@ class Worker:
         # the reference model decodes a synthetic load trace; a Hugging Face model decodes real
         # batches (self.decoder) and its router's choices are the load
         self.trace = PhasedTrace(list(spec.trace), self.sizes.num_moe_layers, self.sizes.num_logical_experts)
-        self.decoder: DecodeBatches | None = None
+        self.decoder: DecodeBatches | None = None  # synthetic batches while no request runs (background load)
+        self.requests: RequestBatch | None = None  # completion requests (elastic.serving)
         self.non_expert_sync: dict[str, float] | None = None  # bytes and seconds of the last peer copy (joining ranks)
         self._abandoned_groups: list[Any] = []  # broken generations' EPLB subgroups, never torn down (see _enter_broken)
         self.store = connect_store(spec.store_host, spec.store_port, spec.join_timeout_s)
@@ -375,6 +379,14 @@ class Worker:
         self.mode = p.WorkerMode.HALTED
         self._done(command, p.EPLBStopped(threads=_thread_names()))
 
+    def _on_admit(self, command: p.Admit) -> None:
+        if self.requests is not None:
+            self.requests.admit(command.requests)
+
+    def _on_cancel(self, command: p.Cancel) -> None:
+        if self.requests is not None:
+            self.requests.cancel(command.request_ids)
+
     def _on_shutdown(self, command: p.Shutdown) -> None:
         self.stopping = True
         self._done(command, p.ShutdownDone())
@@ -383,7 +395,7 @@ class Worker:
     _HANDLERS: dict[type, Any] = {
         p.Drain: _on_drain, p.Suppress: _on_suppress, p.Rescale: _on_rescale, p.Resume: _on_resume,
         p.RebalanceNow: _on_rebalance_now, p.Verify: _on_verify, p.Probe: _on_probe, p.StopEPLB: _on_stop_eplb,
-        p.Shutdown: _on_shutdown,
+        p.Admit: _on_admit, p.Cancel: _on_cancel, p.Shutdown: _on_shutdown,
     }
 
     def _done(self, command: p.Command, result: p.Result) -> None:
@@ -443,6 +455,8 @@ class Worker:
         if self._eplb is not None and self._eplb.running:
             raise RuntimeError("rescale while the async EPLB worker runs: suppress it first")
         new_rank = cmd.mapping[self.rank] if not fresh else self.rank
+        if not cmd.keep_requests and self.requests is not None:
+            self.requests.clear()  # a recovery: the coordinator replays every request from its prompt
         # group destroy + rendezvous; redistribution (wall, and this process's CPU incl. gloo threads)
         timing: dict[str, Any] = {"group_seconds": 0.0, "transfer_seconds": 0.0, "transfer_cpu_seconds": 0.0}
         if cmd.execute_on == "old":
@@ -489,6 +503,8 @@ class Worker:
         timing["adopt_seconds"] = time.perf_counter() - mark
         self.broken = False
         self.mode = p.WorkerMode.RESUMING
+        if new_rank == 0 and self.requests is not None:  # what the new group decodes: the coordinator re-admits the rest
+            self.report(p.RequestsHeld, seq=cmd.seq, held=self.requests.held())
         self.report(p.PhaseDone, seq=cmd.seq, operation_id=cmd.operation_id, step=self.step, result=p.RescaleDone(
             retired=False, bytes_received=bytes_moved, seconds=time.perf_counter() - started,
             digest=placement_digest(self.eplb.placement), num_physical=self.eplb.placement.num_physical,
@@ -541,6 +557,8 @@ class Worker:
                 "window": self.eplb.window.state(),
                 "stats": self.eplb.stats,
                 "steps_since_rebalance": self.eplb.steps_since_rebalance,
+                # the request batch with its KV caches: a joining rank goes on decoding it
+                "requests": self.requests.export() if cmd.keep_requests and self.requests is not None else [],
             }]
         dist.broadcast_object_list(payload, src=source)
         state = payload[0]
@@ -568,6 +586,8 @@ class Worker:
             self.eplb.carry_over(LoadWindow.from_state(state["window"]), state["stats"], state["steps_since_rebalance"])
         else:
             self.eplb.carry_over(LoadWindow.from_state(state["window"]))
+        if self.requests is not None:
+            self.requests.restore(state["requests"])  # every rank of the new group, the same batch
         if self.decoder is not None:
             self.decoder.batch_index = state["batch_index"]  # every rank goes on with the same batches
             if cmd.new_size > len(survivors):  # fresh ranks: the replicated weights come from a survivor
@@ -777,8 +797,14 @@ class Worker:
             self._done(op, p.DrainDone(layers_committed=self.eplb.stats.layers_committed,
                                        steps_while_draining=self.step - self.drain_started_step))
         started = time.perf_counter()
-        if self.decoder is not None:
+        physical: torch.Tensor | None
+        if self.requests:
+            physical, tokens = self._decode_requests()
+        elif self.decoder is not None and self.spec.serving.background_load:
             physical, tokens = self._decode_batch()
+        elif self.decoder is not None:  # a real model with nothing to decode: keep agreeing, gently
+            physical, tokens = None, 0
+            time.sleep(self.spec.serving.idle_step_s)
         else:
             logical = self.trace.token_counts(self.step, self.rank)
             physical = self.model.route(logical)
@@ -788,10 +814,12 @@ class Worker:
                 raise BrokenGroup(f"token all-reduce failed at step {self.step}: {exc}") from exc
             tokens = self.trace.config_at(self.step).tokens_per_step
         mark, cpu = time.perf_counter(), time.thread_time()
-        self.eplb.record(physical)
+        if physical is not None:
+            self.eplb.record(physical)
         eplb_seconds += time.perf_counter() - mark
         eplb_cpu += time.thread_time() - cpu
         if self.decoder is None:
+            assert physical is not None  # the reference model always routes its trace's tokens
             self.model.forward(physical)
         self.tokens_since += tokens
         self.step += 1
@@ -802,9 +830,22 @@ class Worker:
             time.sleep(self.spec.step_delay_s)
 
     def _start_decoder(self) -> None:
-        """A Hugging Face model decodes real batches: seeded prompts, greedy, with its KV cache."""
+        """A Hugging Face model decodes real batches: completion requests, and seeded synthetic
+        prompts while none runs (greedy, with its KV cache)."""
         if isinstance(self.spec.shape, HFModelConfig):
             self.decoder = DecodeBatches(self.model, batch=4, prompt_len=8, max_new_tokens=16, seed=self.spec.seed)
+            self.requests = RequestBatch(self.model, self.spec.serving.max_batch)
+
+    def _decode_requests(self) -> tuple[torch.Tensor | None, int]:
+        """One token of every request (a collective); rank 0 reports the tokens to the coordinator."""
+        assert self.requests is not None
+        try:
+            out = self.requests.step()
+        except Exception as exc:  # noqa: BLE001 - a combine failed (a peer died or diverged)
+            raise BrokenGroup(f"decode step {self.step} failed: {type(exc).__name__}: {exc}") from exc
+        if self.rank == 0 and out.tokens:
+            self.report(p.TokensOut, step=self.step, tokens=out.tokens)
+        return out.physical, len(out.tokens)
 
     def _decode_batch(self) -> tuple[torch.Tensor, int]:
         """One greedy step of the batch on every rank (attention replicated, experts combined over
@@ -832,6 +873,7 @@ class Worker:
                     tokens=self.tokens_since, state=p.WorkerMode.BROKEN if self.broken else self.mode,
                     in_flight_layer=self._eplb.in_flight_layer if self._eplb else None,
                     eplb=self._eplb.stats.as_dict() if self._eplb else {}, rank_load=rank_load,
+                    requests=len(self.requests) if self.requests is not None else 0,
                     step_timings=tuple(self.step_timings))
         self.tokens_since = 0
         self.step_timings = []
@@ -874,6 +916,8 @@ class Worker:
                 self.stopping = True
                 self._done(command, p.ShutdownDone())
                 return None
+            if isinstance(command, p.SERVING_COMMANDS):
+                continue  # no batch out here: the coordinator re-admits what the next group misses
             self.report(p.WorkerError, step=self.step, where=where, error_type="Refused", fatal=False,
                         message=f"{type(command).__name__} refused: {refusal}", seq=command.seq)
         raise TimeoutError(f"{where}: no Rescale arrived within {timeout_s:.0f}s")

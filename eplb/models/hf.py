@@ -507,9 +507,13 @@ class HFMoE:
 
     # -- decoding -------------------------------------------------------------------------------
     @torch.no_grad()
-    def _forward(self, input_ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
+    def next_logits(self, input_ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
+        """Logits of the next token after ``input_ids [B, T]`` (appended to ``cache``; ``None``:
+        a prefill): ``(logits [B, V], cache)``. A collective on the EP group, like every forward."""
         out = self.model(input_ids=input_ids, cache=cache, use_cache=True)
         return out.logits[:, -1, :], out.past_key_values
+
+    _forward = next_logits
 
     def prefill(self, input_ids: torch.Tensor) -> DecodeState:
         """Start decoding ``input_ids [B, T]`` (equal-length prompts); the first greedy token is chosen.

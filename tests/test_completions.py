@@ -1,0 +1,415 @@
+"""Completion requests through the EP group (elastic.serving): real workers, real groups, real HTTP.
+
+Every request's tokens are checked against the unsharded single-process model's greedy output
+for the same prompt, through a scale up, a scale down, and a killed rank with its recovery.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import schemathesis
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+from elastic.coordinator import Coordinator, OperationStatus
+from elastic.core import protocol as p
+from elastic.core.config import ServingConfig
+from elastic.deployment import DeploymentConfig
+from elastic.serving.engine import RequestEngine
+from elastic.service.api import BackgroundServer, create_app
+from eplb.models.hf import unsharded
+
+MODEL = {"kind": "hf", "architecture": "qwen3_moe", "seed": 0}
+
+
+def deployment(**serving) -> DeploymentConfig:
+    return DeploymentConfig.model_validate({
+        "model": MODEL, "ep_size": 2, "max_ep_size": 4, "auto_recover": True, "heartbeat_s": 0.05,
+        "eplb": {"num_redundant_experts": 4, "use_async": True, "window_size": 6, "step_interval": 6},
+        "timeouts": {"collective": 6, "heartbeat": 8, "worker_start": 120},
+        "step_delay_s": 0.01,
+        "serving": {"background_load": False, "max_batch": 4, "max_queue": 4, "max_tokens_limit": 120, **serving},
+    })
+
+
+@dataclass
+class Live:
+    coordinator: Coordinator
+    client: httpx.Client
+    url: str
+    model: str
+    reference: object
+    expected: dict = field(default_factory=dict)
+
+    def greedy(self, prompt: list[int], n: int) -> list[int]:
+        key = (tuple(prompt), n)
+        if key not in self.expected:
+            tokens, _ = self.reference.generate(torch.tensor([prompt]), n)
+            self.expected[key] = tokens[0].tolist()
+        return self.expected[key]
+
+
+@pytest.fixture(scope="module")
+def live():
+    torch.set_num_threads(1)  # the workers' thread count: the reference's bits depend on it
+    reference = unsharded(MODEL)
+    with Coordinator(deployment()) as c, BackgroundServer(create_app(c)) as server, \
+            httpx.Client(base_url=server.url, timeout=120) as client:
+        c.wait_for_step(3, timeout=60)
+        model = client.get("/v1/models").json()["data"][0]["id"]
+        yield Live(c, client, server.url, model, reference)
+
+
+def prompt_of(i: int, n: int = 6) -> list[int]:
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randint(0, 128, (n,), generator=g).tolist()
+
+
+@dataclass
+class Stream:
+    """A streaming request on its own thread: its tokens and when each arrived."""
+
+    live: Live
+    prompt: list[int]
+    max_tokens: int
+    stop_after: int | None = None  # disconnect after this many tokens
+    tokens: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    status: int | None = None
+    finish: str | None = None
+    replays: int | None = None
+    error: str | None = None
+
+    def start(self) -> Stream:
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        import json
+
+        body = {"model": self.live.model, "prompt": self.prompt, "max_tokens": self.max_tokens, "temperature": 0,
+                "stream": True}
+        with httpx.Client(base_url=self.live.url, timeout=120) as client, \
+                client.stream("POST", "/v1/completions", json=body) as response:
+            self.status = response.status_code
+            if response.status_code != 200:
+                self.error = response.read().decode()
+                return
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    self.error = str(chunk["error"])
+                    return
+                choice = chunk["choices"][0]
+                for token in choice["token_ids"]:
+                    self.tokens.append(token)
+                    self.times.append(time.monotonic())
+                if choice["finish_reason"]:
+                    self.finish = choice["finish_reason"]
+                    self.replays = chunk["elastic_ep"]["replays"]
+                if self.stop_after is not None and len(self.tokens) >= self.stop_after:
+                    return  # leaving the with-block closes the connection mid-stream
+
+    def wait_tokens(self, n: int, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.tokens) < n:
+            assert time.monotonic() < deadline, f"only {len(self.tokens)} tokens after {timeout}s: {self.error}"
+            assert self.thread.is_alive() or len(self.tokens) >= n, f"stream ended early: {self.status} {self.error}"
+            time.sleep(0.01)
+
+    def join(self, timeout: float = 120) -> Stream:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the stream never ended"
+        return self
+
+
+def wait_until(predicate, timeout: float = 30, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+# -- one request ------------------------------------------------------------------------------------
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_completion_is_the_unsharded_models_greedy_output_streamed_or_not(live):
+    prompt = prompt_of(0)
+    body = {"model": live.model, "prompt": prompt, "max_tokens": 10, "temperature": 0, "logprobs": 2}
+    r = live.client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    choice = answer["choices"][0]
+    assert choice["token_ids"] == live.greedy(prompt, 10)
+    assert choice["finish_reason"] == "length" and answer["usage"] == {"prompt_tokens": 6, "completion_tokens": 10,
+                                                                       "total_tokens": 16}
+    # the chosen token is the most likely one, and its log-probability is the top one's
+    assert [lp for lp in choice["logprobs"]["token_logprobs"]] == \
+        [max(top.values()) for top in choice["logprobs"]["top_logprobs"]]
+    stream = Stream(live, prompt, 10).start().join()
+    assert stream.status == 200 and stream.tokens == live.greedy(prompt, 10) and stream.finish == "length"
+    listing = live.client.get("/v1/models").json()
+    assert listing["data"][0]["id"] == live.model and listing["data"][0]["max_model_len"] == 128
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_stop_token_ends_the_request_at_that_token(live):
+    prompt = prompt_of(1)
+    expected = live.greedy(prompt, 12)
+    stop = expected[4]
+    cut = expected.index(stop) + 1
+    r = live.client.post("/v1/completions", json={"model": live.model, "prompt": prompt, "max_tokens": 12,
+                                                  "temperature": 0, "stop_token_ids": [stop]})
+    choice = r.json()["choices"][0]
+    assert choice["token_ids"] == expected[:cut] and choice["finish_reason"] == "stop"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_sampling_with_a_seed_gives_the_same_tokens_every_time(live):
+    body = {"model": live.model, "prompt": prompt_of(2), "max_tokens": 8, "temperature": 1.5, "seed": 7}
+    first = live.client.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
+    again = live.client.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
+    other = live.client.post("/v1/completions", json={**body, "seed": 8}).json()["choices"][0]["token_ids"]
+    assert first == again and len(first) == 8
+    assert other != first  # a different seed samples differently (8 tokens from 128: equal by chance ~never)
+
+
+# -- bad requests -------------------------------------------------------------------------------------
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("change, status, names", [
+    ({"model": "gpt-4"}, 404, "gpt-4"),
+    ({"prompt": []}, 422, "prompt"),
+    ({"prompt": [1, 128]}, 422, "prompt"),
+    ({"prompt": [1, -1]}, 422, "prompt"),
+    ({"prompt": "hello"}, 422, "tokenizer"),
+    ({"prompt": [[1, 2]]}, 422, "prompt"),
+    ({"max_tokens": 0}, 422, "max_tokens"),
+    ({"max_tokens": 121}, 422, "max_tokens"),
+    ({"max_tokens": 125}, 422, "max_tokens"),  # within the limit, past the context with the prompt
+    ({"temperature": -1}, 422, "temperature"),
+    ({"logprobs": 50}, 422, "logprobs"),
+    ({"n": 2}, 422, "n"),
+    ({"top_p": 0.5}, 422, "top_p"),
+    ({"stop": ["x"]}, 422, "stop"),
+    ({"stop_token_ids": [999]}, 422, "stop_token_ids"),
+    ({"best_of_n": 3}, 422, "best_of_n"),
+    ({"stream": "yes"}, 422, "stream"),
+])
+def test_a_bad_request_gets_4xx_naming_the_field_and_queues_nothing(live, change, status, names):
+    before = live.coordinator.requests.stats()
+    body = {"model": live.model, "prompt": [1, 2, 3], "max_tokens": 4, **change}
+    r = live.client.post("/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    assert names in r.json()["message"], r.json()
+    after = live.coordinator.requests.stats()
+    assert (after["running"], after["queued"], after["ok"]) == (before["running"], before["queued"], before["ok"])
+
+
+# -- admission and cancellation ------------------------------------------------------------------------
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_a_full_batch_and_queue_answer_429_and_a_client_that_leaves_frees_its_slot(live):
+    c = live.coordinator
+    # 4 decode (max_batch) and 4 wait (max_queue); the 9th is refused at once with Retry-After
+    streams = [Stream(live, prompt_of(10 + i), 110).start() for i in range(8)]
+    wait_until(lambda: c.requests.stats()["running"] == 4 and c.requests.stats()["queued"] == 4, what="a full batch")
+    r = live.client.post("/v1/completions", json={"model": live.model, "prompt": [1, 2], "max_tokens": 4})
+    assert r.status_code == 429 and r.headers["Retry-After"] == "1" and "max_batch" in r.json()["message"]
+    # the clients go away: every slot is freed, on the coordinator and in the ranks' batches
+    leaving = [Stream(live, prompt_of(30), 110, stop_after=2).start()]
+    for s in streams:
+        s.stop_after = 0
+    wait_until(lambda: c.requests.stats()["running"] == 0 and c.requests.stats()["queued"] == 0, timeout=60,
+               what="every slot freed")
+    for s in streams + leaving:
+        s.join()
+    wait_until(lambda: all(r["requests"] == 0 for r in c.snapshot()["ranks"]), timeout=30,
+               what="the ranks' batches to empty")
+    assert c.requests.stats()["cancelled"] >= 8
+    # and the deployment serves the next request in full
+    prompt = prompt_of(31)
+    r = live.client.post("/v1/completions", json={"model": live.model, "prompt": prompt, "max_tokens": 6, "temperature": 0})
+    assert r.json()["choices"][0]["token_ids"] == live.greedy(prompt, 6)
+
+
+# -- through scales and a rank failure --------------------------------------------------------------------
+
+def spanned(stream: Stream, op_started: float, op_ended: float) -> bool:
+    return any(t < op_started for t in stream.times) and any(t > op_ended for t in stream.times)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("target", [4, 2])
+def test_requests_decode_through_a_scale_without_restarting_and_with_the_same_tokens(live, target):
+    c = live.coordinator
+    streams = [Stream(live, prompt_of(40 + target * 10 + i), 110).start() for i in range(4)]
+    for s in streams:
+        s.wait_tokens(3)
+    started = time.monotonic()
+    op = c.scale(target, timeout=180)
+    ended = time.monotonic()
+    assert op.status == OperationStatus.SUCCEEDED, op.error
+    for s in streams:
+        s.join()
+        assert s.status == 200 and s.error is None, s.error
+        assert s.tokens == live.greedy(s.prompt, 110), "the tokens changed"
+        assert s.finish == "length" and s.replays == 0, "a request restarted from its prompt"
+    assert any(spanned(s, started, ended) for s in streams), "no request was decoding across the scale"
+    assert c.requests.stats()["mismatched"] == 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_killed_rank_loses_no_request_they_are_replayed_with_the_same_tokens(live):
+    c = live.coordinator
+    assert c.size == 2
+    streams = [Stream(live, prompt_of(90 + i), 100).start() for i in range(3)]
+    for s in streams:
+        s.wait_tokens(3)
+    victim = next(w for w in c.live_workers() if w.rank == 1)
+    os.kill(victim.handle.pid, signal.SIGKILL)
+    for s in streams:
+        s.join(timeout=240)
+        assert s.status == 200 and s.error is None, s.error
+        assert s.tokens == live.greedy(s.prompt, 100), "a replayed request's tokens differ"
+        assert s.finish == "length"
+    assert c.machine.state.value == "running" and c.auto_recoveries >= 1
+    assert any(s.replays for s in streams), "the failure replayed nothing: it happened after the requests"
+    assert c.requests.stats()["mismatched"] == 0
+
+
+# -- the engine's bookkeeping (pure logic: a gate that records what it is asked to send) -----------------
+
+class RecordingGate:
+    def __init__(self) -> None:
+        self.sent: list[tuple[type, dict]] = []
+        self.health = "ok"
+
+    def send_serving(self, command, **fields) -> bool:
+        if self.health != "ok":
+            return False
+        self.sent.append((command, fields))
+        return True
+
+    def serving_health(self) -> str:
+        return self.health
+
+
+def engine_with(gate: RecordingGate, clock=None, **config) -> RequestEngine:
+    return RequestEngine(gate, ServingConfig(**config), clock=clock or time.monotonic)
+
+
+def spec(rid: str, n: int = 4) -> p.RequestSpec:
+    return p.RequestSpec(request_id=rid, prompt=(1, 2), max_tokens=n)
+
+
+def tokens(rid: str, *pairs: tuple[int, int], last: int | None = None) -> p.TokensOut:
+    return p.TokensOut(rank=0, generation=0, pid=1, at=0.0, step=0, tokens=tuple(
+        p.TokenOut(rid, pos, tok, finish_reason="length" if pos == last else None) for pos, tok in pairs))
+
+
+def test_tokens_past_a_gap_wait_for_it_and_a_replay_must_repeat_them():
+    gate = RecordingGate()
+    engine = engine_with(gate)
+    c = engine.submit(spec("a"))
+    engine._admit_once()
+    assert gate.sent[-1][0] is p.Admit and c.status == "running"
+    engine.on_tokens(tokens("a", (0, 5), (2, 7)))
+    assert c.tokens == [5], "token 2 waits for token 1"
+    engine.on_tokens(tokens("a", (1, 6)))
+    assert c.tokens == [5, 6, 7]
+    # the group lost it (a recovery): it is admitted again and its tokens come back from position 0
+    engine.on_held(p.RequestsHeld(rank=0, generation=1, pid=1, at=0.0, seq=9, held=()))
+    engine._admit_once()
+    assert gate.sent[-1] == (p.Admit, {"requests": (spec("a"),)}) and c.replays == 1
+    engine.on_tokens(tokens("a", (0, 5), (1, 6), (2, 7), (3, 8), last=3))
+    assert c.status == "finished" and c.tokens == [5, 6, 7, 8] and engine.counts["mismatched"] == 0
+
+
+def test_a_replayed_token_that_differs_fails_the_request_as_an_output_mismatch():
+    gate = RecordingGate()
+    seen = []
+    engine = RequestEngine(gate, ServingConfig(), on_mismatch=lambda c, pos, old, new: seen.append((pos, old, new)))
+    c = engine.submit(spec("a"))
+    engine._admit_once()
+    engine.on_tokens(tokens("a", (0, 5), (1, 6)))
+    engine.on_tokens(tokens("a", (0, 5), (1, 9)))
+    assert c.status == "failed" and seen == [(1, 6, 9)] and engine.counts["mismatched"] == 1
+    engine._admit_once()
+    assert gate.sent[-1] == (p.Cancel, {"request_ids": ("a",)}), "its slot in the ranks' batch is freed"
+
+
+def test_requests_in_a_failed_deployment_wait_for_recovery_then_get_503():
+    now = [0.0]
+    gate = RecordingGate()
+    engine = engine_with(gate, clock=lambda: now[0], failed_grace_s=5.0)
+    c = engine.submit(spec("a"))
+    engine._admit_once()
+    gate.health = "failed"  # a recovery may come: the request waits
+    engine._expire()
+    now[0] = 4.0
+    engine._expire()
+    assert c.status == "running"
+    now[0] = 5.5
+    engine._expire()
+    assert c.status == "failed" and c.error is not None and c.error.retry_after_s == 1
+    gate.health = "down"  # failed, nothing recovers it: refused at once
+    with pytest.raises(Exception, match="no recovery"):
+        engine.submit(spec("b"))
+
+
+def test_a_full_batch_and_queue_refuse_with_overloaded():
+    from elastic.core.errors import Overloaded
+
+    engine = engine_with(RecordingGate(), max_batch=1, max_queue=1)
+    engine.submit(spec("a"))
+    engine._admit_once()
+    engine.submit(spec("b"))
+    with pytest.raises(Overloaded):
+        engine.submit(spec("c"))
+
+
+# -- the schema, fuzzed ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def v1_schema(live):
+    import schemathesis
+
+    return schemathesis.openapi.from_url(f"{live.url}/openapi.json")
+
+
+v1 = schemathesis.pytest.from_fixture("v1_schema")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@v1.include(path_regex="^/v1/").parametrize()
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+def test_the_completions_schema_fuzzed_finds_no_server_errors(case, live):
+    from schemathesis.checks import positive_data_acceptance
+
+    response = case.call(base_url=live.url, timeout=60)
+    assert case.path.startswith("/v1/"), "only the completion routes are fuzzed here"
+    # a schema-valid body may still be refused by rule (404 another model, 422 a token past the vocabulary)
+    case.validate_response(response, excluded_checks=[positive_data_acceptance])
+    assert response.status_code < 500, response.text
+    if response.status_code >= 400:
+        body = response.json()
+        assert body["error"] and body["message"]
