@@ -157,11 +157,6 @@ class DeploymentConfig(BaseModel):
             raise ValueError(
                 f"{self.sizes.num_logical_experts} experts + {self.eplb.num_redundant_experts} redundant = {physical} "
                 f"physical slots do not divide over ep_size={self.ep_size}")
-        if self.eplb.initial_placement is not None:
-            try:
-                self.initial_placement  # noqa: B018 - read, checked and kept (cached) before any worker starts
-            except PlacementFileError as exc:
-                raise ValueError(f"eplb.initial_placement: {self.eplb.initial_placement}: {exc}") from None
         if self.store_bind_host in ALL_INTERFACES and not self.launcher.allow_all_interfaces:
             where = "launcher.bind_host" if self.launcher.bind_host else "store_host"
             raise ValueError(
@@ -185,6 +180,11 @@ class DeploymentConfig(BaseModel):
         for phase in self.trace:
             if phase.trace.top_k > self.sizes.num_logical_experts:
                 raise ValueError(f"trace top_k={phase.trace.top_k} exceeds num_experts={self.sizes.num_logical_experts}")
+        if self.eplb.initial_placement is not None:  # last: every cheaper check of the sizes holds
+            try:
+                self.initial_placement  # noqa: B018 - read, checked and kept (cached) before any worker starts
+            except PlacementFileError as exc:
+                raise ValueError(f"eplb.initial_placement: {self.eplb.initial_placement}: {exc}") from None
         return self
 
     @property

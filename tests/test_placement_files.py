@@ -152,6 +152,20 @@ def test_a_bad_placement_file_is_refused_before_any_worker_starts(tmp_path, monk
     assert started == []  # nothing was started
 
 
+def test_serve_takes_the_file_on_the_command_line(tmp_path, monkeypatch):
+    served = []
+    monkeypatch.setattr("elastic.service.api.serve", lambda config, *a, **k: served.append(config))
+    bad = _write(tmp_path / "bad.json", _no_replica(_document()))
+    result = run("serve", "--num-experts", "8", "--initial-placement", str(bad))  # the default deployment: 4 layers
+    assert result.exit_code == 2 and "logical expert 3 has no replica" in result.output, result.output
+    assert served == []
+    from elastic.service.api import load_serve_config
+
+    good = _write(tmp_path / "good.json", _document())  # what the flag becomes (serving for real configures logging)
+    loaded = load_serve_config(None, overrides={"model.num_experts": 8, "eplb.initial_placement": str(good)})
+    assert loaded.deployment.initial_placement is not None and loaded.deployment.initial_placement[1] == "as saved"
+
+
 @pytest.mark.parametrize("content, expected", [
     ("{\"version\": 1,", "not JSON: "),
     ("[1, 2]", "expected a JSON object, got list"),

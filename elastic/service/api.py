@@ -695,6 +695,8 @@ def register_cli(app: Any) -> None:
         num_experts: int | None = typer.Option(None, "--num-experts", help="logical experts per layer"),
         redundant: int | None = typer.Option(None, "--num-redundant-experts", help="redundant expert slots"),
         max_memory: str | None = typer.Option(None, "--max-memory", help="memory one worker may use, e.g. 8GiB"),
+        initial_placement: str | None = typer.Option(None, "--initial-placement", help="start from this placement "
+                                                     "file (elastic-ep placement export writes one)"),
         observe_only: bool = typer.Option(False, "--observe-only", help="the autoscaler only logs what it would do"),
         log_level: str = typer.Option("info", help="uvicorn log level"),
         log_format: str = typer.Option("text", "--log-format", help="text, or json: one object per line with "
@@ -709,7 +711,8 @@ def register_cli(app: Any) -> None:
         The flags override the file or the default.
         """
         overrides = {"ep_size": ep_size, "max_ep_size": max_ep_size, "model.num_experts": num_experts,
-                     "eplb.num_redundant_experts": redundant, "max_memory": max_memory}
+                     "eplb.num_redundant_experts": redundant, "max_memory": max_memory,
+                     "eplb.initial_placement": initial_placement}
         try:  # every pre-flight check runs here, before any worker starts
             loaded = load_serve_config(config, overrides=overrides)
         except InputError as exc:
