@@ -51,10 +51,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from elastic.control.coordinator import Coordinator, OperationStatus
+    from elastic.control.coordinator import Coordinator
     from elastic.deployment import DeploymentConfig
-    from elastic.serving.loadgen import LoadConfig, check_tokens, format_summary, run_load, write_report
     from elastic.service.api import BackgroundServer, create_app
+    from elastic.serving.loadgen import LoadConfig, check_tokens, format_summary, run_load, write_report
 
     torch.set_num_threads(1)
     model = {"kind": "hf", "architecture": args.arch, "seed": 0}

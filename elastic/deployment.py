@@ -11,6 +11,8 @@ from elastic.core.config import ServingConfig, TimeoutsConfig
 from eplb.config import EPLBConfig
 from eplb.models.config import ModelSpec
 from eplb.models.serving import ModelSizes, model_info
+from eplb.placement import Placement
+from eplb.placement_file import PlacementFileError, read_placement_file
 from eplb.trace import TraceConfig
 
 
@@ -180,6 +182,11 @@ class DeploymentConfig(BaseModel):
         for phase in self.trace:
             if phase.trace.top_k > self.sizes.num_logical_experts:
                 raise ValueError(f"trace top_k={phase.trace.top_k} exceeds num_experts={self.sizes.num_logical_experts}")
+        if self.eplb.initial_placement is not None:  # last: every cheaper check of the sizes holds
+            try:
+                self.initial_placement  # noqa: B018 - read, checked and kept (cached) before any worker starts
+            except PlacementFileError as exc:
+                raise ValueError(f"eplb.initial_placement: {self.eplb.initial_placement}: {exc}") from None
         return self
 
     @property
@@ -198,6 +205,19 @@ class DeploymentConfig(BaseModel):
     def sizes(self) -> ModelSizes:
         """Layer and expert counts of the model (a Hugging Face model's from its config, no weights)."""
         return model_info(self.model)
+
+    @cached_property
+    def initial_placement(self) -> tuple[Placement, str] | None:
+        """The placement of ``eplb.initial_placement`` for this model at ``ep_size`` and how it was
+        obtained (as saved, or recomputed from the file's load window); None without the option.
+        Raises :class:`~eplb.placement_file.PlacementFileError` naming what is wrong with the file."""
+        if self.eplb.initial_placement is None:
+            return None
+        saved = read_placement_file(self.eplb.initial_placement)
+        return saved.placement_for(num_moe_layers=self.sizes.num_moe_layers,
+                                   num_logical_experts=self.sizes.num_logical_experts, ep_size=self.ep_size,
+                                   num_physical=self.num_physical, policy=self.eplb.policy,
+                                   policy_options=dict(self.eplb.policy_options))
 
     @property
     def slots_per_rank(self) -> int:

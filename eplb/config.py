@@ -32,6 +32,11 @@ class EPLBConfig(BaseModel):
     max_ops_per_batch: int = Field(64, ge=2, description="p2p ops in one batch_isend_irecv call")
     watchdog_s: float = Field(10.0, gt=0, description="an async handshake that has not moved this long is flagged as a stall")
     verify_transfers: bool = Field(False, description="check every staged layer against the model's own check before committing it")
+    initial_placement: str | None = Field(
+        None, description="a placement file (JSON, eplb.placement_file; GET /placement writes one) to start from "
+                          "instead of the static placement; relative to the working directory. Checked against the "
+                          "model before any worker starts; made for another EP size, it is recomputed from the "
+                          "file's load window")
     communicator: Literal["auto", "gloo", "nccl", "nixl"] = Field(
         "auto", description="how expert weights move (eplb.communicator): auto = NIXL when installed, "
                             "then NCCL on an NCCL deployment, then gloo")

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
-import schemathesis
 import pytest
+import schemathesis
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -22,8 +22,8 @@ from elastic.coordinator import Coordinator, OperationStatus
 from elastic.core import protocol as p
 from elastic.core.config import ServingConfig
 from elastic.deployment import DeploymentConfig
-from elastic.serving.engine import RequestEngine
 from elastic.service.api import BackgroundServer, create_app
+from elastic.serving.engine import RequestEngine
 from eplb.models.hf import unsharded
 
 MODEL = {"kind": "hf", "architecture": "qwen3_moe", "seed": 0}

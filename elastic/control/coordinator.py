@@ -44,8 +44,8 @@ from elastic.core.errors import (
     StaleGeneration,
 )
 from elastic.core.machine import Phase, ScaleMachine
-from elastic.core.phases import SERVING_PHASES
 from elastic.core.mapping import RankMapping
+from elastic.core.phases import SERVING_PHASES
 from elastic.deployment import DeploymentConfig
 from elastic.launch.factory import make_launcher
 from elastic.launch.launchers import Launcher, WorkerHandle, plan_mapping
@@ -53,6 +53,7 @@ from elastic.serving.engine import Completion, RequestEngine
 from elastic.worker.groups import abort_generation, open_store
 from elastic.worker.process import WorkerSpec
 from eplb.models.config import HFModelConfig
+from eplb.placement_file import placement_document
 
 log = logging.getLogger("elastic.control.coordinator")
 
@@ -246,9 +247,15 @@ class Coordinator:
         #: scales, recoveries and rebalances with wall-clock times (what a load generator shades)
         self.timeline: deque[dict[str, Any]] = deque(maxlen=10 * history)
         self._rebalance_open: dict[Any, dict[str, Any]] = {}
+        self._initial_rows: tuple[tuple[int, ...], ...] | None = None  # eplb.initial_placement's, set at start
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> Coordinator:
+        initial = self.config.initial_placement  # checked at config load: a bad file never gets here
+        self._initial_rows = None if initial is None else \
+            tuple(tuple(row) for row in initial[0].physical_to_logical.tolist())
+        if initial is not None:
+            log.info("starting from the placement in %s, %s", self.config.eplb.initial_placement, initial[1])
         self._store = open_store(self.config.store_bind_host, self.config.launcher.store_port)
         for rank in range(self.size):
             self._launch(rank, self.size, generation=0)
@@ -330,6 +337,7 @@ class Coordinator:
             # standing by lasts through draining and suppressed (the scale fails past those)
             standby_timeout_s=t.worker_start + t.draining + t.suppressed,
             faults=tuple(self.faults),
+            initial_placement=self._initial_rows if generation == 0 and not joining else None,
         )
         handle = self.launcher.launch(spec)
         record = WorkerRecord(handle, rank, generation, standby=joining, launched_at=time.monotonic())
@@ -431,15 +439,17 @@ class Coordinator:
     def _note_rebalance(self, report: p.WorkerEvent) -> None:
         """Rank 0's rebalance events as timeline windows (wall clock, the worker's)."""
         key = report.data.get("id")
+        fresh: dict[str, Any] = {"kind": "rebalance", "id": f"rebalance-{report.generation}-{key}",
+                                 "started_at": report.at, "ended_at": None}
         if report.kind == "rebalance_started":
-            window = {"kind": "rebalance", "id": f"rebalance-{report.generation}-{key}", "started_at": report.at,
-                      "ended_at": None}
-            self._rebalance_open[(report.generation, key)] = window
-            self.timeline.append(window)
+            while len(self._rebalance_open) >= 16:  # never finished (the group broke): bounded
+                self._rebalance_open.pop(next(iter(self._rebalance_open)))
+            self._rebalance_open[(report.generation, key)] = fresh
+            self.timeline.append(fresh)
         elif report.kind in ("rebalance_finished", "rebalance_failed"):
             window = self._rebalance_open.pop((report.generation, key), None)
             if window is None:  # a sync rebalance: started and finished within one step
-                window = {"kind": "rebalance", "id": f"rebalance-{report.generation}-{key}", "started_at": report.at}
+                window = fresh
                 self.timeline.append(window)
             window["ended_at"] = report.at
             window["outcome"] = "failed" if report.kind == "rebalance_failed" else "finished"
@@ -1164,6 +1174,31 @@ class Coordinator:
         seq, pids = self._broadcast(p.Verify)
         reports = self._await(seq, pids, "verify", timeout, fail_machine=False)
         return {r.rank: {**r.detail, "generation": r.generation, "step": r.step} for r in reports.values()}
+
+    def export_placement(self, timeout: float = 30.0) -> dict[str, Any]:
+        """The current placement and the load window as a placement file's content
+        (:func:`eplb.placement_file.placement_document`), read at one agreed step on every rank.
+
+        Only while ``running`` (during an operation the placement is about to change): else
+        :class:`ScaleConflict`. Ranks that disagree (they never should) raise ``OperationFailed``.
+        """
+        if self.machine.state != Phase.RUNNING:
+            raise ScaleConflict(self._current.id if self._current else None, self.machine.state, self.machine.allowed(),
+                                trigger="export the placement")
+        seq, pids = self._broadcast(p.ExportPlacement)
+        reports = self._await(seq, pids, "export placement", timeout, fail_machine=False)
+        results = [r.result for r in sorted(reports.values(), key=lambda r: r.rank) if isinstance(r.result, p.PlacementExport)]
+        if not results or len(results) != len(reports):
+            raise OperationFailed("export placement", "no rank answered with its placement")
+        first, step = results[0], max(r.step for r in reports.values())
+        if any((r.digest, r.logical_load, r.window_steps) != (first.digest, first.logical_load, first.window_steps)
+               for r in results):
+            raise OperationFailed("export placement", "ranks disagree on the placement or the load window: digests "
+                                                      f"{sorted({r.digest for r in results})}")
+        return placement_document([list(row) for row in first.physical_to_logical],
+                                  [list(row) for row in first.logical_load], ep_size=first.size,
+                                  window_steps=first.window_steps, generation=self.machine.generation, step=step,
+                                  digest=first.digest, exported_at=time.time())
 
     def wait_for_step(self, step: int, timeout: float = 60.0) -> int:
         """Block until every live worker has passed ``step``; returns the slowest worker's step."""

@@ -254,6 +254,7 @@ class RequestNotServed(ElasticError):
 
     code = "request_not_served"
     retryable: ClassVar[bool] = True
+    retry_after_s: int
 
     def __init__(self, message: str, *, retry_after_s: int, **fields: Any):
         super().__init__(message, retry_after_s=retry_after_s, **fields)

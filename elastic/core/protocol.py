@@ -94,6 +94,11 @@ class Verify(Command):
 
 
 @dataclass(frozen=True)
+class ExportPlacement(Command):
+    """Report the committed placement and the load window's total (what a placement file holds)."""
+
+
+@dataclass(frozen=True)
 class Probe(Command):
     """Decode the model's fixed probe batch (greedy, a collective) and report a digest of the
     tokens and logits, to compare bitwise with the unsharded single-process model."""
@@ -302,6 +307,18 @@ class VerifyResult(Result):
 
 
 @dataclass(frozen=True)
+class PlacementExport(Result):
+    """The placement every rank routes with and the load window, read at the same agreed step on
+    every rank (so every rank's answer is the same; the coordinator checks that)."""
+
+    physical_to_logical: tuple[tuple[int, ...], ...] = ()  # [layers][slots]
+    logical_load: tuple[tuple[int, ...], ...] = ()  # [layers][logical experts]: the window's total
+    window_steps: int = 0  # steps the window holds
+    digest: str = ""  # of the maps (as Verify reports it)
+    size: int = 0
+
+
+@dataclass(frozen=True)
 class ProbeDone(Result):
     digest: str = ""  # of the probe's greedy tokens and logits (eplb.models.hf.ProbeResult)
     tokens: tuple[tuple[int, ...], ...] = ()  # the probe's greedy tokens, per sequence
@@ -321,7 +338,8 @@ class ShutdownDone(Result):
 #: the result type of each command
 RESULT_OF: dict[type[Command], type[Result]] = {
     Drain: DrainDone, Suppress: SuppressDone, Rescale: RescaleDone, Resume: ResumeDone,
-    RebalanceNow: RebalanceAck, Verify: VerifyResult, Probe: ProbeDone, StopEPLB: EPLBStopped, Shutdown: ShutdownDone,
+    RebalanceNow: RebalanceAck, Verify: VerifyResult, ExportPlacement: PlacementExport,
+    Probe: ProbeDone, StopEPLB: EPLBStopped, Shutdown: ShutdownDone,
 }
 _PHASE_OF_RESULT = {result: command.__name__ for command, result in RESULT_OF.items()}
 _PHASE_OF_RESULT.update({Started: "Started", StandbyReady: "Standby"})

@@ -368,6 +368,27 @@ def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: 
             # the command is on its way to every rank; what is missing is their confirmation
             return JSONResponse({"started": False, "confirmed": False, "message": str(exc)}, status_code=202)
 
+    @app.get("/placement", tags=["state"],
+             responses={200: {"description": "a placement file (JSON, eplb.placement_file): the placement every rank "
+                              "routes with and the load window; eplb.initial_placement starts a deployment from it"},
+                        409: {"model": ErrorBody, "description": "not running: an operation is moving experts, or the "
+                              "deployment failed"},
+                        503: {"model": ErrorBody, "description": "the ranks did not all answer (the error names why)"},
+                        404: {"model": ErrorBody, "description": "this controller cannot export a placement"},
+                        422: ERRORS[422]})
+    def placement(timeout_s: float = Query(30.0, ge=1, le=300, description="how long to wait for the ranks (they "
+                                           "answer at their next step boundary)")) -> Any:
+        """The current placement and the recorded load window, as a placement file."""
+        exporter = getattr(controller, "export_placement", None)
+        if exporter is None:
+            return _error(404, "no_placement", "this controller cannot export its placement")
+        try:
+            return exporter(timeout=timeout_s)
+        except ElasticError as exc:
+            if isinstance(exc, InvalidTransition):
+                raise  # 409: not running
+            return _error(503, "placement_unavailable", str(exc))
+
     # -- reading ------------------------------------------------------------------------------
     def state_view() -> dict[str, Any]:
         snap = dict(controller.snapshot())
@@ -701,6 +722,8 @@ def register_cli(app: Any) -> None:
         num_experts: int | None = typer.Option(None, "--num-experts", help="logical experts per layer"),
         redundant: int | None = typer.Option(None, "--num-redundant-experts", help="redundant expert slots"),
         max_memory: str | None = typer.Option(None, "--max-memory", help="memory one worker may use, e.g. 8GiB"),
+        initial_placement: str | None = typer.Option(None, "--initial-placement", help="start from this placement "
+                                                     "file (elastic-ep placement export writes one)"),
         observe_only: bool = typer.Option(False, "--observe-only", help="the autoscaler only logs what it would do"),
         log_level: str = typer.Option("info", help="uvicorn log level"),
         log_format: str = typer.Option("text", "--log-format", help="text, or json: one object per line with "
@@ -715,7 +738,8 @@ def register_cli(app: Any) -> None:
         The flags override the file or the default.
         """
         overrides = {"ep_size": ep_size, "max_ep_size": max_ep_size, "model.num_experts": num_experts,
-                     "eplb.num_redundant_experts": redundant, "max_memory": max_memory}
+                     "eplb.num_redundant_experts": redundant, "max_memory": max_memory,
+                     "eplb.initial_placement": initial_placement}
         try:  # every pre-flight check runs here, before any worker starts
             loaded = load_serve_config(config, overrides=overrides)
         except InputError as exc:

@@ -1,4 +1,4 @@
-"""``elastic-ep status|scale|recover|rebalance|operations``: a client of a running ``elastic-ep serve``.
+"""``elastic-ep status|scale|recover|rebalance|operations|placement export``: a client of a running ``elastic-ep serve``.
 
 In the habit of ``kubectl`` and ``ray status``: a human table by default, ``--json`` for scripts,
 ``--url`` (or ``ELASTIC_EP_URL``) to name the server, default ``http://127.0.0.1:8000``.
@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any, NoReturn
 
 import typer
@@ -194,7 +195,45 @@ def operations(operation_id: str | None = typer.Argument(None, help="one operati
     _out().print(table)
 
 
+def placement_export(output: Path | None = typer.Option(None, "--output", "-o", help="write the placement file here "
+                                                       "[default: print it on stdout]", show_default=False),
+                     url: str | None = UrlOption,
+                     as_json: bool = typer.Option(False, "--json", help="with -o: print a JSON summary, not a line"),
+                     timeout: float = typer.Option(30.0, "--timeout", min=1, max=300,
+                                                   help="seconds to wait for the ranks")) -> None:
+    """Save the current placement and load window (a file for eplb.initial_placement)."""
+    document = _request("GET", url, f"/placement?timeout_s={timeout}", timeout + 5)
+    if not isinstance(document, dict) or not isinstance(document.get("physical_to_logical"), list):
+        _fail(EXIT_FAILED, f"the server's answer is not a placement file: {str(document)[:200]}")
+    text = json.dumps(document, indent=1) + "\n"
+    if output is None:
+        sys.stdout.write(text)
+        return
+    try:
+        partial = output.with_name(output.name + ".partial")
+        partial.write_text(text)
+        partial.replace(output)  # a reader never sees half a file
+    except OSError as exc:
+        _fail(EXIT_INVALID, f"cannot write {output}: {exc.strerror or exc}")
+    model = document.get("model") or {}
+    summary = {"file": str(output), "ep_size": document.get("ep_size"), "num_physical": document.get("num_physical"),
+               "num_moe_layers": model.get("num_moe_layers"), "num_logical_experts": model.get("num_logical_experts"),
+               "window_steps": (document.get("load_window") or {}).get("steps"), "digest": document.get("digest"),
+               "generation": document.get("generation"), "step": document.get("step")}
+    if as_json:
+        print(json.dumps(summary))
+    else:
+        _out().print(f"wrote {output}: ep_size {summary['ep_size']}, {summary['num_moe_layers']} layers x "
+                     f"{summary['num_physical']} slots, load window of {summary['window_steps']} steps, "
+                     f"digest {summary['digest']} (generation {summary['generation']}, step {summary['step']})",
+                     markup=False)
+
+
 def register(app: typer.Typer) -> None:
     """Add the client commands to the ``elastic-ep`` app."""
     for command in (status, scale, recover, rebalance, operations):
         app.command()(command)
+    placement = typer.Typer(help="Static placements: save the current one (start from it with eplb.initial_placement).",
+                            no_args_is_help=True, add_completion=False)
+    placement.command("export")(placement_export)
+    app.add_typer(placement, name="placement")

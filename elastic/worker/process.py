@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from elastic.core import protocol as p
 from elastic.core.config import ServingConfig
-from elastic.serving.batch import RequestBatch
 from elastic.service.logs import configure as configure_logging
+from elastic.serving.batch import RequestBatch
 from elastic.worker.groups import GroupGeneration, connect_store, num_nodes_of
 from elastic.worker.injector import FaultInjector
 from eplb.communicator import make_communicator
@@ -75,6 +75,8 @@ class WorkerSpec:
     standby_seq: int = 0  # the seq its "ready" report carries (PhaseDone, phase "Standby")
     faults: tuple[Any, ...] = field(default_factory=tuple)  # fault injections (tests, scenarios)
     serving: ServingConfig = field(default_factory=ServingConfig)  # the request batch (a real model)
+    # the first group's placement, [layers][slots] (eplb.initial_placement); None: the static one
+    initial_placement: tuple[tuple[int, ...], ...] | None = None
     # the process that built the spec, i.e. the coordinator (the launcher pickles the spec as it is):
     # a worker that descends from it exits when it dies (elastic.worker.lifetime)
     coordinator_pid: int = field(default_factory=os.getpid)
@@ -215,7 +217,7 @@ class Worker:
             self.group = GroupGeneration.join(self.store, self.generation, self.rank, self.size,
                                               backend=spec.backend, timeout_s=spec.collective_timeout_s,
                                               rendezvous_timeout_s=spec.join_timeout_s)
-            placement = Placement.static(self.sizes.num_moe_layers, self.sizes.num_logical_experts, spec.num_physical)
+            placement = self._initial_placement()
             self.progress = ("loading weights", 0, self.sizes.num_moe_layers)
             self.model = build_model(spec.shape, placement, self.rank, self.size, seed=spec.seed,
                                      timeout=spec.collective_timeout_s)
@@ -227,6 +229,18 @@ class Worker:
             self.progress = None
         self.mode = p.WorkerMode.DECODING
         self.report(p.PhaseDone, seq=0, step=self.step, result=p.Started(num_physical=placement.num_physical))
+
+    def _initial_placement(self) -> Placement:
+        """The static placement, or the one the deployment starts from (``eplb.initial_placement``)."""
+        spec = self.spec
+        if spec.initial_placement is None:
+            return Placement.static(self.sizes.num_moe_layers, self.sizes.num_logical_experts, spec.num_physical)
+        placement = Placement.from_physical_to_logical(torch.tensor(spec.initial_placement, dtype=torch.int64),
+                                                       self.sizes.num_logical_experts)
+        if (placement.num_layers, placement.num_physical) != (self.sizes.num_moe_layers, spec.num_physical):
+            raise ValueError(f"the initial placement is [{placement.num_layers}, {placement.num_physical}], this rank "
+                             f"needs [{self.sizes.num_moe_layers}, {spec.num_physical}]")
+        return placement
 
     def _standby(self) -> p.Rescale | None:
         """Launched ahead of a scale-up: allocate the weights and fault their pages in now, while
@@ -362,6 +376,13 @@ class Worker:
     def _on_verify(self, command: p.Verify) -> None:
         self._done(command, self._verify())
 
+    def _on_export_placement(self, command: p.ExportPlacement) -> None:
+        placement, window = self.eplb.placement, self.eplb.window
+        self._done(command, p.PlacementExport(
+            physical_to_logical=tuple(tuple(row) for row in placement.physical_to_logical.tolist()),
+            logical_load=tuple(tuple(row) for row in window.total().tolist()), window_steps=window.filled,
+            digest=placement_digest(placement), size=self.size))
+
     def _on_probe(self, command: p.Probe) -> None:
         probe = getattr(self.model, "probe", None)
         if probe is None:
@@ -394,7 +415,8 @@ class Worker:
     #: one handler per command type: the whole of what a worker does with its commands
     _HANDLERS: dict[type, Any] = {
         p.Drain: _on_drain, p.Suppress: _on_suppress, p.Rescale: _on_rescale, p.Resume: _on_resume,
-        p.RebalanceNow: _on_rebalance_now, p.Verify: _on_verify, p.Probe: _on_probe, p.StopEPLB: _on_stop_eplb,
+        p.RebalanceNow: _on_rebalance_now, p.Verify: _on_verify,
+        p.ExportPlacement: _on_export_placement, p.Probe: _on_probe, p.StopEPLB: _on_stop_eplb,
         p.Admit: _on_admit, p.Cancel: _on_cancel, p.Shutdown: _on_shutdown,
     }
 
