@@ -79,8 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         thread.start()
         time.sleep(args.settle)
         kills_at = {round((i + 1) * args.scales / (args.kills + 1)) for i in range(args.kills)}
+        cycle = 0
         for i in range(args.scales):
-            target = sizes[i % len(sizes)]
+            while sizes[cycle % len(sizes)] == c.size:  # after a kill the size may already be the next one
+                cycle += 1
+            target = sizes[cycle % len(sizes)]
+            cycle += 1
             op = c.scale(target, timeout=180)
             ops.append({"kind": "scale", "to": target, "status": op.status.value, "paused_s": op.paused_seconds,
                         "error": op.error})

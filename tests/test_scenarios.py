@@ -364,3 +364,26 @@ def test_the_real_model_scenarios_expect_identical_output_and_the_reference_cann
     data = {"name": "x", "deployment": {"ep_size": 2}, "steps": 10, "expect": {"identical_output": True}}
     with pytest.raises(Exception, match="identical_output.*kind: hf"):
         parse_scenario(data, "inline")
+
+
+@pytest.mark.parametrize("data, names", [
+    ({"traffic": {"rate": 2}}, "traffic: requests need a real model"),
+    ({"expect": {"no_failed_requests": True}}, "expect.no_failed_requests: expected false or absent"),
+    ({"traffic": {"rate": 2, "max_tokens": [8, 4]}, "deployment": {"model": {"kind": "hf", "architecture": "qwen3_moe"}}},
+     "traffic.max_tokens"),
+    ({"traffic": {"rate": 0}, "deployment": {"model": {"kind": "hf", "architecture": "qwen3_moe"}}}, "traffic.rate"),
+])
+def test_a_scenarios_traffic_is_checked_before_anything_starts(data, names):
+    from elastic.replay.scenario import ScenarioError, parse_scenario
+
+    scenario = {"name": "x", "steps": 10, **data}
+    scenario["deployment"] = {"ep_size": 2, **data.get("deployment", {})}
+    with pytest.raises(ScenarioError) as caught:
+        parse_scenario(scenario, "inline")
+    assert names in str(caught.value), str(caught.value)
+
+
+def test_the_traffic_scenario_expects_every_request_served_and_identical():
+    scenario = load_scenario(ROOT / "scenarios" / "hf_traffic.yaml")
+    assert scenario.traffic is not None and scenario.expect.no_failed_requests and scenario.expect.identical_output
+    assert {e.action for e in scenario.timeline} >= {"scale", "kill"}

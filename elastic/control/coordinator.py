@@ -1095,6 +1095,8 @@ class Coordinator:
             if self._current is not None and not self._current.terminal:
                 raise ScaleConflict(self._current.id, self.machine.state, self.machine.allowed(), trigger="probe")
         seq, pids = self._broadcast(p.Probe)
+        if not pids:  # between groups (a rank just died): nothing to compare, and no verdict
+            raise OperationFailed("probe", "no live rank to probe")
         reports = self._await(seq, pids, "probe", timeout, fail_machine=False)
         digests = {r.rank: r.result.digest for r in reports.values() if isinstance(r.result, p.ProbeDone)}
         identical = bool(digests) and all(d == reference for d in digests.values())

@@ -11,6 +11,7 @@ timeline, worker events become the rebalances. :mod:`elastic.replay.report` turn
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -188,6 +189,7 @@ class Replayer:
         self.verifications: list[dict[str, Any]] = []
         self.errors: list[str] = []
         self.autoscaler: Any = None
+        self.traffic: TrafficRun | None = None
         self._deadline = self.t0 + scenario.run_timeout_s
         self._stop_progress = threading.Event()
         self._verified_ops: set[str] = set()
@@ -456,11 +458,15 @@ class Replayer:
 
                 self.autoscaler = Autoscaler(self.coordinator, s.autoscaler).start()
             progress.start()
+            if s.traffic is not None:
+                self.traffic = TrafficRun(self.coordinator, s).start()
             self._play()
             end = self._wait_step(s.steps)
             if end == "timeout":
                 self.errors.append(f"the run did not reach step {s.steps} within run_timeout_s={s.run_timeout_s}")
             self._wait_until(lambda: not self._op_running(), self._phase_budget())
+            if self.traffic is not None:
+                self.traffic.stop(timeout=self._phase_budget())
             if self._state() != "failed":
                 self._verify(after="end of run")
             final = self._final()
@@ -480,10 +486,14 @@ class Replayer:
             self._stop_progress.set()
             if self.autoscaler is not None:
                 self.autoscaler.stop()
+            if self.traffic is not None:
+                self.traffic.close()
             if self.coordinator is not None:
                 self.coordinator.shutdown()
         report = build_report(self, final=final, started_wall=started_wall, duration_s=time.monotonic() - self.t0)
         _fault_expectations(s, report)
+        if self.traffic is not None:
+            _traffic_expectations(s, report, self.traffic)
         return report
 
     def _final(self) -> dict[str, Any]:
@@ -493,6 +503,81 @@ class Replayer:
                 "rebalances": snap["rebalances"], "layers_committed": snap["layers_committed"],
                 "bytes_moved": snap["bytes_moved"], "watchdog_stalls": snap["watchdog_stalls"],
                 "history": [t.to_dict() for t in self.coordinator.machine.history()]}
+
+
+class TrafficRun:
+    """A scenario's traffic: the HTTP app over the replay's coordinator and the load generator's
+    client on its own thread, until :meth:`stop`; then the summary and the per-request check."""
+
+    def __init__(self, coordinator: Any, scenario: Scenario):
+        self.coordinator = coordinator
+        self.scenario = scenario
+        self._stop = threading.Event()
+        self._result: dict[str, Any] = {}
+        self.summary: dict[str, Any] | None = None
+        self.error: str | None = None
+
+    def start(self) -> TrafficRun:
+        from elastic.service.api import BackgroundServer, create_app
+        from elastic.serving.loadgen import LoadConfig, run_load
+
+        assert self.scenario.traffic is not None  # built only for a scenario with traffic
+        t = self.scenario.traffic
+        self.server = BackgroundServer(create_app(self.coordinator)).start()
+        config = LoadConfig(url=self.server.url, rate=t.rate, concurrency=t.concurrency, duration_s=self.scenario.run_timeout_s,
+                            prompt_len=t.prompt_len, max_tokens=t.max_tokens, seed=t.seed)
+
+        def run() -> None:
+            try:
+                self._result["out"] = asyncio.run(run_load(config, self._stop))
+            except Exception as exc:  # noqa: BLE001 - reported as the traffic's error
+                self.error = f"{type(exc).__name__}: {exc}"
+
+        self.thread = threading.Thread(target=run, name="replay-traffic", daemon=True)
+        self.thread.start()
+        return self
+
+    def stop(self, timeout: float) -> None:
+        """No new request; the ones in flight finish (bounded); then summarize and check the tokens."""
+        from elastic.serving.loadgen import check_tokens, summarize
+
+        self._stop.set()
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            self.error = f"requests still in flight {timeout:.0f}s after the run ended"
+            return
+        if "out" not in self._result:
+            return
+        records, timeline, started, ended = self._result["out"]
+        self.summary = summarize(records, timeline, started, ended)
+        if self.scenario.expect.identical_output:
+            self.summary["check"] = check_tokens(records, self.scenario.deployment.model)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.server.stop()
+
+
+def _traffic_expectations(s: Scenario, report: dict[str, Any], traffic: TrafficRun) -> None:
+    """The request expectations (``no_failed_requests``, and ``identical_output`` per request)."""
+    x = s.expect
+    out = report["expectations"]
+    summary = traffic.summary or {}
+    report["traffic"] = {**summary, "error": traffic.error}
+    if x.no_failed_requests:
+        ok = traffic.error is None and bool(summary) and summary["failed"] == 0 and summary["requests"] > 0
+        out.append({"name": "no_failed_requests", "expected": 0, "measured": summary.get("failed", traffic.error),
+                    "passed": ok, "detail": traffic.error or (f"{summary['ok']}/{summary['requests']} ok, "
+                                                             f"{summary['retried']} retried, {summary['replayed']} replayed; "
+                                                             + "; ".join(summary.get("errors", [])))})
+    if x.identical_output:
+        check = summary.get("check") or {"checked": 0, "identical": 0, "mismatched": []}
+        out.append({"name": "identical_output (requests)", "expected": "every request",
+                    "measured": f"{check['identical']}/{check['checked']}",
+                    "passed": traffic.error is None and check["checked"] > 0 and not check["mismatched"],
+                    "detail": f"mismatched requests: {check['mismatched'][:10]}" if check["mismatched"] else
+                              "every request's tokens equal the unsharded model's greedy output"})
+    report["passed"] = all(e["passed"] for e in out)
 
 
 def _fault_expectations(s: Scenario, report: dict[str, Any]) -> None:

@@ -244,7 +244,28 @@ class Expectations(_Strict):
     min_failures: int | None = Field(None, ge=0, description="times the deployment went failed (a fault was detected)")
     identical_output: bool = Field(
         False, description="every verification of a real model (deployment.model.kind: hf): the probe batch's greedy "
-        "tokens and logits bitwise equal to the unsharded single-process model's")
+        "tokens and logits bitwise equal to the unsharded single-process model's; with traffic, also every "
+        "request's tokens equal to the unsharded model's greedy output for its prompt")
+    no_failed_requests: bool = Field(
+        False, description="with traffic: every request answered in full (429/503 retried by the client count as "
+        "retried, not failed)")
+
+
+class TrafficSpec(_Strict):
+    """Completion requests sent through the replay (``elastic-ep loadgen``'s client, streaming, greedy)."""
+
+    rate: float = Field(4.0, gt=0, le=1000, description="requests per second (Poisson arrivals)")
+    concurrency: int = Field(4, ge=1, le=256, description="requests in flight at most")
+    prompt_len: tuple[int, int] = Field((4, 12), description="[min, max] prompt tokens")
+    max_tokens: tuple[int, int] = Field((8, 24), description="[min, max] tokens per request")
+    seed: int = Field(0, ge=0)
+
+    @field_validator("prompt_len", "max_tokens")
+    @classmethod
+    def _span(cls, value: tuple[int, int]) -> tuple[int, int]:
+        if not 1 <= value[0] <= value[1]:
+            raise ValueError(f"expected [min, max] with 1 <= min <= max, got {list(value)}")
+        return value
 
 
 class Scenario(_Strict):
@@ -265,6 +286,8 @@ class Scenario(_Strict):
         None, description="run elastic.service.autoscaler with this config (its 'enabled' is the state at step 0)")
     faults: list[Fault] = Field(default_factory=list, description="extra fault injections (elastic.faults records)")
     timeline: list[Event] = Field(default_factory=list)
+    traffic: TrafficSpec | None = Field(None, description="completion requests sent while the replay runs "
+                                        "(a real model only)")
     expect: Expectations = Expectations()
     run_timeout_s: float = Field(300.0, gt=0, description="the whole replay's deadline")
     slow: bool = Field(False, description="the test suite marks this replay slow")
@@ -317,6 +340,11 @@ def _plan(s: Scenario) -> tuple[list[dict[str, Any]], list[ScenarioProblem | Inp
         problem("expect.identical_output", "expected false or absent: it compares a real model's output with the "
                 "unsharded model (deployment.model.kind: hf); the reference model is checked slot by slot "
                 "(all_slots_verified)")
+    if s.traffic is not None and getattr(d.model, "kind", "reference") != "hf":
+        problem("traffic", "requests need a real model (deployment.model.kind: hf); the reference model decodes "
+                "its trace only")
+    if s.expect.no_failed_requests and s.traffic is None:
+        problem("expect.no_failed_requests", "expected false or absent: there is no traffic: section")
     starts = [t.at_step for t in s.trace]
     if starts[0] != 0:
         problem("trace[0].at_step", f"expected 0 (the first regime starts the run), got {starts[0]}")

@@ -139,9 +139,10 @@ class RequestEngine:
                 self.counts["rejected"] += 1
                 raise ServiceUnavailable("the deployment has failed and no recovery is under way: POST /recover",
                                          retry_after_s=self.config.retry_after_s)
-            if len(self._queue) >= self.config.max_queue and len(self._running) + len(self._queue) >= self.config.max_batch:
+            running = sum(not c.done for c in self._running.values())
+            if len(self._queue) >= self.config.max_queue and running + len(self._queue) >= self.config.max_batch:
                 self.counts["rejected"] += 1
-                raise Overloaded(f"{len(self._running)} requests decoding and {len(self._queue)} queued "
+                raise Overloaded(f"{running} requests decoding and {len(self._queue)} queued "
                                  f"(serving.max_batch {self.config.max_batch}, max_queue {self.config.max_queue})",
                                  retry_after_s=self.config.retry_after_s)
             completion = Completion(spec, self.clock(), stop=stop)
@@ -172,7 +173,7 @@ class RequestEngine:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return {"running": len(self._running), "queued": len(self._queue), **self.counts,
+            return {"running": sum(not c.done for c in self._running.values()), "queued": len(self._queue), **self.counts,
                     "max_batch": self.config.max_batch, "max_queue": self.config.max_queue}
 
     # -- reports from the ranks ------------------------------------------------------------------
