@@ -48,9 +48,15 @@ from eplb.trace import TraceConfig
 MODES = ("off", "sync", "async")
 
 
+#: a real model's decode batch (eplb.models.serving.DecodeBatches in the worker): sequences per step
+HF_BATCH = 4
+
+
 def deployment(args: argparse.Namespace, mode: str) -> DeploymentConfig:
-    shape = ModelShape(num_layers=args.layers, num_experts=args.experts, hidden_size=args.hidden,
-                       intermediate_size=args.intermediate)
+    shape: Any = ModelShape(num_layers=args.layers, num_experts=args.experts, hidden_size=args.hidden,
+                            intermediate_size=args.intermediate)
+    if args.architecture:  # a real MoE (a tiny random one): its own layers and experts; its router's choices are the load
+        shape = {"kind": "hf", "architecture": args.architecture, "seed": args.seed}
     eplb = EPLBConfig(enabled=mode != "off", use_async=mode == "async", num_redundant_experts=args.redundant,
                       window_size=args.window, step_interval=args.interval, communicator=args.communicator,
                       async_layer_interval=args.async_layer_interval)
@@ -93,7 +99,8 @@ def run_mode(args: argparse.Namespace, mode: str, console: Console) -> dict[str,
     idle = [s["eplb_s"] for s in window if not s["busy"]]
     worst = sorted((s for s in window if s["busy"]), key=lambda s: -s["eplb_s"])[:10]
     # throughput from rank 0's step end times (ranks run in lockstep: two collectives a step)
-    tokens_per_step = args.ranks * args.tokens
+    # a real model decodes one batch on the whole group (attention replicated); the reference routes per rank
+    tokens_per_step = HF_BATCH if args.architecture else args.ranks * args.tokens
     r0 = consecutive_durations(s for s in samples if s["rank"] == 0 and first <= s["step"] < end_step)
 
     def throughput(pairs: list[tuple[dict[str, Any], float]]) -> float:
@@ -188,6 +195,8 @@ def diagnose(args: argparse.Namespace, results: dict[str, Any], targets: dict[st
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.bench_decode", description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--architecture", default=None, help="a Hugging Face MoE architecture (deepseek_v3, gpt_oss, ...) "
+                    "instead of the reference model: a tiny random one, decoding seeded batches greedily")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--redundant", type=int, default=16)
@@ -214,10 +223,13 @@ def main(argv: list[str] | None = None) -> int:
         if m not in MODES:
             ap.error(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
 
-    shape = deployment(args, "off").model
-    console.print(f"[bold]bench_decode[/bold]: {args.ranks} ranks, {args.layers} layers, {args.experts} experts "
-                  f"+ {args.redundant} redundant, expert {fmt_bytes(shape.expert_bytes)}, "
-                  f"{args.tokens} tokens/rank/step, step_interval {args.interval}, window {args.window}")
+    cfg = deployment(args, "off")
+    sizes = cfg.sizes
+    what = (f"{args.architecture} (Hugging Face, tiny random), batch {HF_BATCH}" if args.architecture
+            else f"{args.tokens} tokens/rank/step")
+    console.print(f"[bold]bench_decode[/bold]: {args.ranks} ranks, {sizes.num_moe_layers} layers, "
+                  f"{sizes.num_logical_experts} experts + {args.redundant} redundant, expert {fmt_bytes(sizes.expert_bytes)}, "
+                  f"{what}, step_interval {args.interval}, window {args.window}")
     results: dict[str, dict[str, Any]] = {}
     for mode in modes:
         console.print(f"  running EPLB {mode} ...")
@@ -304,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[yellow]note[/yellow]: {note}")
 
     write_json(args.json_path, {"bench": "decode", "args": vars(args), "machine": machine_info(),
-                                "expert_bytes": shape.expert_bytes, "results": results, "targets": targets,
+                                "expert_bytes": sizes.expert_bytes, "results": results, "targets": targets,
                                 "notes": notes})
     if args.json_path:
         console.print(f"wrote {args.json_path}")

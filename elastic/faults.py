@@ -24,7 +24,12 @@ class _Fault(BaseModel):
 
 
 class KillRank(_Fault):
-    """The worker process dies abruptly (``os._exit``) at a step or when a phase's command reaches it."""
+    """The worker process dies abruptly (``os._exit``) at a step or when a phase's command reaches it.
+
+    ``at_step``: at the first decode step at or after it in which the rank decodes outside any
+    operation (a generation that starts past the step dies once it serves, not in its resuming);
+    ``in_phase``: when that phase's command of the next operation reaches it.
+    """
 
     kind: Literal["kill"] = "kill"
     at_step: int | None = Field(None, ge=0)

@@ -52,9 +52,12 @@ class FaultInjector:
                 time.sleep(fault.seconds / total)
             progress(None)
 
-    def at_step(self, step: int) -> None:
+    def at_step(self, step: int, steady: bool = True) -> None:
+        """``steady``: the rank decodes outside any operation. A step-pinned kill waits for that: a
+        generation that starts past its step is killed once it serves, not in its ``resuming``
+        (a kill inside an operation is ``in_phase``'s)."""
         for kill in self.active(f.KillRank):
-            if kill.at_step is not None and step >= kill.at_step:
+            if kill.at_step is not None and step >= kill.at_step and steady:
                 os._exit(17)
         for stall in self.active(f.StallRank):
             if step >= stall.at_step and stall not in self._stalled:

@@ -793,7 +793,7 @@ class Worker:
         return control.tolist()
 
     def decode_step(self) -> None:
-        self.faults.at_step(self.step)
+        self.faults.at_step(self.step, steady=self.mode == p.WorkerMode.DECODING)
         reduced = self._sync()
         try:
             if not self._run_commands_up_to(reduced[0]) or self.stopping:
