@@ -29,3 +29,21 @@ def wait_for_state(coordinator, state: str, timeout: float = 60.0, generation: i
             return
         time.sleep(0.05)
     raise AssertionError(f"state {c.machine.state.value}, wanted {state}; history {[t.sentence() for t in c.machine.history()]}")
+
+
+def run_cli(*args: str):
+    """``elastic-ep ARGS`` in this process (typer's runner): the result has ``exit_code`` and ``output``."""
+    from typer.testing import CliRunner
+
+    from elastic.cli import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on (an unreachable server's)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

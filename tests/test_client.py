@@ -3,33 +3,21 @@
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
-from typer.testing import CliRunner
 
-from elastic.cli import app
 from tests.conftest import small_config
-
-
-def run(*args: str):
-    return CliRunner().invoke(app, list(args))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers import free_port, run_cli
 
 
 def test_an_unreachable_server_exits_3_with_one_line():
-    result = run("status", "--url", f"http://127.0.0.1:{_free_port()}")
+    result = run_cli("status", "--url", f"http://127.0.0.1:{free_port()}")
     assert result.exit_code == 3 and "cannot reach" in result.output, result.output
 
 
 def test_a_bad_argument_exits_2():
-    assert run("scale", "three").exit_code == 2
-    assert run("scale", "0").exit_code == 2  # below its minimum, refused before any request
+    assert run_cli("scale", "three").exit_code == 2
+    assert run_cli("scale", "0").exit_code == 2  # below its minimum, refused before any request
 
 
 @pytest.mark.multiprocess
@@ -44,28 +32,28 @@ def test_the_client_drives_a_served_deployment():
         with BackgroundServer(create_app(coordinator)) as server:
             url = server.url
             coordinator.wait_for_step(3, timeout=60)
-            status = run("status", "--url", url)
+            status = run_cli("status", "--url", url)
             assert status.exit_code == 0 and "running" in status.output and "serving yes" in status.output, status.output
-            as_json = json.loads(run("status", "--url", url, "--json").output)
+            as_json = json.loads(run_cli("status", "--url", url, "--json").output)
             assert as_json["ep_size"] == 2 and len(as_json["ranks"]) == 2
 
-            up = run("scale", "3", "--wait", "--json", "--url", url)
+            up = run_cli("scale", "3", "--wait", "--json", "--url", url)
             assert up.exit_code == 0, up.output
             op = json.loads(up.output)
             assert op["status"] == "succeeded" and op["target_size"] == 3 and coordinator.size == 3
 
-            too_big = run("scale", "9", "--url", url)  # the server's 422 names the field
+            too_big = run_cli("scale", "9", "--url", url)  # the server's 422 names the field
             assert too_big.exit_code == 2 and "422" in too_big.output and "ep_size" in too_big.output, too_big.output
-            not_failed = run("recover", "--url", url)  # the server's 409: nothing to recover
+            not_failed = run_cli("recover", "--url", url)  # the server's 409: nothing to recover
             assert not_failed.exit_code == 2 and "409" in not_failed.output, not_failed.output
 
-            listed = run("operations", "--url", url)
+            listed = run_cli("operations", "--url", url)
             assert listed.exit_code == 0 and op["id"] in listed.output
-            one = json.loads(run("operations", op["id"], "--json", "--url", url).output)
+            one = json.loads(run_cli("operations", op["id"], "--json", "--url", url).output)
             assert one["id"] == op["id"] and one["status"] == "succeeded"
-            assert run("operations", "op-nope", "--url", url).exit_code == 2  # 404
+            assert run_cli("operations", "op-nope", "--url", url).exit_code == 2  # 404
 
-            rebalanced = run("rebalance", "--url", url, "--json")
+            rebalanced = run_cli("rebalance", "--url", url, "--json")
             assert rebalanced.exit_code == 0 and json.loads(rebalanced.output)["confirmed"] is True, rebalanced.output
     finally:
         coordinator.shutdown()
@@ -93,9 +81,9 @@ def test_with_an_api_key_every_change_needs_it_and_reading_stays_open(monkeypatc
         ok = client.post("/rebalance", headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200 and calls == [1], ok.text
         # the CLI client sends the key from ELASTIC_EP_API_KEY
-        assert run("rebalance", "--url", server.url).exit_code == 2
+        assert run_cli("rebalance", "--url", server.url).exit_code == 2
         monkeypatch.setenv("ELASTIC_EP_API_KEY", "s3cret")
-        assert run("rebalance", "--url", server.url).exit_code == 0 and calls == [1, 1]
+        assert run_cli("rebalance", "--url", server.url).exit_code == 0 and calls == [1, 1]
 
 
 def test_json_logs_carry_the_deployment_context(capsys):

@@ -161,6 +161,11 @@ def test_a_completion_is_the_unsharded_models_greedy_output_streamed_or_not(live
     assert stream.status == 200 and stream.tokens == live.greedy(prompt, 10) and stream.finish == "length"
     listing = live.client.get("/v1/models").json()
     assert listing["data"][0]["id"] == live.model and listing["data"][0]["max_model_len"] == 128
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {(s.name, s.labels.get("outcome")): s.value
+               for family in text_string_to_metric_families(live.client.get("/metrics").text) for s in family.samples}
+    assert samples[("elastic_ep_requests_total", "ok")] >= 2 and ("elastic_ep_requests_running", None) in samples
 
 
 @pytest.mark.multiprocess

@@ -4,29 +4,17 @@
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import httpx
 import pytest
-from typer.testing import CliRunner
 
-from elastic.cli import app
 from eplb.placement import Placement
 from eplb.placement_file import parse_placement, placement_document
 from tests.conftest import running, small_config
+from tests.helpers import free_port, run_cli
 
 LAYERS, EXPERTS, SLOTS = 4, 8, 12  # small_config: 4 MoE layers of 8 experts, 4 redundant slots over 2 ranks
-
-
-def run(*args: str):
-    return CliRunner().invoke(app, list(args))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _document(ep_size: int = 2, load: list[list[int]] | None = None) -> dict:
@@ -62,7 +50,7 @@ def test_export_then_start_a_deployment_from_the_file(tmp_path):
         assert first.snapshot()["layers_committed"] >= LAYERS
         direct = httpx.get(f"{server.url}/placement", timeout=60)
         assert direct.status_code == 200, direct.text
-        exported = run("placement", "export", "--url", server.url, "-o", str(saved))
+        exported = run_cli("placement", "export", "--url", server.url, "-o", str(saved))
         assert exported.exit_code == 0 and f"wrote {saved}" in exported.output, exported.output
         _digest_and_clean(first)  # (its async EPLB goes on rebalancing: the digest may have moved on since)
     document = json.loads(saved.read_text())
@@ -147,7 +135,7 @@ def test_a_bad_placement_file_is_refused_before_any_worker_starts(tmp_path, monk
         load_serve_config(config)
     message = str(info.value)
     assert f"eplb.initial_placement: {path}: " in message and expected in message, message
-    served = run("serve", str(config))
+    served = run_cli("serve", str(config))
     assert served.exit_code == 2 and expected in served.output, served.output
     assert started == []  # nothing was started
 
@@ -156,7 +144,7 @@ def test_serve_takes_the_file_on_the_command_line(tmp_path, monkeypatch):
     served = []
     monkeypatch.setattr("elastic.service.api.serve", lambda config, *a, **k: served.append(config))
     bad = _write(tmp_path / "bad.json", _no_replica(_document()))
-    result = run("serve", "--num-experts", "8", "--initial-placement", str(bad))  # the default deployment: 4 layers
+    result = run_cli("serve", "--num-experts", "8", "--initial-placement", str(bad))  # the default deployment: 4 layers
     assert result.exit_code == 2 and "logical expert 3 has no replica" in result.output, result.output
     assert served == []
     from elastic.service.api import load_serve_config
@@ -212,7 +200,7 @@ def test_another_ep_size_is_recomputed_from_the_load_window(tmp_path):
 
 def test_cli_export_against_an_unreachable_server_exits_3(tmp_path):
     out = tmp_path / "placement.json"
-    result = run("placement", "export", "--url", f"http://127.0.0.1:{_free_port()}", "-o", str(out))
+    result = run_cli("placement", "export", "--url", f"http://127.0.0.1:{free_port()}", "-o", str(out))
     assert result.exit_code == 3 and "cannot reach" in result.output, result.output
     assert not out.exists()
 
@@ -232,10 +220,10 @@ def test_export_while_not_running_is_a_409_and_exit_2(tmp_path):
     with BackgroundServer(create_app(controller)) as server:
         answer = httpx.get(f"{server.url}/placement", timeout=10)
         assert answer.status_code == 409 and "export the placement" in answer.json()["message"], answer.text
-        result = run("placement", "export", "--url", server.url, "-o", str(tmp_path / "p.json"))
+        result = run_cli("placement", "export", "--url", server.url, "-o", str(tmp_path / "p.json"))
         assert result.exit_code == 2 and "409" in result.output, result.output
         controller.export_placement = lambda timeout=30.0: _document()
-        printed = run("placement", "export", "--url", server.url)  # no -o: the file on stdout
+        printed = run_cli("placement", "export", "--url", server.url)  # no -o: the file on stdout
         assert printed.exit_code == 0 and json.loads(printed.output) == _document()
-        bad_path = run("placement", "export", "--url", server.url, "-o", str(tmp_path / "no" / "such" / "dir.json"))
+        bad_path = run_cli("placement", "export", "--url", server.url, "-o", str(tmp_path / "no" / "such" / "dir.json"))
         assert bad_path.exit_code == 2 and "cannot write" in bad_path.output, bad_path.output

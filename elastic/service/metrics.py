@@ -93,7 +93,18 @@ class CoordinatorCollector(Collector):
                                        "placement at the last rebalance decision (mean over layers)")
         min_bal = GaugeMetricFamily(PREFIX + "eplb_min_balancedness", "eplb.min_balancedness: a scheduled rebalance "
                                     "is skipped while the window's balancedness is above it")
+        requests = CounterMetricFamily(PREFIX + "requests", "completion requests by outcome: ok (answered in full), "
+                                       "failed (503 after a failure), cancelled (the client left), rejected (429/503 "
+                                       "at once), replayed (run again from the prompt after a recovery)", labels=["outcome"])
+        requests_running = GaugeMetricFamily(PREFIX + "requests_running", "completion requests in the group's batch")
+        requests_queued = GaugeMetricFamily(PREFIX + "requests_queued", "completion requests waiting for a batch slot")
         if snap is not None:
+            served = snap.get("requests")
+            if served:
+                for outcome in ("ok", "failed", "cancelled", "rejected", "replayed"):
+                    requests.add_metric([outcome], served.get(outcome) or 0)
+                requests_running.add_metric([], served.get("running") or 0)
+                requests_queued.add_metric([], served.get("queued") or 0)
             for phase in Phase:
                 state.add_metric([phase.value], 1.0 if snap["state"] == phase.value else 0.0)
             generation.add_metric([], snap["generation"])
@@ -143,7 +154,8 @@ class CoordinatorCollector(Collector):
                 rank_step.add_metric([str(hb.rank)], float(hb.step_seconds))
         yield from (state, generation, size, physical, serving, balancedness, step, in_flight, rebalances, layers,
                     eplb_bytes, stalls, operations, scale_bytes, rank_load, rank_step, eplb_healthy, eplb_restarts,
-                    eplb_failed, outcomes, layer_bal, window_bal, min_bal, output_checks, output_mismatch)
+                    eplb_failed, outcomes, layer_bal, window_bal, min_bal, output_checks, output_mismatch, requests,
+                    requests_running, requests_queued)
         scaler = self.autoscaler
         enabled = GaugeMetricFamily(PREFIX + "autoscaler_enabled", "1 when the autoscaler is on", labels=["observe_only"])
         decisions = CounterMetricFamily(PREFIX + "autoscaler_decisions", "autoscaler decisions by what became of them",
