@@ -18,6 +18,7 @@ names it in base units (``_seconds``, ``_bytes``); every metric has a help text
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,6 +36,7 @@ OPERATION_STATUSES = ("pending", "running", "succeeded", "failed", "noop")
 BALANCEDNESS_STATS = ("min", "p50", "p90", "mean")
 #: what became of a scheduled or requested rebalance
 REBALANCE_OUTCOMES = ("skipped", "started", "finished", "failed")
+SEEN_OPERATIONS = 1024  # terminal operations remembered so each is observed once
 PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -191,7 +193,9 @@ class OperationRecorder:
                                            ["outcome"], registry=registry, buckets=PHASE_BUCKETS)
         for outcome in ("finished", "failed"):
             self.rebalance_seconds.labels(outcome=outcome)  # exported at 0 before the first one
-        self._seen: set[str] = set()
+        # operations already observed (an operation's terminal update can be emitted more than once);
+        # bounded: ids are unique, so only the recent ones can come again
+        self._seen: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
 
     def __call__(self, kind: str, data: dict[str, Any]) -> None:
@@ -206,7 +210,9 @@ class OperationRecorder:
         with self._lock:
             if data["id"] in self._seen:
                 return
-            self._seen.add(data["id"])
+            self._seen[data["id"]] = None
+            while len(self._seen) > SEEN_OPERATIONS:
+                self._seen.popitem(last=False)
         total = 0.0
         for phase, timing in (data.get("phases") or {}).items():
             seconds = timing.get("seconds")
@@ -216,7 +222,6 @@ class OperationRecorder:
         self.operation_seconds.labels(kind=data["kind"], status=data["status"]).observe(total)
         if data.get("paused_seconds") is not None:
             self.paused_seconds.observe(data["paused_seconds"])
-
 
     def _worker_event(self, data: dict[str, Any]) -> None:
         if data.get("rank") != 0 or data.get("seconds") is None:
