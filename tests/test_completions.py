@@ -428,3 +428,50 @@ def test_the_completions_schema_fuzzed_finds_no_server_errors(case, live):
     if response.status_code >= 400:
         body = response.json()
         assert body["error"] and body["message"]
+
+
+# -- the load generator ------------------------------------------------------------------------------------
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_the_load_generator_reports_requests_latencies_and_a_plot_and_checks_tokens(live, tmp_path):
+    import json
+
+    from tests.helpers import run_cli
+
+    deployment_file = tmp_path / "deployment.yaml"
+    deployment_file.write_text(f"model: {json.dumps(MODEL)}\nep_size: 2\nmax_ep_size: 4\n"
+                               "eplb: {num_redundant_experts: 4}\n")
+    out = tmp_path / "load"
+    result = run_cli("loadgen", live.url, "--rate", "6", "--concurrency", "3", "--duration", "3",
+                     "--prompt-len", "4:8", "--max-tokens", "6:12", "--seed", "3", "--out", str(out),
+                     "--check", str(deployment_file), "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "loadgen.json").read_text())
+    summary = data["summary"]
+    assert summary["ok"] == summary["requests"] > 0 and summary["failed"] == 0
+    assert summary["check"]["identical"] == summary["check"]["checked"] == summary["ok"]
+    assert summary["itl"] and all(row["p99_ms"] >= row["p50_ms"] > 0 for row in summary["itl"].values())
+    assert all(len(r["tokens"]) == r["max_tokens"] for r in data["requests"])
+    png = (out / "loadgen.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_the_load_generator_exits_3_when_the_server_cannot_be_reached(tmp_path):
+    from tests.helpers import free_port, run_cli
+
+    result = run_cli("loadgen", f"http://127.0.0.1:{free_port()}", "--duration", "1", "--out", str(tmp_path))
+    assert result.exit_code == 3 and "cannot reach" in result.output
+
+
+@pytest.mark.parametrize("start, end, expected", [
+    (1.0, 2.0, "steady"), (9.5, 10.5, "scale"), (10.5, 11.0, "scale"), (19.0, 21.0, "recovery"),
+    (29.9, 30.1, "rebalance"), (14.0, 22.0, "recovery"),  # overlapping a scale and a recovery: the recovery
+])
+def test_a_latency_gap_is_labelled_by_the_server_windows_it_overlaps(start, end, expected):
+    from elastic.serving.loadgen import _windows, label_gaps
+
+    timeline = {"windows": [{"kind": "scale", "started_at": 10.0, "ended_at": 15.0},
+                            {"kind": "failure", "started_at": 20.0, "ended_at": None},
+                            {"kind": "rebalance", "started_at": 30.0, "ended_at": 30.05}]}
+    assert label_gaps(start, end, _windows(timeline, until=25.0)) == expected
