@@ -28,14 +28,22 @@ Policies (registry :data:`POLICIES`, chosen by name, extended with :func:`regist
     half the mean), replicate for the packing instead: each heavy expert either gets the fewest
     replicas under the mean (large ones, each nearly filling a GPU) or enough to fall under half
     of it (small ones that pair up), chosen so that at most ``G`` replicas are large
-    (:func:`_pack_aware_counts`); (2) pack: replicas in descending load, ``G`` per round, the
-    heaviest of a round to the lightest GPU, so every GPU gets exactly ``S`` (an expert split over
-    two rounds is kept off the GPU that already has it); (3) improve by swaps: GPUs paired
-    heaviest with lightest, each pair making its best swap, then the heaviest GPU against the
-    lightest few, while a swap lowers the pair's peak (a swap never puts an expert twice on a
-    GPU); layers still more than 1% above the mean get a second pass, twice as wide; (4) a layer
-    where the static placement is better (tiny shapes) keeps the static one. Stateless, like the
-    reference: ``previous`` is ignored.
+    (:func:`_pack_aware_counts`); (2) pack: replicas in descending load, the ``G`` largest one per
+    GPU, then ``G`` per round to the lightest GPUs, a light GPU taking several of a round
+    (:func:`_fill_pack`), so a GPU whose first replica nearly fills it ends with the smallest
+    replicas (round-robin packing, one replica of every round per GPU, overloads those when
+    ``S`` is small and the load heavy-tailed); (3) improve by swaps: GPUs paired heaviest with
+    lightest, each pair making its best swap, then the heaviest GPU against the lightest few,
+    while a swap lowers the pair's peak (a swap never puts an expert twice on a GPU); (4) layers
+    still more than 3% above the mean try other replica counts, read off the packing (the
+    expert of the largest replica on each of the heaviest five GPUs gains a replica, the experts
+    that lose least by it give one; on sparse layers, loaded replicas cut to two per GPU, the
+    rest going to idle experts), repacked at once and kept where the peak is lower
+    (:func:`_recount`); (5) layers still more than 1% above the mean get a second pass of swaps,
+    twice as wide; (6) a layer where the static placement is better (tiny shapes) keeps the
+    static one. Stateless, like the reference: ``previous`` is ignored. Options: ``pair_iters``,
+    ``max_swaps``, ``swap_width`` (the swaps), ``recount`` (step 4, default on). Two replicas of
+    one expert may share a GPU (valid: that GPU serves two shares of its tokens).
 ``hierarchical``
     The reference behaviour (DeepSeek ``rebalance_experts``): when ``num_groups % num_nodes == 0``
     expert groups are packed to nodes (equal group counts, greedy by group load), replicas are
@@ -68,16 +76,18 @@ Policies (registry :data:`POLICIES`, chosen by name, extended with :func:`regist
     (``previous`` has another slot count; the same slots per GPU, or ``previous_num_gpus``),
     experts stay on the GPUs that still exist (GPU ``g`` stays ``g`` unless ``rank_mapping``, a
     list or dict old -> new with ``-1`` for gone, says otherwise); lost experts and empty new slots
-    are filled first. Options: ``tolerance`` (default 0.01), ``max_copies`` (per layer and call),
+    are filled first. A layer still on the static placement (what an engine starts from; fitted
+    to no load) that has to move takes ``default``'s placement, GPUs matched, instead of the
+    fewest moves. Options: ``tolerance`` (default 0.01), ``max_copies`` (per layer and call),
     ``noise`` (``"auto"``, ``"counts"``, ``"none"``), ``previous_num_gpus``, ``rank_mapping``.
 
 Measured by ``python -m bench.bench_algorithm`` on eight load families and held-out seeds
-(figures in ``docs/design.md``): on DeepSeek-V3 shapes ``default`` reaches 0.983-0.999 (32 GPUs)
-and 0.959-0.998 (64 GPUs) by family, the weakest on heavy-tailed and sparse loads with 5 slots per
-GPU (worst layer 0.80), in 5-10 ms for 58 layers on one shared core whatever the input dtype;
-``migration_aware`` copies 1-3.5% of the slots per rebalance on stationary loads and 0.14x /
-0.23x ``default``'s copies on drifting ones; its next-window balance is within 0.01 of
-``default``'s except on fast drift (-0.02) and near-uniform loads (-0.03 / -0.04).
+(figures in ``docs/design.md``): on DeepSeek-V3 shapes ``default`` reaches 0.992-0.999 (32 GPUs)
+and 0.964-0.997 (64 GPUs) by family, the weakest on sparse loads with 5 slots per GPU (worst
+layer 0.85), in 6-15 ms for 58 layers on one core of a loaded 2-core machine (load average
+6-9), whatever the input dtype; ``migration_aware`` copies 0.1-1.4% of the slots per rebalance on
+stationary loads and 0.14x / 0.22x ``default``'s copies on drifting ones; its next-window
+balance is within 0.01 of ``default``'s except on fast drift (-0.015 / -0.011).
 
 Errors are :class:`AlgorithmError` (a ``ValueError``) subclasses with messages naming what is
 wrong. Groups and nodes that do not nest (a group count that does not divide the experts, a node
@@ -571,67 +581,167 @@ def _holds_count(slot_expert: np.ndarray, num_logical: int) -> np.ndarray:
     return holds
 
 
-def _round_robin_pack(item_load: np.ndarray, item_expert: np.ndarray, num_gpus: int) -> tuple[np.ndarray, np.ndarray]:
-    """Pack replicas ``[B, P]`` onto ``G`` GPUs with exactly ``S = P / G`` each.
+def _sorted_items(load: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The replicas ``[B, P]`` in descending load: ``(item_load, item_expert)``; the replicas of
+    an expert are adjacent."""
+    b = load.shape[0]
+    per = load / counts
+    order = np.argsort(-per, axis=1)  # deterministic for a given input
+    item_expert = np.repeat(order.ravel(), np.take_along_axis(counts, order, axis=1).ravel()).reshape(b, -1)
+    return np.take_along_axis(per, item_expert, axis=1), item_expert
 
-    Items in descending load, ``G`` per round; in each round the heaviest item goes to the
-    lightest GPU so far, the next to the next lightest, ...; round ``r`` fills slot ``r`` of every
-    GPU. An item whose expert the GPU already holds trades GPUs with a nearby item of its round
-    when that clears both (rare leftovers stay: two replicas on one GPU are valid). Returns
-    ``(slot_load, slot_expert)``, both ``[B, G, S]``.
+
+def _fill_pack(load: np.ndarray, counts: np.ndarray, num_gpus: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pack the replicas of ``counts [B, L]`` onto ``G`` GPUs with exactly ``S = P / G`` each.
+
+    Replicas in descending load: the ``G`` largest one per GPU, then ``G`` per round, each round
+    filling the lightest GPUs first, where a light GPU may take several replicas of the round
+    (the ``k``-th free slot of a GPU counts as its load plus ``k`` mean replicas of the round;
+    the round's replicas go, heaviest first, to the ``G`` lowest such slots). So a GPU whose
+    first replica nearly fills it takes the smallest replicas, at the end, instead of one of
+    every round (what round-robin packing does, and what leaves GPUs with a heavy replica
+    overfull when ``S`` is small and the load heavy-tailed). Returns ``(slot_load, slot_expert)``,
+    both ``[B, G, S]``. Two replicas of one expert may share a GPU (valid; the swaps never add one).
     """
+    item_load, item_expert = _sorted_items(load, counts)
     b, p = item_load.shape
     g = num_gpus
     s = p // g
-    order = np.argsort(-item_load, axis=1)  # deterministic; equal loads stay adjacent
-    sorted_load = np.take_along_axis(item_load, order, axis=1)
-    sorted_expert = np.take_along_axis(item_expert, order, axis=1)
-    slot_load = np.empty((s, b, g))  # round-major while packing
-    slot_expert = np.empty((s, b, g), dtype=np.int64)
-    loads = np.zeros((b, g))
-    r = np.arange(b)[:, None]
-    last = np.full((b, g), -1, dtype=np.int64)  # the expert each GPU got in the previous round
-
-    for rnd in range(s):
-        w = sorted_load[:, rnd * g : (rnd + 1) * g]
-        e = sorted_expert[:, rnd * g : (rnd + 1) * g]
-        gpus = np.argsort(loads, axis=1, kind="stable")
-        if rnd:
-            # an expert split over two rounds would land twice on the light GPUs that took its
-            # last replicas (its replicas have one load, so they span <= 2 rounds): a clashing
-            # item trades GPUs with a nearby item of its round instead
-            rows = np.nonzero((last[r, gpus] == e).any(axis=1))[0]
-            if rows.size:
-                gpus[rows] = _untangle(gpus[rows], e[rows], last[rows])
-        slot_load[rnd, r, gpus] = w
-        slot_expert[rnd, r, gpus] = e
-        last[r, gpus] = e
-        loads[r, gpus] += w
-    slot_load = np.ascontiguousarray(slot_load.transpose(1, 2, 0))
-    slot_expert = np.ascontiguousarray(slot_expert.transpose(1, 2, 0))
+    slot_load = np.empty((b, g, s))
+    slot_expert = np.empty((b, g, s), dtype=np.int64)
+    slot_load[:, :, 0] = item_load[:, :g]
+    slot_expert[:, :, 0] = item_expert[:, :g]
+    loads = item_load[:, :g].copy()
+    filled = np.ones((b, g), dtype=np.int64)
+    rr = np.arange(b)[:, None]
+    off = rr * g
+    k_all = np.arange(s)
+    zero_from = p - (item_load[:, ::-1] == 0).argmin(axis=1)  # [B]: items from here on weigh 0
+    zero_from[(item_load == 0).all(axis=1)] = 0
+    for start in range(g, p, g):
+        if (zero_from <= start).all():
+            # only zero-load replicas left (sparse loads): any free slot will do
+            free = np.arange(s) >= filled[:, :, None]
+            slot_expert[free] = item_expert[:, start:].ravel()
+            slot_load[free] = 0.0
+            break
+        w = item_load[:, start : start + g]
+        e = item_expert[:, start : start + g]
+        # a positive step, so a GPU's k-th free slot always ranks after its (k-1)-th
+        step = np.maximum(w.mean(axis=1), 1e-9 * (loads.max(axis=1) + 1.0))
+        # a GPU takes at most _FILL_MAX_PER_ROUND of a round while the others have room for the rest
+        k = k_all[:_FILL_MAX_PER_ROUND] if (np.minimum(s - filled, _FILL_MAX_PER_ROUND).sum(axis=1) >= g).all() else k_all
+        key = (loads[:, :, None] + np.where(filled[:, :, None] + k < s, k * step[:, None, None], np.inf)).reshape(b, -1)
+        pick = np.argpartition(key, g - 1, axis=1)[:, :g]
+        pick = np.take_along_axis(pick, np.argsort(np.take_along_axis(key, pick, axis=1), axis=1), axis=1)
+        gpu, kth = np.divmod(pick, k.size)
+        pos = filled[rr, gpu] + kth
+        slot_load[rr, gpu, pos] = w
+        slot_expert[rr, gpu, pos] = e
+        flat = (gpu + off).ravel()
+        loads += np.bincount(flat, weights=w.ravel(), minlength=b * g).reshape(b, g)
+        filled += np.bincount(flat, minlength=b * g).reshape(b, g)
     return slot_load, slot_expert
 
 
-def _untangle(gpus: np.ndarray, experts: np.ndarray, last: np.ndarray) -> np.ndarray:
-    """Trade GPUs between items of one round so that no item goes to a GPU whose previous-round
-    expert is its own. ``gpus``/``experts``: ``[R, G]`` by position; ``last``: ``[R, G]`` by GPU."""
-    g = gpus.shape[1]
-    k = np.arange(g)
-    r = np.arange(gpus.shape[0])[:, None]
-    clash = last[r, gpus] == experts
-    for shift in (1, 2, 3, -1, -2, -3):
-        if not clash.any():
-            break
-        m = np.clip(k + shift, 0, g - 1)  # partner position (one-to-one where in range)
-        do = clash & ~clash[:, m] & (k + shift >= 0) & (k + shift < g)
-        do &= last[r, gpus[:, m]] != experts  # the item fits the partner's GPU
-        do &= last[r, gpus] != experts[:, m]  # the partner fits the item's GPU
-        if do.any():
-            bi, ki = np.nonzero(do)
-            mi = m[ki]
-            gpus[bi, ki], gpus[bi, mi] = gpus[bi, mi], gpus[bi, ki]
-            clash = last[r, gpus] == experts
-    return gpus
+def _moved_counts(
+    load: np.ndarray, counts: np.ndarray, slot_load: np.ndarray, slot_expert: np.ndarray, num_gpus: int, width: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Counts with up to ``width`` replicas moved, read off a packing. Returns ``(counts, moved [B])``.
+
+    For the heaviest GPU, and the next ``width - 1`` heaviest while they are more than
+    ``_RECOUNT_GPU_ABOVE`` above the mean: the expert of its largest replica gains a replica (at
+    most one per GPU), and the expert that loses least by giving one up (smallest
+    ``w / (c - 1)``) gives it; no expert both gains and gives."""
+    b, g = load.shape[0], num_gpus
+    r = np.arange(b)
+    c = counts.copy()
+    gpu_load = slot_load.sum(axis=2)
+    order = np.argsort(-gpu_load, axis=1)[:, :width]
+    above = gpu_load.sum(axis=1) / g * _RECOUNT_GPU_ABOVE
+    gained = np.zeros(c.shape, dtype=bool)
+    lost = np.zeros(c.shape, dtype=bool)
+    moved = np.zeros(b, dtype=bool)
+    for j in range(order.shape[1]):
+        h = order[:, j]
+        on_h = slot_expert[r, h]  # [B, S]
+        size = np.where((c[r[:, None], on_h] < g) & ~lost[r[:, None], on_h], slot_load[r, h], -1.0)
+        recv = on_h[r, size.argmax(axis=1)]
+        grown = np.where((c >= 2) & ~gained, load / np.maximum(c - 1, 1), np.inf)
+        grown[r, recv] = np.inf
+        don = grown.argmin(axis=1)
+        go = (size.max(axis=1) >= 0) & np.isfinite(grown[r, don])
+        if j:
+            go &= gpu_load[r, h] > above
+        c[r[go], recv[go]] += 1
+        c[r[go], don[go]] -= 1
+        gained[r[go], recv[go]] = True
+        lost[r[go], don[go]] = True
+        moved |= go
+    return c, moved
+
+
+def _paired_counts(load: np.ndarray, counts: np.ndarray, num_gpus: int) -> tuple[np.ndarray, np.ndarray]:
+    """For layers with idle experts (load 0) and between ``2G`` and ``3G`` loaded replicas: give
+    the replicas above ``2G`` to idle experts (from the experts that lose least by it), so the
+    loaded replicas pair up two per GPU. Returns ``(counts, changed [B])``."""
+    g = num_gpus
+    busy = load > 0
+    extra = (counts * busy).sum(axis=1) - 2 * g
+    rows = np.nonzero((extra > 0) & (extra <= g) & ((~busy).sum(axis=1) >= extra))[0]
+    c = counts.copy()
+    changed = np.zeros(load.shape[0], dtype=bool)
+    if rows.size == 0:
+        return c, changed
+    w, cc, k = load[rows], c[rows], extra[rows][:, None]
+    # the `extra` experts that lose least by one replica fewer give one each, to as many idle ones
+    grown = np.where((cc >= 2) & (w > 0), w / np.maximum(cc - 1, 1), np.inf)
+    give = (_inverse(np.argsort(grown, axis=1, kind="stable")) < k) & np.isfinite(grown)
+    idle_rank = np.cumsum(w == 0, axis=1)
+    take = (w == 0) & (idle_rank <= give.sum(axis=1, keepdims=True))
+    cc = cc - give + take
+    c[rows] = cc
+    changed[rows] = (cc != counts[rows]).any(axis=1)
+    return c, changed
+
+
+def _recount(load: np.ndarray, counts: np.ndarray, slot_load: np.ndarray, slot_expert: np.ndarray, num_gpus: int) -> None:
+    """Try other replica counts where the packing shows the counts are wrong; ``slot_*`` in place.
+
+    The counts come from the loads alone (:func:`_replica_counts`, :func:`_pack_aware_counts`);
+    the packing shows whether they fit: with few slots per GPU and a heavy tail, the heaviest GPU
+    is often one whose large replica nothing small enough can complement. One candidate per
+    layer: on sparse layers (idle experts, between ``2G`` and ``3G`` loaded replicas) whose
+    heaviest GPU holds three loaded replicas, the loaded replicas cut to two per GPU
+    (:func:`_paired_counts`); on the others, replicas moved as the packing asks
+    (:func:`_moved_counts`, for the heaviest five GPUs). The candidates are packed at once
+    (:func:`_fill_pack`) and a layer takes its candidate when its peak is lower. Tuned on the
+    bench's tune seeds: one move per GPU for up to five GPUs in one repack matched three
+    single moves with three repacks, at a third of the time.
+    """
+    g = num_gpus
+    c, sparse = _paired_counts(load, counts, g)
+    # pairing helps where the heaviest GPU holds three loaded replicas or more
+    r = np.arange(load.shape[0])
+    h = slot_load.sum(axis=2).argmax(axis=1)
+    paired = sparse & ((slot_load[r, h] > 0).sum(axis=1) >= 3)
+    rows_list, counts_list = [np.nonzero(paired)[0]], [c[paired]]
+    rest = np.nonzero(~sparse)[0]  # (sparse layers rarely gain by moved replicas)
+    for width in _RECOUNT_WIDTHS if rest.size else ():
+        c, moved = _moved_counts(load[rest], counts[rest], slot_load[rest], slot_expert[rest], g, width)
+        rows_list.append(rest[moved])
+        counts_list.append(c[moved])
+    rows = np.concatenate(rows_list)
+    if rows.size == 0:
+        return
+    cand_load, cand_expert = _fill_pack(load[rows], np.concatenate(counts_list), g)
+    peak = cand_load.sum(axis=2).max(axis=1)
+    best = slot_load.sum(axis=2).max(axis=1)
+    order = np.lexsort((peak, rows))  # by layer, then peak: the first of each layer is its best
+    first = order[np.r_[True, rows[order][1:] != rows[order][:-1]]]
+    win = first[peak[first] < best[rows[first]] * (1 - 1e-12)]
+    slot_load[rows[win]] = cand_load[win]
+    slot_expert[rows[win]] = cand_expert[win]
 
 
 def _swap_candidates(slot_load, slot_expert, rows, ga, gb, gap, pinned=None, cross=None):
@@ -757,6 +867,8 @@ def _add_replicas(load: np.ndarray, counts: np.ndarray, extra: np.ndarray, allow
     Like :func:`_replica_counts`: bisect for a level ``t`` at which the replicas the greedy
     would add (every allowed expert up to ``floor(w / t)`` replicas) fit in ``extra``, then add
     the few left one at a time."""
+    if not (extra > 0).any():
+        return counts.copy()
     r = np.arange(load.shape[0])
     base = counts
     room = np.where(allowed, np.maximum(0, cap - base), 0)  # [R, L] replicas each may still get
@@ -822,12 +934,19 @@ def _pack_aware_counts(load: np.ndarray, num_replicas: int, num_gpus: int) -> tu
     small = load / counts <= t / 2 * (1 + 1e-12)
     counts = _add_replicas(load, counts, np.maximum(left, 0), small, g)
     left = num_replicas - counts.sum(axis=1)
-    counts = _add_replicas(load, counts, np.maximum(left, 0), np.ones_like(small), np.iinfo(np.int64).max)
+    if (left > 0).any():
+        counts = _add_replicas(load, counts, np.maximum(left, 0), np.ones_like(small), np.iinfo(np.int64).max)
     return counts, ok
 
 
 def _balanced(
-    load: np.ndarray, num_replicas: int, num_gpus: int, pair_iters: int = 2, max_swaps: int = 4, swap_width: int = 4
+    load: np.ndarray,
+    num_replicas: int,
+    num_gpus: int,
+    pair_iters: int = 2,
+    max_swaps: int = 4,
+    swap_width: int = 4,
+    recount: bool = True,
 ) -> np.ndarray:
     b, n = load.shape
     g = num_gpus
@@ -841,21 +960,26 @@ def _balanced(
     if crowded.size:
         fit, ok = _pack_aware_counts(load[crowded], num_replicas, g)
         counts[crowded[ok]] = fit[ok]
-    # 3. the replicas [B, P] (expert, load), packed round-robin in descending load
-    item_expert = _expand_counts(counts)
-    item_load = np.take_along_axis(load / counts, item_expert, axis=1)
-    slot_load, slot_expert = _round_robin_pack(item_load, item_expert, g)
-    # 4. improve by swaps: all GPUs in heavy/light pairs, then the heaviest GPU alone; layers
-    #    still more than 1% above the mean get a second pass, twice as wide
+    # 3. pack: descending load, the lightest GPUs filled first
+    slot_load, slot_expert = _fill_pack(load, counts, g)
+    # 4. improve by swaps: all GPUs in heavy/light pairs, then the heaviest GPU alone
     _refine_swaps(slot_load, slot_expert, pair_iters=pair_iters, max_iters=max_swaps, width=swap_width)
+    # 5. layers still more than 3% above the mean: try other replica counts
+    if recount:
+        rows = np.nonzero(slot_load.sum(axis=2).max(axis=1) * _RECOUNT_BELOW > mean)[0]
+        if rows.size:
+            sl, se = slot_load[rows], slot_expert[rows]
+            _recount(load[rows], counts[rows], sl, se, g)
+            slot_load[rows], slot_expert[rows] = sl, se
+    # 6. layers still more than 1% above the mean get a second pass of swaps, twice as wide
     if max_swaps:
         rows = np.nonzero(slot_load.sum(axis=2).max(axis=1) * 0.99 > mean)[0]
         if rows.size:
             sl, se = slot_load[rows], slot_expert[rows]
-            _refine_swaps(sl, se, pair_iters=pair_iters, max_iters=max_swaps, width=2 * swap_width, stop_at=0.995)
+            _refine_swaps(sl, se, pair_iters=min(pair_iters, 1), max_iters=max_swaps, width=2 * swap_width, stop_at=0.995)
             slot_load[rows], slot_expert[rows] = sl, se
     p2l = slot_expert.reshape(b, -1)
-    # 5. never worse than the static placement (it can win on tiny shapes)
+    # 7. never worse than the static placement (it can win on tiny shapes)
     static = np.arange(num_replicas) % n
     static_counts = np.bincount(static, minlength=n)
     static_peak = (load / static_counts)[:, static].reshape(b, g, -1).sum(axis=2).max(axis=1)
@@ -864,11 +988,21 @@ def _balanced(
     return p2l
 
 
+_FILL_MAX_PER_ROUND = 3  # replicas one GPU may take from one round of _fill_pack (fewer keys to sort)
+_RECOUNT_BELOW = 0.97  # layers below this balancedness after the swaps try other replica counts
+_RECOUNT_WIDTHS = (5,)  # candidates of _recount: replicas moved for the heaviest 5 GPUs
+_RECOUNT_GPU_ABOVE = 1.03  # ... the 2nd to 5th only while this far above the mean GPU load
+
+
 @register_policy("default")
-def _default_policy(problem: Problem, *, pair_iters: int = 2, max_swaps: int = 4, swap_width: int = 4) -> np.ndarray:
+def _default_policy(
+    problem: Problem, *, pair_iters: int = 2, max_swaps: int = 4, swap_width: int = 4, recount: bool = True
+) -> np.ndarray:
     """Global balancing over all GPUs (groups and nodes ignored); ``previous`` is ignored."""
     _check_swap_options(pair_iters, max_swaps, swap_width)
-    return _balanced(problem.load, problem.num_replicas, problem.num_gpus, pair_iters, max_swaps, swap_width)
+    if not isinstance(recount, (bool, np.bool_)):
+        raise InvalidOptionError(f"recount must be a bool, got {recount!r}")
+    return _balanced(problem.load, problem.num_replicas, problem.num_gpus, pair_iters, max_swaps, swap_width, bool(recount))
 
 
 def _check_swap_options(pair_iters: int, max_swaps: int, swap_width: int) -> None:
@@ -1192,12 +1326,18 @@ def _migration_aware_policy(
     ceiling = bal_default - tolerance
     far_aim = ceiling if prev_gpus != g else (expected + ceiling) / 2
     aim = np.minimum(ceiling, np.where(far, far_aim, expected + tolerance))
-    target_peak = np.where(move, mean / np.maximum(aim, 1e-9), np.inf)
+    # the static placement (what an engine starts from) was never fitted to any load: a layer
+    # still on it that has to move takes default's placement (GPUs matched) rather than the
+    # fewest moves, which would leave it fitted to no window (on stationary loads its next
+    # windows trailed a refit's by 0.03-0.04; after that one refit the noise moves little)
+    static = np.arange(p_old) % n
+    refit = move & (prev == static).all(axis=1) if prev_gpus == g else np.zeros(b, dtype=bool)
+    target_peak = np.where(move & ~refit, mean / np.maximum(aim, 1e-9), np.inf)
     allowed = np.full(b, np.iinfo(np.int64).max // 2 if max_copies is None else int(max_copies), dtype=np.int64)
     cur = _improve(cur, load, g, target_peak, allowed - _copies_vs(carried, cur, g, n))
     # 5. a layer the moves could not even lift to the trigger level takes default's placement,
     #    its GPUs matched to keep the most experts in place, when that is better and fits the budget
-    short = move & (_balancedness(cur, load, g) < expected - tolerance)
+    short = refit | (move & (_balancedness(cur, load, g) < expected - tolerance))
     if short.any():
         rows = np.nonzero(short)[0]
         matched = _match_gpus(fresh[rows], carried[rows], g, n)

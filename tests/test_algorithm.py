@@ -294,6 +294,20 @@ def test_migration_aware_without_previous_is_default():
     )
 
 
+def test_migration_aware_refits_a_layer_still_on_the_static_placement():
+    # the static placement (what an engine starts from) is fitted to no load: a layer on it that
+    # has to move takes default's placement, its GPUs matched (so its balance is default's);
+    # a layer already fitted keeps its experts where they are
+    load = _zipf_load(4, 32, seed=5)
+    static = Placement.static(4, 32, 40).physical_to_logical
+    fresh = rebalance_experts(load, 40, 1, 1, 8)[0]
+    new = rebalance_experts(load, 40, 1, 1, 8, policy="migration_aware", previous=static)[0]
+    assert torch.allclose(_balance(new, load, 8), _balance(fresh, load, 8))
+    assert (cross_gpu_copies(static, new, 8) <= cross_gpu_copies(static, fresh, 8)).all()
+    again = rebalance_experts(load, 40, 1, 1, 8, policy="migration_aware", previous=new)[0]
+    assert torch.equal(again, new)
+
+
 def test_migration_aware_moves_little_after_a_shift():
     old_load = _zipf_load(8, 64, seed=4)
     prev = rebalance_experts(old_load, 80, 1, 1, 8)[0]
@@ -441,6 +455,8 @@ def test_unknown_or_bad_option_is_refused():
         rebalance_experts(README_WEIGHT, 16, 4, 2, 8, policy="migration_aware", max_copies=-1)
     with pytest.raises(InvalidOptionError, match="noise"):
         rebalance_experts(README_WEIGHT, 16, 4, 2, 8, policy="migration_aware", noise="loud")
+    with pytest.raises(InvalidOptionError, match="recount"):
+        rebalance_experts(README_WEIGHT, 16, 4, 2, 8, policy="default", recount="yes")
     with pytest.raises(InvalidOptionError, match="rank_mapping"):
         prev = rebalance_experts(README_WEIGHT, 16, 4, 2, 8)[0]
         rebalance_experts(README_WEIGHT, 16, 4, 2, 8, policy="migration_aware", previous=prev, rank_mapping=[0, 0, 1, 2, 3, 4, 5, 6])
@@ -528,6 +544,64 @@ def test_pack_aware_counts_leave_at_most_g_replicas_above_half_the_mean():
     w = torch.from_numpy(load)
     bal = _balance(rebalance_experts(w, p, 1, 1, g)[0], w, g).item()
     assert bal > 0.9
+
+
+def test_fill_pack_gives_a_nearly_full_gpu_the_smallest_replicas():
+    # 2 GPUs x 3 slots, one replica each: round-robin packing gives every GPU one replica of each
+    # round, so the GPU holding 0.95 also takes 0.2 and 0.01 (1.16); filling the lightest GPU
+    # first puts 0.5 + 0.3 + 0.2 together and 0.95 with the two smallest: both at 1.0
+    load = np.array([[0.95, 0.5, 0.3, 0.2, 0.04, 0.01]])
+    counts = np.ones((1, 6), dtype=np.int64)
+    slot_load, slot_expert = alg._fill_pack(load, counts, 2)
+    assert slot_expert.shape == (1, 2, 3)
+    assert sorted(slot_expert.ravel().tolist()) == list(range(6))
+    assert slot_load.sum(axis=2).max() == pytest.approx(1.0)
+    assert np.allclose(np.take_along_axis(load, slot_expert.reshape(1, -1), axis=1).reshape(1, 2, 3), slot_load)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 6), st.integers(1, 6))
+def test_fill_pack_fills_every_slot_with_the_counted_replicas(seed, gpus, per_gpu):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, gpus * per_gpu + 1))
+    load = np.where(rng.random((3, n)) < 0.3, 0.0, rng.pareto(1.2, size=(3, n)) * 100)
+    counts = alg._replica_counts(load, gpus * per_gpu, gpus)
+    slot_load, slot_expert = alg._fill_pack(load, counts, gpus)
+    assert slot_expert.shape == (3, gpus, per_gpu)
+    assert np.array_equal(alg._counts_of(slot_expert.reshape(3, -1), n), counts)  # every replica once
+    assert np.allclose(np.take_along_axis(load / counts, slot_expert.reshape(3, -1), axis=1).reshape(slot_load.shape), slot_load)
+
+
+def test_recount_never_worse_and_better_on_heavy_tails():
+    # steep Zipf layers on 64 GPUs x 5 slots: the counts from the loads alone leave GPUs whose
+    # large replica nothing small enough can complement; moving replicas as the packing asks helps
+    w = _zipf_load(8, 256, seed=3, lo=1.0, hi=1.6)
+    with_recount = _balance(rebalance_experts(w, 320, 1, 1, 64)[0], w, 64)
+    without = _balance(rebalance_experts(w, 320, 1, 1, 64, recount=False)[0], w, 64)
+    assert (with_recount >= without - 1e-12).all()
+    assert (with_recount > without + 0.01).sum() >= 2
+    assert with_recount.mean() > without.mean() + 0.005
+
+
+def test_paired_counts_leave_two_loaded_replicas_per_gpu_on_sparse_layers():
+    # 64 GPUs x 5 slots, 70 loaded experts and 186 idle ones: greedy replication puts all 64
+    # redundant slots on loaded experts (134 loaded replicas, so some GPU takes three); pairing
+    # gives the 6 above 2 * 64 to idle experts, from the experts that lose least by it
+    rng = np.random.default_rng(7)
+    load = np.zeros((1, 256))
+    load[0, rng.permutation(256)[:70]] = np.arange(1, 71, dtype=np.float64) ** -1.0 * 1000
+    g, p = 64, 320
+    counts = alg._repair_counts(load, alg._replica_counts(load, p, g), g)
+    busy = load > 0
+    assert (counts * busy).sum() > 2 * g
+    paired, changed = alg._paired_counts(load, counts, g)
+    assert changed.all() and paired.sum() == p and (paired >= 1).all()
+    assert (paired * busy).sum() == 2 * g
+    assert ((paired != counts) & busy <= (paired < counts)).all()  # loaded experts only give
+    # a layer with no idle expert is left alone
+    dense = np.full((1, 256), 10.0)
+    same, changed = alg._paired_counts(dense, alg._replica_counts(dense, p, g), g)
+    assert not changed.any()
 
 
 def test_lower_bound_sees_the_packing_and_matches_the_exact_optimum():
