@@ -190,6 +190,9 @@ def test_sampling_with_a_seed_gives_the_same_tokens_every_time(live):
     other = live.client.post("/v1/completions", json={**body, "seed": 8}).json()["choices"][0]["token_ids"]
     assert first == again and len(first) == 8
     assert other != first  # a different seed samples differently (8 tokens from 128: equal by chance ~never)
+    # a vanishing temperature is greedy (logits / 1e-45 overflowed to NaN and broke every rank once)
+    tiny = live.client.post("/v1/completions", json={**body, "temperature": 1e-45}).json()["choices"][0]["token_ids"]
+    assert tiny == live.greedy(body["prompt"], 8) and live.coordinator.machine.state.value == "running"
 
 
 # -- bad requests -------------------------------------------------------------------------------------
@@ -388,6 +391,26 @@ def test_requests_in_a_failed_deployment_wait_for_recovery_then_get_503():
     gate.health = "down"  # failed, nothing recovers it: refused at once
     with pytest.raises(Exception, match="no recovery"):
         engine.submit(spec("b"))
+
+
+def test_a_request_cancelled_while_its_admit_is_sent_is_cancelled_on_the_ranks_too():
+    gate = RecordingGate()
+    engine = engine_with(gate)
+    c = engine.submit(spec("a"))
+    send = gate.send_serving
+
+    def cancel_in_the_window(command, **fields):  # the client leaves after the Admit was built, before it returns
+        ok = send(command, **fields)
+        if command is p.Admit:
+            engine.cancel("a")
+        return ok
+
+    gate.send_serving = cancel_in_the_window  # type: ignore[method-assign]
+    engine._admit_once()
+    gate.send_serving = send  # type: ignore[method-assign]
+    engine._admit_once()
+    assert c.status == "cancelled" and (p.Cancel, {"request_ids": ("a",)}) in gate.sent
+    assert engine.stats()["running"] == 0
 
 
 def test_a_full_batch_and_queue_refuse_with_overloaded():

@@ -244,8 +244,10 @@ class Coordinator:
         self.requests: RequestEngine | None = None
         if isinstance(config.model, HFModelConfig):
             self.requests = RequestEngine(self, config.serving, clock=clock, on_mismatch=self._request_mismatch)
-        #: scales, recoveries and rebalances with wall-clock times (what a load generator shades)
+        #: scales, recoveries and failures with wall-clock times (what a load generator shades); rebalances
+        #: apart, so an idle deployment's frequent rebalances never push the operations out
         self.timeline: deque[dict[str, Any]] = deque(maxlen=10 * history)
+        self.rebalance_windows: deque[dict[str, Any]] = deque(maxlen=1000)
         self._rebalance_open: dict[Any, dict[str, Any]] = {}
         self._initial_rows: tuple[tuple[int, ...], ...] | None = None  # eplb.initial_placement's, set at start
 
@@ -445,12 +447,12 @@ class Coordinator:
             while len(self._rebalance_open) >= 16:  # never finished (the group broke): bounded
                 self._rebalance_open.pop(next(iter(self._rebalance_open)))
             self._rebalance_open[(report.generation, key)] = fresh
-            self.timeline.append(fresh)
+            self.rebalance_windows.append(fresh)
         elif report.kind in ("rebalance_finished", "rebalance_failed"):
             window = self._rebalance_open.pop((report.generation, key), None)
             if window is None:  # a sync rebalance: started and finished within one step
                 window = fresh
-                self.timeline.append(window)
+                self.rebalance_windows.append(window)
             window["ended_at"] = report.at
             window["outcome"] = "failed" if report.kind == "rebalance_failed" else "finished"
 

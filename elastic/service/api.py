@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -425,7 +426,8 @@ def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: 
         """Scales, recoveries (from the failure to the group's return) and rebalances, with wall-clock
         ``started_at``/``ended_at`` (seconds since the epoch) and a scale's ``pause``: what a load
         generator splits its latencies by."""
-        return {"now": time.time(), "windows": [dict(w) for w in list(getattr(controller, "timeline", ()))]}
+        windows = [*list(getattr(controller, "timeline", ())), *list(getattr(controller, "rebalance_windows", ()))]
+        return {"now": time.time(), "windows": sorted((dict(w) for w in windows), key=lambda w: w["started_at"])}
 
     if getattr(controller, "requests", None) is not None:
         from elastic.serving.openai import completion_routes
@@ -469,8 +471,6 @@ class BackgroundServer:
     """uvicorn on a thread (port 0: the OS picks one). For tests and for engines that embed the API."""
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        import uvicorn
-
         self.config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
                                      timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(self.config)
@@ -616,6 +616,22 @@ class StopRequested(Exception):
     """SIGTERM or SIGINT while ``serve`` was starting the deployment."""
 
 
+class _EndRequestsFirst(uvicorn.Server):
+    """uvicorn's server, whose graceful shutdown first ends every completion request with a 503
+    (``Retry-After``; a stream gets an error event), so no client is cut off mid-answer when
+    uvicorn's grace period cancels what is still open."""
+
+    def __init__(self, config: uvicorn.Config, coordinator: Any):
+        super().__init__(config)
+        self.coordinator = coordinator
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        engine = getattr(self.coordinator, "requests", None)
+        if engine is not None:
+            engine.stop()
+        await super().shutdown(sockets=sockets)
+
+
 class _StopSignals:
     """SIGTERM and SIGINT stop ``serve`` gracefully, whatever it is doing when they arrive.
 
@@ -664,8 +680,6 @@ def serve(config: DeploymentConfig, host: str = "127.0.0.1", port: int = 8000, *
     kill of any left after ``shutdown_timeout_s``), closes the store and joins its threads; the
     forkserver ends with the process. Returns normally (exit status 0) after such a stop.
     """
-    import uvicorn
-
     from elastic.control.coordinator import Coordinator
 
     coordinator = Coordinator(config)  # starts nothing yet: a signal now ends the process as usual
@@ -678,8 +692,8 @@ def serve(config: DeploymentConfig, host: str = "127.0.0.1", port: int = 8000, *
             if autoscaler is not None:
                 scaler = Autoscaler(coordinator, autoscaler).start()
             app = create_app(coordinator, autoscaler=scaler, hooks=scale_hooks, api_key=api_key)
-            server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                                   timeout_graceful_shutdown=2))
+            server = _EndRequestsFirst(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                                      timeout_graceful_shutdown=2), coordinator)
             signals.server = server  # from here a signal makes uvicorn return
             server.run()
         except StopRequested as exc:

@@ -33,7 +33,10 @@ import torch
 from elastic.core.protocol import RequestSpec, TokenOut
 from eplb.trace import seed_for
 
-__all__ = ["RequestBatch", "StepTokens"]
+__all__ = ["GREEDY_BELOW", "RequestBatch", "StepTokens"]
+
+#: a temperature below this decodes greedily (vLLM's sampling epsilon)
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
@@ -55,12 +58,14 @@ class StepTokens:
 def choose(spec: RequestSpec, logits: torch.Tensor, position: int) -> tuple[int, float | None, tuple[tuple[int, float], ...]]:
     """The token at ``position`` from ``logits [V]``: greedy at temperature 0, else a seeded sample;
     with its log-probability and the top ``spec.logprobs`` alternatives when asked for."""
-    if spec.temperature <= 0.0:
+    if spec.temperature < GREEDY_BELOW:
         token = int(logits.argmax())
     else:
-        probs = torch.softmax(logits.float() / spec.temperature, dim=-1)
+        # float64: logits / a small temperature stay finite (float32 overflowed to NaN probabilities,
+        # which broke the group on every rank at once)
+        probs = torch.softmax(logits.double() / spec.temperature, dim=-1)
         g = torch.Generator().manual_seed(seed_for(spec.seed, "sample", position))
-        token = int(torch.multinomial(probs, 1, generator=g))
+        token = int(torch.multinomial(probs, 1, generator=g)) if bool(torch.isfinite(probs).all()) else int(logits.argmax())
     if spec.logprobs is None:
         return token, None, ()
     logp = torch.log_softmax(logits.float(), dim=-1)

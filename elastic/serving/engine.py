@@ -274,13 +274,13 @@ class RequestEngine:
             for c in fresh:
                 if c in self._queue:
                     self._queue.remove(c)
-                    if c.done:  # cancelled meanwhile: it went out in the Admit, take it back out
-                        self._cancels.append(c.id)
-                        continue
-                    c.status = "running"
-                    c.admitted_at = now
-                    c.version += 1
-                    self._running[c.id] = c
+                if c.done:  # cancelled (or failed) after the Admit was built: it went out, take it back out
+                    self._cancels.append(c.id)
+                    continue
+                c.status = "running"
+                c.admitted_at = now
+                c.version += 1
+                self._running[c.id] = c
 
     def _forget_done(self) -> None:
         for rid in [rid for rid, c in self._running.items() if c.done]:
@@ -301,11 +301,17 @@ class RequestEngine:
                 if c.done:
                     continue
                 c.stalled_since = c.stalled_since if c.stalled_since is not None else now
-                if health == "down" or now - c.stalled_since >= self.config.failed_grace_s:
+                if health == "down":
+                    self._fail(c, ServiceUnavailable(
+                        f"request {c.id}: the deployment failed and nothing will recover it (no auto_recover, or "
+                        "its attempts are spent): POST /recover, then send it again", retry_after_s=self.config.retry_after_s))
+                elif now - c.stalled_since >= self.config.failed_grace_s:
                     self._fail(c, ServiceUnavailable(
                         f"request {c.id}: the deployment failed and was not recovered within "
                         f"{self.config.failed_grace_s:g}s (serving.failed_grace_s); send it again",
                         retry_after_s=self.config.retry_after_s))
+                    if c.id in self._running:
+                        self._cancels.append(c.id)  # a halted group may still decode it: free its slot
             self._queue = deque(c for c in self._queue if not c.done)
 
     # -- endings -----------------------------------------------------------------------------

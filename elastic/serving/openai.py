@@ -37,7 +37,8 @@ from eplb.trace import seed_for
 
 __all__ = ["CompletionRequest", "ServedModel", "completion_routes"]
 
-POLL_S = 0.002  # how often a waiting request looks for new tokens
+POLL_S = 0.002  # how often a decoding request looks for new tokens
+QUEUED_POLL_S = 0.02  # and a queued one (many may wait: they must not slow the decoding ones)
 DISCONNECT_CHECK_S = 0.1
 
 
@@ -158,6 +159,9 @@ def _spec_of(body: CompletionRequest, served: ServedModel, request_id: str) -> t
     bad = next((t for t in prompt if not 0 <= t < vocab), None)
     if bad is not None:
         raise InvalidCompletionRequest("prompt", f"token ids must be in [0, {vocab}) (the model's vocabulary)", value=bad)
+    if len(prompt) >= served.max_model_len:
+        raise InvalidCompletionRequest("prompt", f"{len(prompt)} tokens leave no room in the model's context of "
+                                       f"{served.max_model_len}")
     if len(prompt) + body.max_tokens > served.max_model_len:
         raise InvalidCompletionRequest("max_tokens", f"the prompt's {len(prompt)} tokens plus max_tokens {body.max_tokens} "
                                        f"exceed the model's context of {served.max_model_len}")
@@ -239,7 +243,7 @@ def completion_routes(controller: Any) -> APIRouter:
         try:
             last_check = time.monotonic()
             while not c.done:
-                await asyncio.sleep(POLL_S)
+                await asyncio.sleep(QUEUED_POLL_S if c.status == "queued" else POLL_S)
                 if time.monotonic() - last_check > DISCONNECT_CHECK_S:
                     last_check = time.monotonic()
                     if await request.is_disconnected():
@@ -279,7 +283,7 @@ def completion_routes(controller: Any) -> APIRouter:
                 if done:
                     finished = True
                     break
-                await asyncio.sleep(POLL_S)
+                await asyncio.sleep(QUEUED_POLL_S if c.status == "queued" else POLL_S)
             yield "data: [DONE]\n\n"
         finally:
             if not finished:  # the client went away mid-stream: its slot is freed
