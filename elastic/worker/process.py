@@ -775,6 +775,9 @@ class Worker:
         self.model.replace_weights(weights)
         if self.decoder is not None:
             self.decoder.state = None  # a joining rank has no KV cache: every rank starts the next batch
+            # router counts a failed forward left behind (a survivor's) would enter this rank's load
+            # window only: windows, and then the placements rebalances compute, would differ by rank
+            self.model.take_load()
         # the EPLB stays off until Resume restarts it on the new group; a broken group's EPLB
         # subgroup is released now (a healthy one went with its group)
         self.eplb.adopt(placement, new_rank, cmd.new_size)
