@@ -25,6 +25,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 log = logging.getLogger("elastic.worker.groups")
 
@@ -135,6 +136,12 @@ class GroupGeneration:
                 arrived = prefix.add("elastic-arrived", 0)
                 raise TimeoutError(f"generation {generation}: {arrived} of {size} ranks arrived within {wait_s:.0f}s")
             time.sleep(0.02)
+        # torch names groups by a per-process counter, and the name is in every store key of the
+        # group's rendezvous. destroy_process_group() resets it, but an init_process_group that failed
+        # (a peer died mid-rendezvous) leaves it advanced: this rank would then wait on other keys than
+        # a fresh process joining the same generation, and every later attempt would time out. No group
+        # is alive here (checked above), so the counter of a consistent process is 0 now.
+        distributed_c10d._world.group_count = 0
         dist.init_process_group(backend, store=prefix, rank=rank, world_size=size,
                                 timeout=timedelta(seconds=timeout_s))
         # every rank wrote its host before the rendezvous completed: these reads do not wait
