@@ -35,7 +35,7 @@ def deployment(**serving) -> DeploymentConfig:
         "eplb": {"num_redundant_experts": 4, "use_async": True, "window_size": 6, "step_interval": 6},
         "timeouts": {"collective": 6, "heartbeat": 8, "worker_start": 120},
         "step_delay_s": 0.01,
-        "serving": {"background_load": False, "max_batch": 4, "max_queue": 4, "max_tokens_limit": 120, **serving},
+        "serving": {"background_load": False, "max_batch": 4, "max_queue": 4, "max_tokens_limit": 64, **serving},
     })
 
 
@@ -207,8 +207,9 @@ def test_sampling_with_a_seed_gives_the_same_tokens_every_time(live):
     ({"prompt": "hello"}, 422, "tokenizer"),
     ({"prompt": [[1, 2]]}, 422, "prompt"),
     ({"max_tokens": 0}, 422, "max_tokens"),
-    ({"max_tokens": 121}, 422, "max_tokens"),
-    ({"max_tokens": 125}, 422, "max_tokens"),  # within the limit, past the context with the prompt
+    ({"max_tokens": 65}, 422, "max_tokens"),  # past serving.max_tokens_limit
+    ({"prompt": [1] * 100, "max_tokens": 40}, 422, "max_tokens"),  # within the limit, past the context with the prompt
+    ({"prompt": [1] * 128}, 422, "prompt"),  # the prompt alone fills the context
     ({"temperature": -1}, 422, "temperature"),
     ({"logprobs": 50}, 422, "logprobs"),
     ({"n": 2}, 422, "n"),
@@ -235,7 +236,7 @@ def test_a_bad_request_gets_4xx_naming_the_field_and_queues_nothing(live, change
 def test_a_full_batch_and_queue_answer_429_and_a_client_that_leaves_frees_its_slot(live):
     c = live.coordinator
     # 4 decode (max_batch) and 4 wait (max_queue): of 14 sent at once, the rest are refused at once
-    streams = [Stream(live, prompt_of(10 + i), 110).start() for i in range(14)]
+    streams = [Stream(live, prompt_of(10 + i), 64).start() for i in range(14)]
     wait_until(lambda: all(s.status is not None for s in streams), what="every answer's status")
     refused = [s for s in streams if s.status == 429]
     assert len(refused) >= 6 and all("max_batch" in s.error for s in refused), [s.status for s in streams]
@@ -299,7 +300,7 @@ def test_requests_decode_through_a_scale_without_restarting_and_with_the_same_to
 def test_a_killed_rank_loses_no_request_they_are_replayed_with_the_same_tokens(live):
     c = live.coordinator
     assert c.size == 2
-    streams = [Stream(live, prompt_of(90 + i), 100).start() for i in range(3)]
+    streams = [Stream(live, prompt_of(90 + i), 64).start() for i in range(3)]
     for s in streams:
         s.wait_tokens(3)
     victim = next(w for w in c.live_workers() if w.rank == 1)
@@ -307,7 +308,7 @@ def test_a_killed_rank_loses_no_request_they_are_replayed_with_the_same_tokens(l
     for s in streams:
         s.join(timeout=240)
         assert s.status == 200 and s.error is None, s.error
-        assert s.tokens == live.greedy(s.prompt, 100), "a replayed request's tokens differ"
+        assert s.tokens == live.greedy(s.prompt, 64), "a replayed request's tokens differ"
         assert s.finish == "length"
     assert c.machine.state.value == "running" and c.auto_recoveries >= 1
     assert any(s.replays for s in streams), "the failure replayed nothing: it happened after the requests"
