@@ -332,17 +332,22 @@ class Replayer:
         if op.status.value != "succeeded":
             return _Outcome(False, f"scale to {event.to} {op.status.value}: {op.error}", extra)
         self._verified_ops.add(op.id)
-        due = self._fault_due()
+        generation = self.coordinator.machine.generation
+        due = self._fault_due(generation)
         if due is None:
-            self._verify(after=f"scale to {event.to} ({op.id})")
+            entry = self._verify(after=f"scale to {event.to} ({op.id})")
+            due = self._fault_due(generation) if not entry["ok"] else None
+            if due is not None:  # the planned fault fired while it ran: the recovery's verification covers it
+                self.verifications.remove(entry)
+                extra["verification"] = f"dropped: {due} fired while it ran ({entry.get('error', 'not ok')})"
         else:  # the new generation is about to lose a rank: the recovery's verification covers it
             extra["verification"] = f"skipped: {due} is already due in this generation"
         return _Outcome(True, f"{op.from_size} -> {op.target_size} ranks, paused {1000 * (op.paused_seconds or 0):.0f} ms", extra)
 
-    def _fault_due(self) -> str | None:
-        """A step-pinned fault of the timeline that the serving generation will fire at once (its step
-        has passed while an operation ran): a verification now would race it."""
-        s, step, generation = self.scenario, self._snapshot()["step"], self.coordinator.machine.generation
+    def _fault_due(self, generation: int) -> str | None:
+        """A step-pinned fault of the timeline that ``generation`` fires at once (its step has passed
+        while an operation or a verification ran): a verification of it races the fault."""
+        s, step = self.scenario, self._snapshot()["step"]
         for event, planned in zip(s.timeline, s.planned()):
             if isinstance(event, FAULT_EVENTS) and getattr(event, "in_phase", None) is None \
                     and (event.generation if event.generation is not None else planned["generation"]) == generation \
