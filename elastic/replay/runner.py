@@ -390,9 +390,21 @@ class Replayer:
             recovered = self._wait_until(lambda: self._state() == "running" and not self._op_running(), self._phase_budget())
             if not recovered:
                 return _Outcome(False, f"failed ({reason}) and did not recover by itself")
+            self._await_replacement()
             self._verify_unplanned(self._snapshot())
             return _Outcome(True, f"failed ({reason}); recovered by itself")
         return _Outcome(True, f"failed: {reason}")
+
+    def _await_replacement(self) -> None:
+        """``replace_lost``: a recovery that shrank the group is followed by a scale back; the
+        verification waits for it (one started in between would refuse the probe)."""
+        if not self.scenario.deployment.replace_lost:
+            return
+        recovery = next((o for o in self.coordinator.list_operations() if o["kind"] == "recover"), None)
+        if recovery is None or recovery["status"] != "succeeded" or recovery["target_size"] >= recovery["from_size"]:
+            return
+        self._wait_until(lambda: self._state() == "running" and not self._op_running()
+                         and self.coordinator.size >= recovery["from_size"], self._phase_budget())
 
     def _rebalance(self, event: RebalanceEvent) -> _Outcome:
         try:
