@@ -408,7 +408,7 @@ class Coordinator:
                                      "progress": report.progress, "received": time.monotonic()})
 
     def _file_serving(self, report: p.TokensOut | p.RequestsHeld) -> None:
-        """Tokens and the held list go to the request engine; only the serving group's rank 0 counts."""
+        """Tokens and the held list go to the request engine (only rank 0 of a group sends them)."""
         if self.requests is None:
             return
         # a retired or replaced rank's last tokens are still good: the engine checks them by position
@@ -423,9 +423,9 @@ class Coordinator:
                                                        for w in self.timeline):
             self.timeline.append({"kind": "failure", "id": f"failure-{transition.seq}", "started_at": time.time(),
                                   "ended_at": None, "reason": transition.reason})
-        elif transition.source == Phase.FAILED or (transition.dest == Phase.RUNNING and transition.trigger == "resumed"):
+        elif transition.dest == Phase.RUNNING:
             for window in self.timeline:
-                if window["kind"] == "failure" and window["ended_at"] is None and transition.dest == Phase.RUNNING:
+                if window["kind"] == "failure" and window["ended_at"] is None:
                     window["ended_at"] = time.time()
 
     def _note_operation(self, op: Operation) -> None:

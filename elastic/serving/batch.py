@@ -140,13 +140,3 @@ class RequestBatch:
         """Take over a batch :meth:`export` made on another rank (in the same order)."""
         self.running = {e["spec"].request_id: _Running(e["spec"], e["cache"], e["last"], list(e["generated"]))
                         for e in exported}
-
-    def payload_bytes(self) -> int:
-        """Bytes of the KV caches held (what a joining rank receives)."""
-        total = 0
-        for r in self.running.values():
-            for layer in getattr(r.cache, "layers", []) or []:
-                for value in vars(layer).values():
-                    if isinstance(value, torch.Tensor):
-                        total += value.numel() * value.element_size()
-        return total

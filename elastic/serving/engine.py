@@ -55,15 +55,12 @@ class Completion:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
-    token_times: list[float] = field(default_factory=list)  # when each token reached the coordinator
     finish_reason: str | None = None
     error: RequestNotServed | None = None
     replays: int = 0
-    admitted_at: float | None = None
     stalled_since: float | None = None  # the deployment failed with this request in the batch
     text_end: int | None = None  # a stop string matched: the text is cut here
     _ahead: dict[int, p.TokenOut] = field(default_factory=dict)  # tokens past a gap, until it fills
-    version: int = 0  # bumped on every change (streams poll it)
 
     @property
     def id(self) -> str:
@@ -105,7 +102,6 @@ class RequestEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._ids = itertools.count(1)
         self.counts = {"ok": 0, "failed": 0, "cancelled": 0, "rejected": 0, "replayed": 0, "mismatched": 0}
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -178,7 +174,6 @@ class RequestEngine:
 
     # -- reports from the ranks ------------------------------------------------------------------
     def on_tokens(self, report: p.TokensOut) -> None:
-        now = self.clock()
         cancel: list[str] = []
         with self._lock:
             for out in report.tokens:
@@ -190,7 +185,7 @@ class RequestEngine:
                     if min(c._ahead) < len(c.tokens):
                         self._replayed_token(c, c._ahead.pop(min(c._ahead)))
                     elif len(c.tokens) in c._ahead:
-                        if self._append(c, c._ahead.pop(len(c.tokens)), now):
+                        if self._append(c, c._ahead.pop(len(c.tokens))):
                             cancel.append(c.id)
                     else:
                         break  # a gap: the missing token is on its way
@@ -209,14 +204,12 @@ class RequestEngine:
                 "the output changed", retry_after_s=self.config.retry_after_s))
             self._cancels.append(c.id)
 
-    def _append(self, c: Completion, out: p.TokenOut, now: float) -> bool:
+    def _append(self, c: Completion, out: p.TokenOut) -> bool:
         """Take the next token; True when a stop string ended the request (its slot must be freed)."""
         c.tokens.append(out.token)
         c.logprobs.append(out.logprob)
         c.top_logprobs.append(out.top_logprobs)
-        c.token_times.append(now)
         c.stalled_since = None
-        c.version += 1
         if c.stop and self.detokenize is not None:
             text = self.detokenize(c.tokens)
             hits = [i for i in (text.find(s) for s in c.stop) if i >= 0]
@@ -266,7 +259,6 @@ class RequestEngine:
             return
         if not self.gate.send_serving(p.Admit, requests=batch):
             return
-        now = self.clock()
         with self._lock:
             for c in replays:
                 if c in self._readmit:
@@ -278,8 +270,6 @@ class RequestEngine:
                     self._cancels.append(c.id)
                     continue
                 c.status = "running"
-                c.admitted_at = now
-                c.version += 1
                 self._running[c.id] = c
 
     def _forget_done(self) -> None:
@@ -318,7 +308,6 @@ class RequestEngine:
     def _finish(self, c: Completion, status: str, reason: str | None = None) -> None:
         c.status = status
         c.finish_reason = reason
-        c.version += 1
         self.counts["ok" if status == "finished" else status] += 1
 
     def _fail(self, c: Completion, error: RequestNotServed) -> None:

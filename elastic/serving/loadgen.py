@@ -19,11 +19,13 @@ checks every request's tokens against its greedy output for the same prompt.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import random
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,13 +132,12 @@ async def _one(client: httpx.AsyncClient, cfg: LoadConfig, model: str, rec: Requ
             return
 
 
-def make_requests(cfg: LoadConfig, vocab_size: int, count: int) -> list[RequestRecord]:
+def make_requests(cfg: LoadConfig, vocab_size: int) -> Iterator[RequestRecord]:
+    """The seeded requests, one at a time, as long as the load asks for them."""
     rng = random.Random(cfg.seed)
-    out = []
-    for i in range(count):
+    for i in itertools.count():
         n = rng.randint(*cfg.prompt_len)
-        out.append(RequestRecord(i, [rng.randrange(vocab_size) for _ in range(n)], rng.randint(*cfg.max_tokens)))
-    return out
+        yield RequestRecord(i, [rng.randrange(vocab_size) for _ in range(n)], rng.randint(*cfg.max_tokens))
 
 
 async def run_load(cfg: LoadConfig, stop: threading.Event | None = None
@@ -150,8 +151,7 @@ async def run_load(cfg: LoadConfig, stop: threading.Event | None = None
         model = cfg.model or listing["id"]
         vocab = int(listing.get("vocab_size") or 32)
         rng = random.Random(cfg.seed + 1)
-        budget = max(1, int(cfg.rate * cfg.duration_s * 2) + cfg.concurrency * 4 if cfg.rate > 0 else 100_000)
-        records = make_requests(cfg, vocab, budget)
+        records: list[RequestRecord] = []  # the requests sent
         gate = asyncio.Semaphore(cfg.concurrency)
         tasks: list[asyncio.Task] = []
         started = time.time()
@@ -166,7 +166,7 @@ async def run_load(cfg: LoadConfig, stop: threading.Event | None = None
         def over() -> bool:
             return time.time() >= end or (stop is not None and stop.is_set())
 
-        for rec in records:
+        for rec in make_requests(cfg, vocab):
             if over():
                 break
             if cfg.rate > 0:
@@ -181,11 +181,12 @@ async def run_load(cfg: LoadConfig, stop: threading.Event | None = None
                     continue
             else:
                 break
+            records.append(rec)
             tasks.append(asyncio.create_task(guarded(rec)))
         await asyncio.gather(*tasks)
         ended = time.time()
         timeline = (await client.get(f"{cfg.url}/timeline")).json()
-    return [r for r in records if r.status != "pending"], timeline, started, ended
+    return records, timeline, started, ended
 
 
 # -- the report -------------------------------------------------------------------------------------
