@@ -864,10 +864,7 @@ class Worker:
     def _decode_requests(self) -> tuple[torch.Tensor | None, int]:
         """One token of every request (a collective); rank 0 reports the tokens to the coordinator."""
         assert self.requests is not None
-        try:
-            out = self.requests.step()
-        except Exception as exc:  # noqa: BLE001 - a combine failed (a peer died or diverged)
-            raise BrokenGroup(f"decode step {self.step} failed: {type(exc).__name__}: {exc}") from exc
+        out = self._forward_step(self.requests.step)
         if self.rank == 0 and out.tokens:
             self.report(p.TokensOut, step=self.step, tokens=out.tokens)
         return out.physical, len(out.tokens)
@@ -876,11 +873,15 @@ class Worker:
         """One greedy step of the batch on every rank (attention replicated, experts combined over
         the group): ``(the router's choices per physical slot, already the group's; tokens)``."""
         assert self.decoder is not None
+        out = self._forward_step(self.decoder.step)
+        return out.physical, int(out.tokens.numel())
+
+    def _forward_step(self, step: Any) -> Any:
+        """Run one decode step's forwards (collectives on the group); any failure breaks the group."""
         try:
-            out = self.decoder.step()
+            return step()
         except Exception as exc:  # noqa: BLE001 - a combine failed (a peer died or diverged)
             raise BrokenGroup(f"decode step {self.step} failed: {type(exc).__name__}: {exc}") from exc
-        return out.physical, int(out.tokens.numel())
 
     def _maybe_heartbeat(self, step_seconds: float, physical: torch.Tensor | None, force: bool = False) -> None:
         if self.faults.drops_heartbeat(self.step):
