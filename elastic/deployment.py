@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 
-from elastic.core.config import ServingConfig, TimeoutsConfig
+from elastic.core.config import ScalingConfig, ServingConfig, TimeoutsConfig
 from eplb.config import EPLBConfig
 from eplb.models.config import ModelSpec
 from eplb.models.serving import ModelSizes, model_info
@@ -132,6 +132,8 @@ class DeploymentConfig(BaseModel):
     max_ep_size: int = Field(8, ge=1, description="the launcher's capacity: no scale beyond it")
     seed: int = 0
     timeouts: TimeoutsConfig = TimeoutsConfig()
+    scaling: ScalingConfig = Field(ScalingConfig(), description="what a scale does ahead of its pause: the standby "
+                                   "group and the pre-transfer (prepare, prestage_max_bytes, prestage_share)")
     serving: ServingConfig = Field(ServingConfig(), description="completion requests (a real model, kind: hf): batch, "
                                    "queue and limits")
     heartbeat_s: float = Field(0.1, gt=0, description="how often each worker reports")

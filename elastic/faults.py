@@ -34,14 +34,16 @@ class KillRank(_Fault):
     kind: Literal["kill"] = "kill"
     at_step: int | None = Field(None, ge=0)
     in_phase: Literal["draining", "suppressed", "rescaling", "resuming"] | None = None
-    after_layers: int | None = Field(None, ge=0, description="with in_phase=rescaling: die after moving this many layers")
+    after_layers: int | None = Field(None, ge=0, description="with in_phase=rescaling: die after moving this many layers "
+                                     "in the pause; with in_phase=draining: after this many layers of the pre-transfer "
+                                     "(the prepare sub-phase; a rank that joins dies while receiving)")
 
     @model_validator(mode="after")
     def _one_trigger(self) -> KillRank:
         if (self.at_step is None) == (self.in_phase is None):
             raise ValueError("a kill fault needs exactly one of at_step or in_phase")
-        if self.after_layers is not None and self.in_phase != "rescaling":
-            raise ValueError("after_layers applies only to in_phase=rescaling")
+        if self.after_layers is not None and self.in_phase not in ("rescaling", "draining"):
+            raise ValueError("after_layers applies only to in_phase=rescaling or in_phase=draining")
         return self
 
 

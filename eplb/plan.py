@@ -63,6 +63,7 @@ __all__ = [
     "Transfer",
     "holders_from_mapping",
     "plan_layer",
+    "prestage_layers",
 ]
 
 
@@ -388,3 +389,28 @@ def holders_from_mapping(
         return old_holder, tuple(new_holder)
     old_holder = tuple(-1 if (r in lost_set or m < 0) else m for r, m in enumerate(mapping))
     return old_holder, tuple(range(num_new_ranks))
+
+
+def prestage_layers(plans: Sequence[LayerPlan], expert_bytes: int, budget_bytes: int,
+                    bounded: Iterable[int]) -> tuple[int, ...]:
+    """The layers whose network part can move ahead of a rescale's pause (pure: every rank gets
+    the same answer from the same plans).
+
+    Every layer with a transfer, in layer order, first fit: a layer is taken when every rank of
+    ``bounded`` (group ranks that receive into spare memory, i.e. the ranks that keep serving
+    with their old weights until the switch) still holds at most ``budget_bytes`` of received
+    experts with it; a layer that does not fit is skipped (it moves in the pause) and later,
+    smaller ones may still fit. Ranks outside ``bounded`` (joining ranks: they receive into
+    their fresh weights) take part without a budget.
+    """
+    used = {rank: 0 for rank in bounded}
+    chosen: list[int] = []
+    for index, plan in enumerate(plans):
+        if not plan.num_transfers:
+            continue
+        need = {rank: len(plan.for_rank(rank).recvs) * expert_bytes for rank in used}
+        if all(used[rank] + n <= budget_bytes for rank, n in need.items()):
+            for rank, n in need.items():
+                used[rank] += n
+            chosen.append(index)
+    return tuple(chosen)

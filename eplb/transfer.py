@@ -60,6 +60,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -81,7 +82,9 @@ __all__ = [
     "TransferTimeout",
     "commit_layer",
     "execute_layer",
+    "finish_layer",
     "materialize",
+    "receive_layer",
 ]
 
 
@@ -177,6 +180,76 @@ def execute_layer(
     """
     started = time.monotonic()
     limit = _seconds(timeout)
+    rp = _rank_plan(plan, my_group_rank, group, max_ops_per_batch)
+    old = _tensors(old_weights)
+    new = _tensors(staging)
+    num_tensors = _check_args(rp, old, new, reload_fn)
+    _network_phase(rp, old, num_tensors, lambda k, t, w: new[w][t.dst_slots[0]], group=group, started=started,
+                   limit=limit, max_ops_per_batch=max_ops_per_batch, layer=layer, communicator=communicator)
+    _local_phase(rp, old, new, num_tensors, reload_fn, layer)
+    return _stats(rp, old, new, started)
+
+
+def receive_layer(
+    plan: LayerPlan,
+    my_group_rank: int,
+    old_weights: Sequence[torch.Tensor] | None,
+    received: Sequence[torch.Tensor] | None,
+    *,
+    group: dist.ProcessGroup | None = None,
+    timeout: timedelta | float = 60.0,
+    max_ops_per_batch: int = 64,
+    layer: int | None = None,
+    communicator: Communicator | None = None,
+) -> TransferStats:
+    """The network phase of :func:`execute_layer` only, ahead of time: this rank's sends, and its
+    receives into ``received`` (per weight tensor ``[len(rank_plan.recvs), ...]``: receive ``k``
+    in row ``k``), a compact buffer that holds nothing else. :func:`finish_layer` later makes the
+    staging from it. Same protocol, ordering and deadline as :func:`execute_layer`, so the ranks
+    of a group may mix the two for one layer."""
+    started = time.monotonic()
+    limit = _seconds(timeout)
+    rp = _rank_plan(plan, my_group_rank, group, max_ops_per_batch)
+    old = _tensors(old_weights)
+    rows = _tensors(received)
+    if rp.recvs and (not rows or any(t.shape[0] != len(rp.recvs) for t in rows)):
+        raise ValueError(f"rank {rp.group_rank} receives {len(rp.recvs)} experts: the buffer needs that many rows, "
+                         f"has {[tuple(t.shape) for t in rows]}")
+    if rp.sends and (not old or any(t.shape[0] != rp.num_old_slots for t in old)):
+        raise ValueError(f"rank {rp.group_rank} sends but was given no old weights of {rp.num_old_slots} slots")
+    num_tensors = len(rows) if rp.recvs else len(old)
+    _network_phase(rp, old, num_tensors, lambda k, t, w: rows[w][k], group=group, started=started,
+                   limit=limit, max_ops_per_batch=max_ops_per_batch, layer=layer, communicator=communicator)
+    return TransferStats(bytes_sent=len(rp.sends) * _expert_bytes(old), bytes_received=len(rp.recvs) * _expert_bytes(rows),
+                         num_sends=len(rp.sends), num_recvs=len(rp.recvs), seconds=time.monotonic() - started)
+
+
+def finish_layer(
+    rank_plan: RankPlan,
+    received: Sequence[torch.Tensor] | None,
+    old_weights: Sequence[torch.Tensor] | None,
+    staging: Sequence[torch.Tensor],
+    reload_fn: Callable[[int], Sequence[torch.Tensor]] | None = None,
+    layer: int | None = None,
+) -> TransferStats:
+    """The local phase of a layer whose receives :func:`receive_layer` made earlier: every received
+    expert into its slots, local copies, reloads; ``staging`` is then what :func:`execute_layer`
+    would have made. Nothing crosses the network."""
+    started = time.monotonic()
+    rows = _tensors(received)
+    old = _tensors(old_weights)
+    new = _tensors(staging)
+    num_tensors = _check_args(rank_plan, old, new, reload_fn)
+    for k, t in enumerate(rank_plan.recvs):
+        for w in range(num_tensors):
+            new[w][t.dst_slots[0]].copy_(rows[w][k])
+    _local_phase(rank_plan, old, new, num_tensors, reload_fn, layer)
+    return TransferStats(num_local_copies=len(rank_plan.local_copies) + len(rank_plan.recvs),
+                         num_reloads=len(rank_plan.reloads), seconds=time.monotonic() - started)
+
+
+def _rank_plan(plan: RankPlan | LayerPlan, my_group_rank: int | None, group: dist.ProcessGroup | None,
+               max_ops_per_batch: int) -> RankPlan:
     if isinstance(plan, LayerPlan):
         if my_group_rank is None:
             my_group_rank = dist.get_rank(group)
@@ -187,12 +260,15 @@ def execute_layer(
             raise ValueError(f"rank plan is for group rank {rp.group_rank}, not {my_group_rank}")
     if isinstance(max_ops_per_batch, bool) or not isinstance(max_ops_per_batch, int) or max_ops_per_batch < 1:
         raise ValueError(f"max_ops_per_batch must be a positive int, got {max_ops_per_batch!r}")
-    me = rp.group_rank
-    old = _tensors(old_weights)
-    new = _tensors(staging)
-    num_tensors = _check_args(rp, old, new, reload_fn)
+    return rp
 
-    # ---- network phase: the communicator moves the transfers ------------------------------
+
+def _network_phase(rp: RankPlan, old: list[torch.Tensor], num_tensors: int,
+                   recv_target: Callable[[int, Any, int], torch.Tensor], *, group: dist.ProcessGroup | None,
+                   started: float, limit: float, max_ops_per_batch: int, layer: int | None,
+                   communicator: Communicator | None) -> None:
+    """Hand this rank's sends and receives (``recv_target(k, transfer, tensor)``: where receive
+    ``k`` of weight tensor ``tensor`` lands) to the communicator, with the layer's deadline."""
     comm = communicator if communicator is not None else _default_communicator()
     sends: list[TransferOp] = []
     recvs: list[TransferOp] = []
@@ -201,18 +277,21 @@ def execute_layer(
     for t in rp.sends:
         for w in range(num_tensors):
             sends.append(TransferOp(t.index * num_tensors + w, True, t.dst, t, w, old[w][t.src_slot]))
-    for t in rp.recvs:
+    for k, t in enumerate(rp.recvs):
         for w in range(num_tensors):
-            recvs.append(TransferOp(t.index * num_tensors + w, False, t.src, t, w, new[w][t.dst_slots[0]]))
+            recvs.append(TransferOp(t.index * num_tensors + w, False, t.src, t, w, recv_target(k, t, w)))
     # a layer nobody moves over the network needs no exchange at all (every rank knows the global count)
     if sends or recvs or (comm.collective_per_layer and rp.num_transfers > 0):
         comm.exchange(LayerExchange(
-            layer=layer, rank=me, group=group, sends=tuple(sorted(sends, key=lambda op: op.index)),
+            layer=layer, rank=rp.group_rank, group=group, sends=tuple(sorted(sends, key=lambda op: op.index)),
             recvs=tuple(sorted(recvs, key=lambda op: op.index)), num_ops=rp.num_transfers * max(num_tensors, 0),
             max_ops_per_batch=max_ops_per_batch, timeout=limit, deadline=started + limit,
         ))
 
-    # ---- local phase: fan out received experts, local copies, reloads ---------------------
+
+def _local_phase(rp: RankPlan, old: list[torch.Tensor], new: list[torch.Tensor], num_tensors: int,
+                 reload_fn: Callable[[int], Sequence[torch.Tensor]] | None, layer: int | None) -> None:
+    """Fan out received experts to their other slots, local copies, reloads."""
     for t in rp.recvs:
         for w in range(num_tensors):
             first = new[w][t.dst_slots[0]]
@@ -226,17 +305,19 @@ def execute_layer(
             loaded = list(reload_fn(r.expert))  # type: ignore[misc]
         except Exception as exc:
             raise TransferError(
-                f"reloading expert {r.expert} failed", layer=layer, rank=me, cause=f"{type(exc).__name__}: {exc}"
+                f"reloading expert {r.expert} failed", layer=layer, rank=rp.group_rank, cause=f"{type(exc).__name__}: {exc}"
             ) from exc
         if len(loaded) != len(new) or any(a.shape != b.shape[1:] for a, b in zip(loaded, new)):
             raise TransferError(
                 f"reload_fn({r.expert}) returned shapes {[tuple(a.shape) for a in loaded]}, "
-                f"expected {[tuple(b.shape[1:]) for b in new]}", layer=layer, rank=me,
+                f"expected {[tuple(b.shape[1:]) for b in new]}", layer=layer, rank=rp.group_rank,
             )
         for w, value in enumerate(loaded):
             for j in r.slots:
                 new[w][j].copy_(value)
 
+
+def _stats(rp: RankPlan, old: list[torch.Tensor], new: list[torch.Tensor], started: float) -> TransferStats:
     return TransferStats(
         bytes_sent=len(rp.sends) * _expert_bytes(old),
         bytes_received=len(rp.recvs) * _expert_bytes(new),

@@ -18,6 +18,7 @@ retired generations' store keys) is bounded by ``DeploymentConfig.operation_hist
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import queue
@@ -92,6 +93,8 @@ class Operation:
     #: layers whose maps differed between survivors when a recovery began (a torn commit)
     diverged_layers: list[int] = field(default_factory=list)
     cause: str | None = None  # why the control plane started it itself (replace_lost: the recovery it follows)
+    #: the prepare sub-phase of draining (a scale with ``scaling.prepare``): standby group, pre-transfer
+    prepare: dict[str, Any] = field(default_factory=dict)
     done: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property
@@ -114,7 +117,7 @@ class Operation:
             "created_at": self.created_at, "finished_at": self.finished_at,
             "idempotency_key": self.idempotency_key, "bytes_moved": self.bytes_moved,
             "paused_seconds": self.paused_seconds, "diverged_layers": list(self.diverged_layers),
-            "cause": self.cause,
+            "cause": self.cause, "prepare": dict(self.prepare),
         }
 
 
@@ -151,6 +154,7 @@ class OperationRun:
     standby_seq: int = 0  # the seq the joining ranks' "ready" reports carry
     joining: list[WorkerRecord] = field(default_factory=list)
     rescale_started: float = 0.0
+    prepared: bool = False  # every rank reported its Prepare done: the rescale only switches
 
 
 @dataclass(frozen=True)
@@ -162,11 +166,13 @@ class Step:
 
     phase: Phase
     deadline: str  # the TimeoutsConfig field
-    trigger: str  # the ScaleMachine method
+    trigger: str | None  # the ScaleMachine method (None: the phase goes on with the next row)
     send: Callable[[Coordinator, OperationRun], tuple[int, set[int]]]
     take: Callable[[Coordinator, OperationRun, dict[int, p.PhaseDone]], str]
     wait_first: Callable[[Coordinator, OperationRun], None] | None = None  # another wait inside the phase
     on_failure: Callable[[Coordinator, OperationRun, OperationFailed], None] | None = None
+    #: the row runs only when this says so (None: always); a skipped row still fires its trigger
+    when: Callable[[Coordinator, OperationRun], bool] | None = None
 
 
 class CommandBus:
@@ -900,6 +906,10 @@ class Coordinator:
         for step in steps:
             if run.op.phase != step.phase.value:
                 self._enter(run.op, step.phase.value)
+            if step.when is not None and not step.when(self, run):
+                if step.trigger is not None:
+                    getattr(self.machine, step.trigger)(reason=f"{step.phase.value} done; row skipped by configuration")
+                continue
             seq, pids = step.send(self, run)
             if step.wait_first is not None:
                 step.wait_first(self, run)
@@ -911,6 +921,8 @@ class Coordinator:
                     step.on_failure(self, run, exc)
                 raise
             reason = step.take(self, run, reports)
+            if step.trigger is None:
+                continue
             trigger = getattr(self.machine, step.trigger)
             if step.trigger == "rescaled":
                 trigger(generation=run.generation, reason=reason)
@@ -927,9 +939,49 @@ class Coordinator:
             self._await(run.standby_seq, {w.handle.pid for w in run.joining}, run.op.phase,
                         self.config.timeouts.worker_start, operation=run.op)
 
+    def _wants_prepare(self, run: OperationRun) -> bool:
+        return self.config.scaling.prepare
+
+    def _execute_on(self, run: OperationRun) -> Literal["old", "new"]:
+        """Scale down moves over the old group (the leaving ranks send); scale up and recovery over the new."""
+        return "old" if run.mapping.new_size < len(run.mapping.old_to_new) and not run.lost else "new"
+
+    def _send_prepare(self, run: OperationRun) -> tuple[int, set[int]]:
+        """The prepare sub-phase of draining goes to the old group and to the joining ranks (standing by)."""
+        scaling = self.config.scaling
+        members = list(run.old) + list(run.joining)
+        command = functools.partial(p.Prepare, operation_id=run.op.id, generation=run.generation,
+                                    new_size=run.mapping.new_size, mapping=tuple(run.mapping.old_to_new),
+                                    execute_on=self._execute_on(run), prestage_max_bytes=int(scaling.prestage_max_bytes),
+                                    prestage_share=scaling.prestage_share)
+        seq, _ = self._bus.send(lambda n: command(seq=n), members)
+        with self._lock:
+            run.op.phases[Phase.DRAINING.value]["prepare_started"] = time.monotonic()
+        return seq, {w.handle.pid for w in members}
+
+    def _take_prepare(self, run: OperationRun, reports: dict[int, p.PhaseDone]) -> str:
+        """Every rank prepared: keep what the operation shows (pre-transfer, standby group) and switch at the rescale."""
+        results = [r.result for r in reports.values() if isinstance(r.result, p.PrepareDone)]
+        run.prepared = True
+        summary = {
+            "seconds": max(r.seconds for r in results),
+            "group_seconds": max(r.group_seconds for r in results),
+            "layers": max(r.layers for r in results), "layers_total": max(r.layers_total for r in results),
+            "bytes_received": sum(r.bytes_received for r in results),
+            "prestage_bytes": max(r.prestage_bytes for r in results),
+            "steps": max(r.steps for r in results),
+            "started_at": min(r.started_at for r in results), "ended_at": max(r.ended_at for r in results),
+        }
+        with self._lock:
+            run.op.prepare = summary
+            run.op.phases[Phase.DRAINING.value]["prepare_ended"] = time.monotonic()
+        return (f"standby group formed; {summary['layers']} of {summary['layers_total']} changed layers "
+                f"({summary['bytes_received']} bytes) moved ahead of the pause")
+
     def _send_suppress(self, run: OperationRun) -> tuple[int, set[int]]:
-        # a scale down is announced: its placement is computed while the ranks still decode
-        down = run.mapping.new_size < self.size
+        # a scale down is announced: its placement is computed while the ranks still decode (a
+        # prepared one computed it at Prepare)
+        down = run.mapping.new_size < self.size and not run.prepared
         return self._broadcast(p.Suppress, records=run.old, operation_id=run.op.id,
                                new_size=run.mapping.new_size if down else 0,
                                mapping=tuple(run.mapping.old_to_new) if down else ())
@@ -938,7 +990,7 @@ class Coordinator:
         """The Rescale goes to the surviving ranks of the old group and to the joining ranks
         (standing by since the operation began)."""
         new_size = run.mapping.new_size
-        execute_on: Literal["old", "new"] = "old" if new_size < len(run.mapping.old_to_new) and not run.lost else "new"
+        execute_on = self._execute_on(run)
         members = [w for w in run.old if w.rank not in run.lost] + list(run.joining)
 
         def command(seq: int) -> p.Rescale:
@@ -949,7 +1001,7 @@ class Coordinator:
             # the request engine replays every request from its prompt (elastic.serving.engine)
             return p.Rescale(seq=seq, operation_id=run.op.id, generation=run.generation, new_size=new_size,
                              mapping=tuple(run.mapping.old_to_new), lost=run.lost, execute_on=execute_on,
-                             keep_requests=run.op.kind != "recover")
+                             keep_requests=run.op.kind != "recover", prepared=run.prepared)
 
         seq, _ = self._bus.send(command, members)
         self._forget_attempts()
@@ -1288,9 +1340,12 @@ def _said(reason: str) -> Callable[[Coordinator, OperationRun, dict[int, p.Phase
 #: a scale from ``running`` (the before-scale hooks ran and the machine is ``draining``)
 SCALE_STEPS: tuple[Step, ...] = (
     # finish in-flight layers, start nothing new; decoding goes on; joining ranks get ready meanwhile
-    Step(Phase.DRAINING, "draining", "drained", send=Coordinator._send_drain,
+    Step(Phase.DRAINING, "draining", None, send=Coordinator._send_drain,
          wait_first=Coordinator._await_joiners_ready,
          take=_said("every in-flight layer committed on every rank")),
+    # the prepare sub-phase, still decoding: the plan, the standby group, the pre-transfer
+    Step(Phase.DRAINING, "draining", "drained", send=Coordinator._send_prepare, take=Coordinator._take_prepare,
+         when=Coordinator._wants_prepare, on_failure=Coordinator._abandon_generation),
     # join the EPLB threads everywhere; a scale down's placement is computed now, still decoding
     Step(Phase.SUPPRESSED, "suppressed", "suppressed", send=Coordinator._send_suppress,
          take=lambda c, run, reports: f"EPLB threads joined; mapping {run.mapping}"),
@@ -1303,4 +1358,4 @@ SCALE_STEPS: tuple[Step, ...] = (
 )
 
 #: a recovery from ``failed`` (the machine is ``rescaling``): the same rescale and resume, over the survivors
-RECOVERY_STEPS: tuple[Step, ...] = SCALE_STEPS[2:]
+RECOVERY_STEPS: tuple[Step, ...] = SCALE_STEPS[3:]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator
 
 from elastic.core.phases import OPERATION_PHASES
 
@@ -70,3 +70,22 @@ class ServingConfig(BaseModel):
     retry_after_s: int = Field(1, ge=1, le=3600, description="the Retry-After of a 429 or 503")
     model_name: str | None = Field(None, description="the name /v1/models lists and requests must give "
                                    "(default: the checkpoint directory's name, or the architecture)")
+
+
+# --------------------------------------------------------------------------------------
+# Scaling: what a scale does ahead of its pause (the prepare sub-phase of draining)
+# --------------------------------------------------------------------------------------
+
+class ScalingConfig(BaseModel):
+    """How a scale prepares while the old group still decodes (see ``Prepare`` in the protocol)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prepare: bool = Field(True, description="form the next group as a standby group and pre-transfer experts in "
+                          "draining, so the pause only switches; false: everything happens in the pause (as before)")
+    prestage_max_bytes: ByteSize = Field(ByteSize(512 * 2**20), ge=0, description="spare memory a surviving rank may "
+                                         "hold for experts it takes over, received ahead of the pause (bytes, or with "
+                                         "a unit: '1GiB'); what does not fit moves in the pause. A joining rank receives "
+                                         "into its fresh weights and needs none")
+    prestage_share: float = Field(0.1, gt=0, le=1.0, description="the most of the wall time the pre-transfer may take "
+                                  "from decoding (a layer starts only while every rank's share is below it)")

@@ -47,6 +47,30 @@ class Drain(Command):
 
 
 @dataclass(frozen=True)
+class Prepare(Command):
+    """The prepare sub-phase of ``draining`` (sent once every rank drained): everything of the
+    rescale that can happen while the old group still decodes.
+
+    Every rank of the old group, at the same agreed step, stops its (drained, idle) async EPLB
+    thread and computes the new placement and every layer's plan from the same window; the
+    ranks of the new group (survivors and the joining ranks standing by) form generation
+    ``generation`` as a standby group; then the network part of the plan moves ahead of the
+    pause, a layer at a time at agreed steps, paced so decoding keeps its throughput
+    (``prestage_share`` of the wall time at most). A joining rank receives into its fresh
+    weights; a survivor into spare memory, at most ``prestage_max_bytes`` (layers that do not
+    fit move in the pause, as before). A scale up moves over the standby group, a scale down
+    over the old group (the leaving ranks send).
+    """
+
+    generation: int = 0
+    new_size: int = 0
+    mapping: tuple[int, ...] = ()
+    execute_on: Literal["old", "new"] = "new"
+    prestage_max_bytes: int = 0
+    prestage_share: float = 0.1
+
+
+@dataclass(frozen=True)
 class Suppress(Command):
     """Stop and join the async EPLB thread; report when it is gone.
 
@@ -76,6 +100,9 @@ class Rescale(Command):
     #: a scale keeps the request batch (joining ranks get it, KV caches included, from a survivor);
     #: a recovery drops it: survivors' caches may be mid-step, the coordinator replays the requests
     keep_requests: bool = True  # "old": move over the old group first (scale down); "new": form the new group first
+    #: a Prepare of this very scale succeeded on every rank: switch to the standby group, move
+    #: only what was not pre-transferred, copy the pre-transferred slots in place
+    prepared: bool = False
 
 
 @dataclass(frozen=True)
@@ -254,6 +281,23 @@ class DrainDone(Result):
 
 
 @dataclass(frozen=True)
+class PrepareDone(Result):
+    """A rank's prepare sub-phase: the standby group formed and its part of the pre-transfer done."""
+
+    seconds: float = 0.0  # from the Prepare to the last pre-transferred layer, on this rank
+    group_seconds: float = 0.0  # forming the standby group
+    placement_seconds: float = 0.0  # the new placement and every layer's plan
+    layers: int = 0  # layers pre-transferred (every rank the same)
+    layers_total: int = 0  # layers the scale changes anywhere
+    bytes_received: int = 0  # by this rank, ahead of the pause
+    prestage_bytes: int = 0  # spare memory this rank holds for the pause (a survivor's)
+    steps: int = 0  # decode steps this rank ran during its prepare (0 for a joining rank)
+    transfer_seconds: float = 0.0  # this rank's time in the pre-transfer's layers
+    started_at: float = 0.0  # time.monotonic() at the Prepare (same clock as the coordinator's on one host)
+    ended_at: float = 0.0
+
+
+@dataclass(frozen=True)
 class SuppressDone(Result):
     join_seconds: float = 0.0
     placement_seconds: float = 0.0  # the announced scale down's placement and plans
@@ -337,7 +381,7 @@ class ShutdownDone(Result):
 
 #: the result type of each command
 RESULT_OF: dict[type[Command], type[Result]] = {
-    Drain: DrainDone, Suppress: SuppressDone, Rescale: RescaleDone, Resume: ResumeDone,
+    Drain: DrainDone, Prepare: PrepareDone, Suppress: SuppressDone, Rescale: RescaleDone, Resume: ResumeDone,
     RebalanceNow: RebalanceAck, Verify: VerifyResult, ExportPlacement: PlacementExport,
     Probe: ProbeDone, StopEPLB: EPLBStopped, Shutdown: ShutdownDone,
 }

@@ -122,20 +122,8 @@ class GroupGeneration:
         """
         if dist.is_initialized():
             raise RuntimeError("a process group is still alive: destroy the old generation first")
-        prefix = dist.PrefixStore(f"elastic/gen{generation}/", store)
-        prefix.set(f"elastic-host/{rank}", host_identity())
-        wait_s = timeout_s if rendezvous_timeout_s is None else rendezvous_timeout_s
-        # the last rank to arrive opens the gate; the others wait for it with the rendezvous deadline
-        if prefix.add("elastic-arrived", 1) == size:
-            prefix.set("elastic-all-arrived", "1")
-        deadline = time.monotonic() + wait_s
-        while not prefix.check(["elastic-all-arrived"]):
-            if prefix.check([ABORT_KEY]):  # the coordinator gave this attempt up
-                raise RendezvousAborted(f"generation {generation}: {prefix.get(ABORT_KEY).decode()}")
-            if time.monotonic() > deadline:
-                arrived = prefix.add("elastic-arrived", 0)
-                raise TimeoutError(f"generation {generation}: {arrived} of {size} ranks arrived within {wait_s:.0f}s")
-            time.sleep(0.02)
+        prefix = _arrive(store, generation, rank, size,
+                         timeout_s if rendezvous_timeout_s is None else rendezvous_timeout_s)
         # torch names groups by a per-process counter, and the name is in every store key of the
         # group's rendezvous. destroy_process_group() resets it, but an init_process_group that failed
         # (a peer died mid-rendezvous) leaves it advanced: this rank would then wait on other keys than
@@ -145,7 +133,7 @@ class GroupGeneration:
         dist.init_process_group(backend, store=prefix, rank=rank, world_size=size,
                                 timeout=timedelta(seconds=timeout_s))
         # every rank wrote its host before the rendezvous completed: these reads do not wait
-        hosts = tuple(prefix.get(f"elastic-host/{r}").decode() for r in range(size))
+        hosts = _hosts(prefix, size)
         log.debug("rank %d joined generation %d of size %d on hosts %s", rank, generation, size, hosts)
         return cls(generation, rank, size, backend, timeout_s, hosts=hosts)
 
@@ -160,3 +148,120 @@ class GroupGeneration:
         if dist.is_initialized():
             dist.destroy_process_group()
         self.eplb_group = None
+
+
+def _arrive(store: dist.Store, generation: int, rank: int, size: int, wait_s: float) -> dist.PrefixStore:
+    """The generation's rendezvous gate: returns its store once all ``size`` ranks arrived.
+
+    Every rank writes its host, then increments an arrival counter; the last one opens the gate
+    and the others poll it (20 ms) until ``wait_s``, giving up at once when the coordinator
+    writes the generation's abort key.
+    """
+    prefix = dist.PrefixStore(f"elastic/gen{generation}/", store)
+    prefix.set(f"elastic-host/{rank}", host_identity())
+    if prefix.add("elastic-arrived", 1) == size:
+        prefix.set("elastic-all-arrived", "1")
+    deadline = time.monotonic() + wait_s
+    while not prefix.check(["elastic-all-arrived"]):
+        if prefix.check([ABORT_KEY]):  # the coordinator gave this attempt up
+            raise RendezvousAborted(f"generation {generation}: {prefix.get(ABORT_KEY).decode()}")
+        if time.monotonic() > deadline:
+            arrived = prefix.add("elastic-arrived", 0)
+            raise TimeoutError(f"generation {generation}: {arrived} of {size} ranks arrived within {wait_s:.0f}s")
+        time.sleep(0.02)
+    return prefix
+
+
+def _hosts(prefix: dist.PrefixStore, size: int) -> tuple[str, ...]:
+    # every rank wrote its host before the rendezvous completed: these reads do not wait
+    return tuple(prefix.get(f"elastic-host/{r}").decode() for r in range(size))
+
+
+def _unregister(pg: Any) -> None:
+    """Take one process group out of torch's registry without shutting it down."""
+    world = distributed_c10d._world
+    name = world.pg_names.pop(pg, None)
+    for table in (world.pg_map, world.pg_group_ranks, world.pg_backend_config, world.pg_coalesce_state,
+                  world.pg_to_tag):
+        table.pop(pg, None)
+    for groups in world.tags_to_pg.values():
+        while pg in groups:
+            groups.remove(pg)
+    if name is not None:
+        distributed_c10d._unregister_process_group(name)
+    if world.default_pg is pg:
+        distributed_c10d._update_default_pg(None)
+
+
+@dataclass
+class StandbyGroup:
+    """The next generation's default group, formed while the current one still decodes.
+
+    A scale's prepare sub-phase (``draining``) forms it on the ranks of the new group, so the
+    pause does not pay for the rendezvous and the gloo/NCCL connections. Until the switch it is
+    a registered, non-default group: transfers of the pre-transfer name it explicitly, and every
+    collective without a group still runs on the serving generation. :meth:`install` swaps it
+    in as the default group; :meth:`discard` drops it when the scale fails (the serving group
+    is untouched).
+
+    torch keeps one default group per process, and ``destroy_process_group()`` shuts down every
+    registered group, the standby one included; so the switch moves the serving generation's
+    groups out of torch's registry (``detached``) instead, and they are shut down after the
+    pause (:func:`shutdown_detached`). This reaches into ``torch.distributed.distributed_c10d``
+    internals (``_new_process_group_helper``, ``_world``), pinned with torch 2.13 and covered by
+    ``tests/test_prepare.py``.
+    """
+
+    generation: int
+    rank: int
+    size: int
+    backend: str
+    timeout_s: float
+    pg: Any
+    hosts: tuple[str, ...] = ()
+
+    @classmethod
+    def form(cls, store: dist.Store, generation: int, rank: int, size: int, *, backend: str = "gloo",
+             timeout_s: float = 30.0, rendezvous_timeout_s: float | None = None) -> StandbyGroup:
+        """Rendezvous on the generation's prefix and connect the group (returns once all ``size`` ranks joined)."""
+        prefix = _arrive(store, generation, rank, size, timeout_s if rendezvous_timeout_s is None else rendezvous_timeout_s)
+        # an explicit name (not torch's per-process counter), the same on every rank however many
+        # groups each made before: the name is in every store key of the group's own rendezvous
+        pg, _ = distributed_c10d._new_process_group_helper(
+            size, rank, [], backend, prefix, distributed_c10d.GroupName(f"elastic-gen{generation}"),
+            timeout=timedelta(seconds=timeout_s), group_desc=f"standby generation {generation}")
+        distributed_c10d._world.pg_group_ranks[pg] = {r: r for r in range(size)}
+        log.debug("rank %d formed standby generation %d of size %d", rank, generation, size)
+        return cls(generation, rank, size, backend, timeout_s, pg, hosts=_hosts(prefix, size))
+
+    def install(self) -> tuple[GroupGeneration, list[Any]]:
+        """Make this the default group. Returns it as a :class:`GroupGeneration` and the serving
+        generation's groups, taken out of torch's registry but not shut down (no transfer may
+        be in flight on them; shut them down after the pause with :func:`shutdown_detached`)."""
+        world = distributed_c10d._world
+        detached = [pg for pg in list(world.pg_map) if pg is not self.pg]
+        for pg in detached:
+            _unregister(pg)
+        distributed_c10d._update_default_pg(self.pg)
+        world.pg_group_ranks[self.pg] = {r: r for r in range(self.size)}
+        # as after init_process_group: the groups made next (the EPLB subgroup) get the same
+        # counter-based names on every rank, fresh or not
+        world.group_count = 1
+        return GroupGeneration(self.generation, self.rank, self.size, self.backend, self.timeout_s,
+                               hosts=self.hosts), detached
+
+    def discard(self) -> Any:
+        """The scale failed before the switch: unregister the group and return it. The caller keeps
+        the reference (a gloo group whose peer died can block in its teardown)."""
+        _unregister(self.pg)
+        return self.pg
+
+
+def shutdown_detached(groups: list[Any]) -> None:
+    """Shut down groups :meth:`StandbyGroup.install` detached (subgroups first, as torch does)."""
+    for pg in reversed(groups):
+        try:
+            pg.shutdown()
+        except Exception as exc:  # noqa: BLE001 - a group of a generation that is gone anyway
+            log.debug("shutting down a detached group: %s", exc)
+    groups.clear()

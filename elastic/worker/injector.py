@@ -71,8 +71,12 @@ class FaultInjector:
                 os._exit(17)
 
     def mid_rescale(self, layers_moved: int) -> None:
-        if any(k.after_layers == layers_moved for k in self.active(f.KillRank)):
-            os._exit(17)  # die mid-redistribution
+        if any(k.in_phase == "rescaling" and k.after_layers == layers_moved for k in self.active(f.KillRank)):
+            os._exit(17)  # die mid-redistribution (the switch of a prepared scale)
+
+    def mid_prestage(self, layers_moved: int) -> None:
+        if any(k.in_phase == "draining" and k.after_layers == layers_moved for k in self.active(f.KillRank)):
+            os._exit(17)  # die mid-pre-transfer (the prepare sub-phase of draining)
 
     def torn_commit(self, next_commit: int) -> bool:
         """Whether this rank's all-reduce "breaks" just before its ``next_commit``-th commit."""

@@ -33,18 +33,19 @@ from elastic.core import protocol as p
 from elastic.core.config import ServingConfig
 from elastic.service.logs import configure as configure_logging
 from elastic.serving.batch import RequestBatch
-from elastic.worker.groups import GroupGeneration, connect_store, num_nodes_of
+from elastic.worker.groups import GroupGeneration, StandbyGroup, connect_store, num_nodes_of, shutdown_detached
 from elastic.worker.injector import FaultInjector
+from elastic.worker.prepare import PREPARE_WORDS, Preparation
 from eplb.communicator import make_communicator
 from eplb.config import EPLBConfig
 from eplb.model import ModelShape
 from eplb.models.config import HFModelConfig
 from eplb.models.serving import DecodeBatches, build_model, model_info
 from eplb.placement import Placement
-from eplb.plan import LayerPlan, holders_from_mapping, plan_layer
+from eplb.plan import LayerPlan, holders_from_mapping, plan_layer, prestage_layers
 from eplb.state import CONTROL_WORDS, EPLBState, LoadWindow, TransferHooks, placement_for
 from eplb.trace import PhasedTrace, TraceConfig
-from eplb.transfer import commit_layer, execute_layer, materialize
+from eplb.transfer import commit_layer, execute_layer, finish_layer, materialize, receive_layer
 
 log = logging.getLogger("elastic.worker.process")
 
@@ -151,6 +152,8 @@ class Worker:
         self._prepared_weights: list[list[torch.Tensor]] | None = None  # a joining rank's, allocated while standing by
         # (announced scale down, maps then, its placement and layer plans), from Suppress to Rescale
         self._announced: tuple[p.Rescale, Placement, Placement, list[LayerPlan]] | None = None
+        self.preparation: Preparation | None = None  # a scale's prepare sub-phase, from its Prepare to the switch
+        self._detached: list[Any] = []  # the old generation's groups after a switch, shut down at Resume
 
     @property
     def eplb(self) -> EPLBState:
@@ -266,7 +269,15 @@ class Worker:
         # ready: the coordinator starts the pause only now, so the old group decodes meanwhile
         self.report(p.PhaseDone, seq=spec.standby_seq, step=self.step,
                     result=p.StandbyReady(prepare_seconds=time.perf_counter() - started))
-        return self._wait_for_rescale(p.WorkerMode.STANDBY, "this rank has not joined a group yet", spec.standby_timeout_s)
+        deadline = time.monotonic() + spec.standby_timeout_s
+        refusal = "this rank has not joined a group yet"
+        command = self._wait_for_rescale(p.WorkerMode.STANDBY, refusal, spec.standby_timeout_s, accept=(p.Prepare,))
+        if isinstance(command, p.Prepare):  # the scale prepares: join the standby group, receive the experts
+            self.faults.at_command(command)
+            self._prepare_joining(command)
+            command = self._wait_for_rescale(p.WorkerMode.STANDBY, refusal, max(1.0, deadline - time.monotonic()))
+        assert command is None or isinstance(command, p.Rescale)
+        return command
 
     def _resume_eplb(self) -> None:
         group = self._in_group()
@@ -336,6 +347,213 @@ class Worker:
         self.draining_op = command  # reported done at the step the agreed BUSY reads 0
         self.drain_started_step = self.step
 
+    def _on_prepare(self, command: p.Prepare) -> None:
+        """The prepare sub-phase of draining, at this agreed step on every rank of the old group
+        (:mod:`elastic.worker.prepare`): stop the drained EPLB, plan the rescale, form the
+        standby group; the pre-transfer then goes a layer per step (:meth:`_advance_preparation`)."""
+        if not self.eplb.drained:
+            raise RuntimeError("prepare before the drain finished: a transfer is still in flight")
+        self._discard_preparation()
+        started_at, started = time.monotonic(), time.perf_counter()
+        new_rank = command.mapping[self.rank]
+        scale_up = command.execute_on == "new"
+        with self._busy(p.WorkerMode.DRAINING):  # joining the thread, the rendezvous: busy, not silent
+            if not self.eplb.stop_worker(timeout=self.spec.collective_timeout_s):
+                raise TimeoutError("the async EPLB thread did not stop in time")
+            base = self.eplb.placement
+            mark = time.perf_counter()
+            rescale = self._rescale_of(command)
+            placement = self._next_placement(rescale, base, base.physical_to_logical)
+            plans = self._layer_plans(rescale, base.physical_to_logical, placement)
+            placement_seconds = time.perf_counter() - mark
+            mark = time.perf_counter()
+            standby = self._form_standby(command, new_rank) if new_rank >= 0 else None
+            if scale_up:
+                assert standby is not None
+                # the joining ranks learn the maps from the lowest survivor, and a Hugging Face
+                # model's replicated weights too, over the standby group
+                payload: list[Any] = [{"base": base.physical_to_logical, "placement": placement.physical_to_logical}]
+                source = self._plan_source(command)
+                dist.broadcast_object_list(payload, group=standby.pg, group_src=source)
+                if self.decoder is not None and command.new_size > len(self.spec_survivors(command)):
+                    self.model.sync_non_expert(src=source, group=standby.pg, timeout=self.spec.collective_timeout_s)
+            group_seconds = time.perf_counter() - mark
+        self.preparation = self._preparation(command, new_rank if scale_up else self.rank, new_rank, standby, base,
+                                             placement, plans, started_at, started)
+        self.preparation.placement_seconds, self.preparation.group_seconds = placement_seconds, group_seconds
+        self._comm_for_prepare(command)
+
+    def _prepare_joining(self, command: p.Prepare) -> None:
+        """A joining rank's prepare: the standby group, the maps, its model, then every
+        pre-transferred layer straight into its fresh weights, as the old group sends them."""
+        started_at, started = time.monotonic(), time.perf_counter()
+        spec = self.spec
+        with self._busy(p.WorkerMode.STANDBY):
+            mark = time.perf_counter()
+            standby = self._form_standby(command, self.rank)
+            payload: list[Any] = [None]
+            source = self._plan_source(command)
+            dist.broadcast_object_list(payload, group=standby.pg, group_src=source)
+            base = Placement.from_physical_to_logical(payload[0]["base"], self.sizes.num_logical_experts)
+            placement = Placement.from_physical_to_logical(payload[0]["placement"], self.sizes.num_logical_experts)
+            # built on the old maps (as rank 0 of the old group: the same slots per rank); the new
+            # placement is installed at adoption
+            self.model = build_model(spec.shape, base, 0, len(command.mapping), seed=spec.seed,
+                                     timeout=spec.collective_timeout_s, joining=True)
+            self.model.replace_weights([])
+            self._start_decoder()
+            if self.decoder is not None:
+                self.non_expert_sync = self.model.sync_non_expert(src=source, group=standby.pg,
+                                                                  timeout=spec.collective_timeout_s)
+            group_seconds = time.perf_counter() - mark
+            rescale = self._rescale_of(command)
+            plans = self._layer_plans(rescale, base.physical_to_logical, placement)
+            prep = self._preparation(command, self.rank, self.rank, standby, base, placement, plans, started_at, started)
+            prep.group_seconds = group_seconds
+            self._comm_for_prepare(command)
+            weights = self._prepared_weights
+            assert weights is not None
+            # the old group sends a layer when its share allows: wait for each as long as a standby rank waits
+            wait_s = max(1.0, spec.standby_timeout_s)
+            for index, layer in enumerate(prep.layers):
+                self.progress = ("pre-transfer", index, len(prep.layers))
+                self.faults.mid_prestage(index)
+                self.faults.before_layer(layer)
+                mark = time.perf_counter()
+                stats = execute_layer(plans[layer], self.rank, None, weights[layer], group=standby.pg, timeout=wait_s,
+                                      max_ops_per_batch=spec.eplb.max_ops_per_batch, layer=layer,
+                                      reload_fn=functools.partial(self._canonical, layer), communicator=self.comm)
+                prep.spent += time.perf_counter() - mark
+                prep.bytes_received += stats.bytes_received
+                prep.next_index = index + 1
+            self.progress = None
+        self.preparation = prep
+        self._done(command, prep.done(time.monotonic(), time.perf_counter(), self._layers_changed(plans)))
+
+    def _advance_preparation(self, words: list[int]) -> None:
+        """One decode step of an old rank's pre-transfer: the next layer, unless a rank holds
+        (its share of the wall time is spent) or failed (then every rank drops the preparation
+        at this same step, and the old group keeps serving)."""
+        prep = self.preparation
+        assert prep is not None
+        prep.steps += 1
+        hold, failed = words
+        if failed:
+            self._discard_preparation()
+            return
+        if prep.failed is not None:
+            return
+        if not prep.complete and not hold:
+            self._prestage_next(prep)
+        if prep.complete and prep.failed is None and not prep.reported:
+            prep.reported = True
+            self._done(prep.command, prep.done(time.monotonic(), time.perf_counter(), self._layers_changed(prep.plans)))
+
+    def _prestage_next(self, prep: Preparation) -> None:
+        """Move the next pre-transferred layer: sends from the serving weights, receives into
+        spare rows (a survivor keeps serving from its weights until the switch)."""
+        layer = prep.layers[prep.next_index]
+        mark = time.perf_counter()
+        try:
+            self.faults.mid_prestage(prep.next_index)
+            self.faults.before_layer(layer)
+            plan = prep.plans[layer]
+            weights = self.model.expert_weights()[layer]
+            rows = None
+            recvs = len(plan.for_rank(prep.executing_rank).recvs)
+            if recvs:
+                rows = [torch.empty((recvs, *t.shape[1:]), dtype=t.dtype) for t in weights]
+                self.comm.add_buffer(rows, transient=True)
+            stats = receive_layer(plan, prep.executing_rank, weights, rows, group=prep.group,
+                                  timeout=self.spec.eplb.transfer_timeout_s,
+                                  max_ops_per_batch=self.spec.eplb.max_ops_per_batch, layer=layer, communicator=self.comm)
+            if rows is not None:
+                prep.received[layer] = rows
+            prep.bytes_received += stats.bytes_received
+            prep.next_index += 1
+        except Exception as exc:  # noqa: BLE001 - the scale fails; the old group goes on serving
+            prep.failed = f"layer {layer}: {type(exc).__name__}: {exc}"
+            self.report(p.WorkerError, step=self.step, where="prepare", error_type=type(exc).__name__,
+                        message=f"pre-transfer of layer {layer} failed: {exc}", fatal=False, seq=prep.command.seq)
+        finally:
+            prep.spent += time.perf_counter() - mark
+
+    def _rescale_of(self, command: p.Prepare) -> p.Rescale:
+        """The rescale a Prepare prepares, as the planning functions take it."""
+        return p.Rescale(seq=command.seq, generation=command.generation, new_size=command.new_size,
+                         mapping=command.mapping, execute_on=command.execute_on)
+
+    @staticmethod
+    def spec_survivors(command: p.Prepare | p.Rescale) -> list[int]:
+        """The new ranks of the old ranks that stay."""
+        return [n for n in command.mapping if n >= 0]
+
+    def _plan_source(self, command: p.Prepare) -> int:
+        """The lowest surviving rank (in the new group): it sends the maps to the joining ranks."""
+        return min(self.spec_survivors(command))
+
+    def _form_standby(self, command: p.Prepare, new_rank: int) -> StandbyGroup:
+        return StandbyGroup.form(self.store, command.generation, new_rank, command.new_size, backend=self.spec.backend,
+                                 timeout_s=self.spec.collective_timeout_s, rendezvous_timeout_s=self.spec.join_timeout_s)
+
+    def _preparation(self, command: p.Prepare, executing_rank: int, new_rank: int, standby: StandbyGroup | None,
+                     base: Placement, placement: Placement, plans: list[LayerPlan], started_at: float,
+                     started: float) -> Preparation:
+        """The preparation record, with the layers that move ahead (the same on every rank): the
+        ranks that keep serving receive into spare memory, within the budget."""
+        if command.execute_on == "new":
+            bounded = self.spec_survivors(command)
+        else:
+            bounded = [old for old, n in enumerate(command.mapping) if n >= 0]
+        layers = prestage_layers(plans, self.sizes.expert_bytes, command.prestage_max_bytes, bounded)
+        return Preparation(command=command, executing_rank=executing_rank, new_rank=new_rank, standby=standby,
+                           base=base, placement=placement, plans=plans, layers=layers,
+                           group=standby.pg if command.execute_on == "new" and standby is not None else None,
+                           started_at=started_at, started=started)
+
+    @staticmethod
+    def _layers_changed(plans: list[LayerPlan]) -> int:
+        return sum(1 for plan in plans if plan.num_transfers)
+
+    def _comm_for_prepare(self, command: p.Prepare) -> None:
+        """The pre-transfer of a scale up moves over the standby generation: bind the communicator to it."""
+        if command.execute_on == "new":
+            self.comm.bind(command.generation, dist.PrefixStore(f"elastic/gen{command.generation}/", self.store))
+            if self.model.expert_weights():
+                self.comm.set_weights(self.model.expert_weights())
+
+    def _discard_preparation(self) -> None:
+        """Drop a preparation (the scale failed, or a rescale that is not it came): the standby
+        group is unregistered and kept referenced (a gloo group whose peer died can block in its
+        teardown), the spare rows are freed. The serving group is untouched."""
+        prep, self.preparation = self.preparation, None
+        if prep is None:
+            return
+        if prep.standby is not None:
+            self._abandoned_groups.append(prep.standby.discard())
+        for rows in prep.received.values():
+            self.comm.remove_buffer(rows)
+
+    def _take_preparation(self, cmd: p.Rescale) -> Preparation | None:
+        """The preparation a prepared rescale switches with; any other rescale drops it first."""
+        if not cmd.prepared:
+            self._discard_preparation()
+            return None
+        prep, self.preparation = self.preparation, None
+        if prep is None or not prep.matches(cmd) or not prep.complete or prep.failed is not None:
+            self.preparation = prep
+            self._discard_preparation()
+            raise RuntimeError("a prepared rescale, but this rank has no complete preparation for it")
+        return prep
+
+    def _switch_to(self, standby: StandbyGroup) -> None:
+        """The standby group becomes this rank's group; the old generation's groups are detached
+        (shut down at Resume, after the pause)."""
+        if self._eplb is not None:
+            self._eplb.release_group()
+        self.group, detached = standby.install()
+        self._detached.extend(detached)
+
     def _on_suppress(self, command: p.Suppress) -> None:
         if not self.eplb.drained:
             raise RuntimeError("suppress before the drain finished: a transfer is still in flight")
@@ -346,7 +564,7 @@ class Worker:
         self.mode = p.WorkerMode.SUPPRESSED
         joined = time.perf_counter() - started
         self._announced = None
-        if command.mapping:  # a scale down follows: its placement is computed now, not in the pause
+        if command.mapping and self.preparation is None:  # a scale down follows: its placement is computed now
             announced = p.Rescale(seq=command.seq, new_size=command.new_size, mapping=command.mapping, execute_on="old")
             base = self.eplb.placement
             placement = self._next_placement(announced, base, base.physical_to_logical)
@@ -361,6 +579,7 @@ class Worker:
     def _on_resume(self, command: p.Resume) -> None:
         started = time.perf_counter()
         with self._busy(p.WorkerMode.RESUMING):  # the EPLB group and memory registration: not silence
+            shutdown_detached(self._detached)  # the old generation's groups, after the pause
             self._resume_eplb()
         self.mode = p.WorkerMode.DECODING
         self._done(command, p.ResumeDone(seconds=time.perf_counter() - started, threads=_thread_names()))
@@ -397,6 +616,7 @@ class Worker:
         with self._busy(p.WorkerMode.HALTED):  # joining the thread (a transfer may end first): busy, not silent
             if not self.eplb.stop_worker(timeout=self.spec.eplb.transfer_timeout_s + self.spec.collective_timeout_s):
                 raise TimeoutError("the async EPLB thread did not stop in time")
+        self._discard_preparation()  # the scale failed: the standby group and the spare rows go
         self.mode = p.WorkerMode.HALTED
         self._done(command, p.EPLBStopped(threads=_thread_names()))
 
@@ -414,7 +634,7 @@ class Worker:
 
     #: one handler per command type: the whole of what a worker does with its commands
     _HANDLERS: dict[type, Any] = {
-        p.Drain: _on_drain, p.Suppress: _on_suppress, p.Rescale: _on_rescale, p.Resume: _on_resume,
+        p.Drain: _on_drain, p.Prepare: _on_prepare, p.Suppress: _on_suppress, p.Rescale: _on_rescale, p.Resume: _on_resume,
         p.RebalanceNow: _on_rebalance_now, p.Verify: _on_verify,
         p.ExportPlacement: _on_export_placement, p.Probe: _on_probe, p.StopEPLB: _on_stop_eplb,
         p.Admit: _on_admit, p.Cancel: _on_cancel, p.Shutdown: _on_shutdown,
@@ -477,27 +697,36 @@ class Worker:
         if self._eplb is not None and self._eplb.running:
             raise RuntimeError("rescale while the async EPLB worker runs: suppress it first")
         new_rank = cmd.mapping[self.rank] if not fresh else self.rank
+        prep = self._take_preparation(cmd)  # a prepared scale: the standby group and what moved ahead
         if not cmd.keep_requests and self.requests is not None:
             self.requests.clear()  # a recovery: the coordinator replays every request from its prompt
         # group destroy + rendezvous; redistribution (wall, and this process's CPU incl. gloo threads)
-        timing: dict[str, Any] = {"group_seconds": 0.0, "transfer_seconds": 0.0, "transfer_cpu_seconds": 0.0}
+        timing: dict[str, Any] = {"group_seconds": 0.0, "transfer_seconds": 0.0, "transfer_cpu_seconds": 0.0,
+                                  "prepared": prep is not None}
         if cmd.execute_on == "old":
             # scale down: every expert a leaving rank holds that the new placement needs is
             # sent out over the old group, and only then is the group replaced.
             # Drained: every rank committed the same layers, so its own maps are everyone's.
             base, diverged = self.eplb.placement, []
             held = base.physical_to_logical
-            announced = self._announced_plan(cmd, base)
-            timing["announced"] = announced is not None  # placement and plans made at Suppress
-            new_placement, new_weights, bytes_moved, undo = self._move_experts(cmd, base, held, self.rank, timing, announced)
+            announced = self._prepared_plan(prep, base) if prep is not None else self._announced_plan(cmd, base)
+            timing["announced"] = announced is not None  # placement and plans made at Suppress (or Prepare)
+            new_placement, new_weights, bytes_moved, undo = self._move_experts(cmd, base, held, self.rank, timing,
+                                                                               announced, prep)
             mark = time.perf_counter()
-            self._destroy_group()
             if new_rank < 0:
+                self._destroy_group()
                 timing["group_seconds"] = time.perf_counter() - mark
                 self._retire(cmd, started, bytes_moved, timing)
                 return
             try:
-                self.group = self._join(cmd, new_rank)
+                if prep is not None:
+                    assert prep.standby is not None
+                    self._switch_to(prep.standby)
+                    dist.barrier()  # every survivor holds the new placement before any adopts it
+                else:
+                    self._destroy_group()
+                    self.group = self._join(cmd, new_rank)
             except BaseException:
                 self._undo(undo)  # the weights go back to the old placement this rank still has
                 raise
@@ -505,21 +734,28 @@ class Worker:
         else:
             # scale up or recovery: form the new group first, then move over it
             mark = time.perf_counter()
-            self._destroy_group()
-            if new_rank < 0:
-                timing["group_seconds"] = time.perf_counter() - mark
-                self._retire(cmd, started, 0, timing)
-                return
-            self.group = self._join(cmd, new_rank)
+            if prep is not None:
+                assert prep.standby is not None
+                self._switch_to(prep.standby)  # formed in draining: the pause only swaps it in
+            else:
+                self._destroy_group()
+                if new_rank < 0:
+                    timing["group_seconds"] = time.perf_counter() - mark
+                    self._retire(cmd, started, 0, timing)
+                    return
+                self.group = self._join(cmd, new_rank)
             timing["group_seconds"] = time.perf_counter() - mark
-            self.non_expert_sync = None
-            base, held = self._share_state(cmd, new_rank, fresh)
+            if prep is None:
+                self.non_expert_sync = None
+            base, held = self._share_state(cmd, new_rank, fresh, prepared=prep is not None)
             if self.non_expert_sync is not None:  # a Hugging Face model's replicated weights, from a peer
                 timing["non_expert_bytes"] = self.non_expert_sync["bytes"]
                 timing["non_expert_seconds"] = self.non_expert_sync["seconds"]
             # layers where some survivor's slots hold what the base maps do not (a torn commit)
             diverged = sorted({int(x) for x in (held != base.physical_to_logical).any(dim=1).nonzero().flatten()})
-            new_placement, new_weights, bytes_moved, undo = self._move_experts(cmd, base, held, new_rank, timing)
+            announced = self._prepared_plan(prep, base) if prep is not None else None
+            new_placement, new_weights, bytes_moved, undo = self._move_experts(cmd, base, held, new_rank, timing,
+                                                                               announced, prep)
         mark = time.perf_counter()
         self._adopt(new_rank, cmd, new_placement, new_weights)
         timing["adopt_seconds"] = time.perf_counter() - mark
@@ -539,15 +775,20 @@ class Worker:
                                     timeout_s=spec.collective_timeout_s, rendezvous_timeout_s=spec.join_timeout_s)
 
     def _move_experts(self, cmd: p.Rescale, base: Placement, held: torch.Tensor, executing_rank: int,
-                      timing: dict[str, Any], announced: tuple[Placement, list[LayerPlan]] | None = None):
+                      timing: dict[str, Any], announced: tuple[Placement, list[LayerPlan]] | None = None,
+                      prep: Preparation | None = None):
         """The new placement (unless ``announced`` with its plans), the redistribution and the
-        all-or-nothing barrier, timed into ``timing``; returns ``(placement, weights, bytes, undo log)``."""
+        all-or-nothing barrier, timed into ``timing``; returns ``(placement, weights, bytes, undo log)``.
+        With ``prep``, its layers moved ahead of the pause and are only finished here."""
         mark, cpu = time.perf_counter(), time.process_time()
         new_placement, plans = announced or (self._next_placement(cmd, base, held), None)
         timing["placement_seconds"] = time.perf_counter() - mark
-        weights, received, undo, networked = self._redistribute(cmd, held, new_placement, executing_rank, plans=plans)
+        weights, received, undo, networked, copied = self._redistribute(cmd, held, new_placement, executing_rank,
+                                                                        plans=plans, prestaged=prep)
+        timing["copy_bytes"] = copied
+        timing["prestaged_layers"] = 0 if prep is None else len(prep.layers)
         barrier = time.perf_counter()
-        if networked:
+        if networked or (prep is not None and cmd.execute_on == "new"):
             # every rank's transfers are done before anyone tears the group down or adopts;
             # without network transfers, the next rendezvous (or Resume) is that meeting point
             self._barrier_or_undo(undo)
@@ -556,7 +797,13 @@ class Worker:
         timing["transfer_cpu_seconds"] = time.process_time() - cpu
         return new_placement, weights, received, undo
 
-    def _share_state(self, cmd: p.Rescale, new_rank: int, fresh: bool) -> tuple[Placement, torch.Tensor]:
+    def _prepared_plan(self, prep: Preparation, base: Placement) -> tuple[Placement, list[LayerPlan]]:
+        """The placement and plans made at Prepare; the maps must not have changed since."""
+        if not prep.base.equals(base):
+            raise RuntimeError("the placement changed between Prepare and the rescale (the EPLB was off)")
+        return prep.placement, prep.plans
+
+    def _share_state(self, cmd: p.Rescale, new_rank: int, fresh: bool, prepared: bool = False) -> tuple[Placement, torch.Tensor]:
         """Agree on the state the new group starts from; returns ``(base placement, held rows)``.
 
         The lowest surviving rank sends step, placement and load window to every rank of the
@@ -595,14 +842,15 @@ class Worker:
                 old_rank, rows = entry
                 held[:, old_rank * per_rank : (old_rank + 1) * per_rank] = rows[:, old_rank * per_rank : (old_rank + 1) * per_rank]
         if fresh:
-            # nothing read from disk: experts arrive by the rescale's plan, a Hugging Face model's
-            # other weights from the lowest survivor (below)
-            # built on the old maps (as rank 0 of the old group: the same slots per rank); the new
-            # placement is installed at adoption
-            self.model = build_model(self.spec.shape, base, 0, len(cmd.mapping), seed=self.spec.seed,
-                                     timeout=self.spec.collective_timeout_s, joining=True)
-            self.model.replace_weights([])
-            self._start_decoder()
+            if not prepared:  # a prepared joining rank built its model at Prepare
+                # nothing read from disk: experts arrive by the rescale's plan, a Hugging Face model's
+                # other weights from the lowest survivor (below)
+                # built on the old maps (as rank 0 of the old group: the same slots per rank); the new
+                # placement is installed at adoption
+                self.model = build_model(self.spec.shape, base, 0, len(cmd.mapping), seed=self.spec.seed,
+                                         timeout=self.spec.collective_timeout_s, joining=True)
+                self.model.replace_weights([])
+                self._start_decoder()
             self.eplb = EPLBState(self.spec.eplb, self.model, base, new_rank, cmd.new_size, on_event=self._eplb_event,
                                   hooks=self._hooks(), communicator=self.comm)
             self.eplb.carry_over(LoadWindow.from_state(state["window"]), state["stats"], state["steps_since_rebalance"])
@@ -612,7 +860,7 @@ class Worker:
             self.requests.restore(state["requests"])  # every rank of the new group, the same batch
         if self.decoder is not None:
             self.decoder.batch_index = state["batch_index"]  # every rank goes on with the same batches
-            if cmd.new_size > len(survivors):  # fresh ranks: the replicated weights come from a survivor
+            if cmd.new_size > len(survivors) and not prepared:  # fresh ranks: the replicated weights from a survivor
                 self.non_expert_sync = self.model.sync_non_expert(src=source, group=None,
                                                                   timeout=self.spec.collective_timeout_s)
         return base, held
@@ -651,28 +899,34 @@ class Worker:
                              held=held, held_mapping=survivors, **extra)
 
     def _redistribute(self, cmd: p.Rescale, held: torch.Tensor, new_placement: Placement, executing_rank: int,
-                      plans: list[LayerPlan] | None = None):
+                      plans: list[LayerPlan] | None = None, prestaged: Preparation | None = None):
         """Move every layer from the ``held`` rows (``[layers, P_old]``: what each old rank's slots
-        hold) to the new placement; returns ``(weights, bytes received, undo log, networked)``,
-        ``networked`` being whether any rank moved anything over the network (the plan is global,
-        so every rank gets the same answer).
+        hold) to the new placement; returns ``(weights, bytes received, undo log, networked, bytes
+        copied locally)``, ``networked`` being whether any rank moved anything over the network in
+        this call (the plan is global, so every rank gets the same answer).
 
         A surviving rank keeps its weight tensors (slots per rank do not change): each layer is
         received into a one-layer staging buffer and only the changed slots are written in
         place, after the layer's sends are done. Their previous contents go to an undo log, so a
         rescale that fails later is rolled back (:meth:`_undo`) and the old placement still
         matches the weights. A fresh rank allocates its weights. ``plans`` are the layer plans
-        when already computed (:meth:`_layer_plans`).
+        when already computed (:meth:`_layer_plans`). The layers of ``prestaged`` crossed the
+        network before the pause: a survivor makes their staging from its received rows
+        (:func:`finish_layer`), a joining rank already holds them, a leaving rank sent them.
         """
         per_rank = held.shape[1] // len(cmd.mapping)
         plans = self._layer_plans(cmd, held, new_placement) if plans is None else plans
+        ahead = set(prestaged.layers) if prestaged is not None else set()
+        rows = prestaged.received if prestaged is not None else {}
         my_new_rank = executing_rank if cmd.execute_on == "new" else cmd.mapping[self.rank]
         old_weights = self.model.expert_weights() if self.model.expert_weights() else None
         in_place = my_new_rank >= 0 and old_weights is not None
-        networked = any(plan.num_transfers for plan in plans)
+        networked = any(plan.num_transfers for layer, plan in enumerate(plans) if layer not in ahead)
         if not networked and (in_place or my_new_rank < 0) and all(
-                plan.for_rank(executing_rank).is_idle for plan in plans):
-            return old_weights if in_place else None, 0, UndoLog(), False  # nothing moves anywhere, nothing here changes
+                plan.for_rank(executing_rank).is_idle or (layer in ahead and not in_place)
+                for layer, plan in enumerate(plans)):
+            # nothing moves anywhere, nothing here changes
+            return old_weights if in_place else None, 0, UndoLog(), False, 0
         staging: list[torch.Tensor] = []
         weights: list[list[torch.Tensor]] | None = None
         if in_place:
@@ -686,31 +940,41 @@ class Worker:
                 weights = prepared if fits else self.model.allocate(per_rank)
         undo = UndoLog()
         self._comm_for_rescale(cmd, None if in_place else weights, staging if in_place else None)
-        received = 0
+        received = copied = 0
+        expert_bytes = self.sizes.expert_bytes
         timeout = timedelta(seconds=self.spec.eplb.transfer_timeout_s)
         try:
             for layer in range(held.shape[0]):
                 self.faults.mid_rescale(layer)
                 plan = plans[layer]
                 rank_plan = plan.for_rank(executing_rank)
-                target = staging if in_place else ([] if weights is None else weights[layer])
-                stats = execute_layer(
-                    plan, executing_rank, None if old_weights is None else old_weights[layer], target,
-                    group=None, timeout=timeout, max_ops_per_batch=self.spec.eplb.max_ops_per_batch, layer=layer,
-                    reload_fn=functools.partial(self._canonical, layer),
-                    communicator=self.comm,
-                )
+                old_layer = None if old_weights is None else old_weights[layer]
+                if layer in ahead:
+                    if not in_place:
+                        continue  # a joining rank received it into its weights, a leaving one sent it
+                    finish_layer(rank_plan, rows.get(layer), old_layer, staging,
+                                 reload_fn=functools.partial(self._canonical, layer), layer=layer)
+                    copied += len(rank_plan.recvs) * expert_bytes
+                else:
+                    target = staging if in_place else ([] if weights is None else weights[layer])
+                    stats = execute_layer(
+                        plan, executing_rank, old_layer, target,
+                        group=None, timeout=timeout, max_ops_per_batch=self.spec.eplb.max_ops_per_batch, layer=layer,
+                        reload_fn=functools.partial(self._canonical, layer),
+                        communicator=self.comm,
+                    )
+                    received += stats.bytes_received
                 if in_place:
                     assert weights is not None
                     undo.save(layer, rank_plan.changed_slots, weights[layer])
                     commit_layer(rank_plan, staging, weights[layer])
+                    copied += 2 * len(rank_plan.changed_slots) * expert_bytes  # the undo copy and the commit
                 elif weights is not None:
-                    materialize(rank_plan, None if old_weights is None else old_weights[layer], weights[layer])
-                received += stats.bytes_received
+                    materialize(rank_plan, old_layer, weights[layer])
         except BaseException:
             self._undo(undo)
             raise
-        return weights, received, undo, networked
+        return weights, received, undo, networked, copied
 
     def _canonical(self, layer: int, expert: int) -> list[torch.Tensor]:
         """The checkpoint's weights of one expert (what an expert lost with its rank is reloaded from)."""
@@ -788,7 +1052,8 @@ class Worker:
         mark, cpu = time.perf_counter(), time.thread_time()
         words = self.eplb.control()
         self._control_seconds = (time.perf_counter() - mark, time.thread_time() - cpu)
-        control = torch.tensor([self.received_seq, *words], dtype=torch.int64)
+        prepare = self.preparation.words(time.perf_counter()) if self.preparation is not None else [0] * PREPARE_WORDS
+        control = torch.tensor([self.received_seq, *words, *prepare], dtype=torch.int64)
         try:
             dist.all_reduce(control, op=dist.ReduceOp.MAX)
         except Exception as exc:  # noqa: BLE001
@@ -821,6 +1086,8 @@ class Worker:
             op, self.draining_op = self.draining_op, None
             self._done(op, p.DrainDone(layers_committed=self.eplb.stats.layers_committed,
                                        steps_while_draining=self.step - self.drain_started_step))
+        if self.preparation is not None:
+            self._advance_preparation(reduced[1 + CONTROL_WORDS : 1 + CONTROL_WORDS + PREPARE_WORDS])
         started = time.perf_counter()
         physical: torch.Tensor | None
         if self.requests:
@@ -917,11 +1184,13 @@ class Worker:
                 continue
             return
 
-    def _wait_for_rescale(self, where: str, refusal: str, timeout_s: float | None = None) -> p.Rescale | None:
+    def _wait_for_rescale(self, where: str, refusal: str, timeout_s: float | None = None,
+                          accept: tuple[type, ...] = ()) -> Any:
         """Outside any group (broken, or standing by before joining): take orders as they arrive,
-        reporting meanwhile so the coordinator tells waiting from gone. Returns the next Rescale,
-        or None after a Shutdown; any other command is refused (``refusal`` says why). With
-        ``timeout_s``, a coordinator that sends neither is given up on (TimeoutError)."""
+        reporting meanwhile so the coordinator tells waiting from gone. Returns the next Rescale
+        (or command of a type in ``accept``), or None after a Shutdown; any other command is
+        refused (``refusal`` says why). With ``timeout_s``, a coordinator that sends neither is
+        given up on (TimeoutError)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while deadline is None or time.monotonic() < deadline:
             if self.pending:  # commands received before the group broke come first
@@ -936,7 +1205,7 @@ class Worker:
                 continue  # already acted on before the group broke
             self.received_seq = max(self.received_seq, command.seq)
             self.executed_seq = command.seq
-            if isinstance(command, p.Rescale):
+            if isinstance(command, (p.Rescale, *accept)):
                 return command
             if isinstance(command, p.Shutdown):
                 self.stopping = True
@@ -951,6 +1220,7 @@ class Worker:
     def _enter_broken(self, exc: BaseException) -> None:
         """Report the failure, make sure no transfer is in flight, drop the group, wait for orders."""
         self.broken = True
+        self._discard_preparation()
         self.report(p.WorkerError, step=self.step, where="decode", error_type=type(exc).__name__,
                     message=str(exc), traceback=traceback.format_exc(), fatal=False, seq=self.executed_seq)
         if self._eplb is not None and self._eplb.running:

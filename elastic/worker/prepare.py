@@ -1,0 +1,95 @@
+"""A scale's prepare sub-phase on one rank: the standby group and the pre-transfer.
+
+What a rescale can do before its pause, it does in ``draining`` once the drain is over
+(:class:`~elastic.core.protocol.Prepare`): the EPLB is off and every rank has committed the same
+layers, so the placement is fixed until the switch, and expert weights do not change while a
+model serves. So the new placement and every layer's plan are computed once, the new group is
+formed as a standby group, and the network part of the plan moves while the old group decodes:
+
+- a joining rank receives its experts straight into its fresh weights;
+- a surviving rank receives the experts it takes over into spare memory (compact, one row per
+  received expert), at most ``prestage_max_bytes``; layers that do not fit move in the pause;
+- a scale up moves over the standby group (the joining ranks are in no other group); a scale
+  down over the old group (the leaving ranks are in no other).
+
+Old ranks move one layer per decode step, at agreed steps: the step-boundary all-reduce carries
+two words (:meth:`Preparation.words`): *hold* (some rank has spent more than its share of the
+wall time on the pre-transfer) and *failed* (some rank's layer failed: every rank drops the
+preparation at the same step and the old group keeps serving). The joining ranks wait for each
+layer in turn. The pause is then the switch: install the standby group, copy the pre-transferred
+slots in place (with the undo log), move what was left, a barrier, adopt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from elastic.core import protocol as p
+from elastic.worker.groups import StandbyGroup
+from eplb.placement import Placement
+from eplb.plan import LayerPlan
+
+#: the words the pre-transfer adds to the step-boundary all-reduce (MAX): hold, failed
+PREPARE_WORDS = 2
+
+
+def over_share(spent_s: float, elapsed_s: float, share: float) -> bool:
+    """Whether a rank that spent ``spent_s`` of ``elapsed_s`` wall seconds on the pre-transfer
+    must hold the next layer to keep within ``share`` (decoding keeps ``1 - share``)."""
+    return spent_s > share * elapsed_s
+
+
+@dataclass
+class Preparation:
+    """Everything one rank holds for a prepared scale, from its Prepare to the switch."""
+
+    command: p.Prepare
+    executing_rank: int  # this rank in the group the pre-transfer moves over
+    new_rank: int  # -1: this rank leaves at the switch
+    standby: StandbyGroup | None  # the next generation (None on a leaving rank)
+    base: Placement  # the drained placement every old rank holds
+    placement: Placement  # the new one
+    plans: list[LayerPlan]
+    layers: tuple[int, ...]  # pre-transferred layers, in order (the same on every rank)
+    group: Any  # the group the pre-transfer moves over (None: the old default group)
+    started_at: float  # time.monotonic() at the Prepare
+    started: float  # time.perf_counter() at the Prepare
+    group_seconds: float = 0.0
+    placement_seconds: float = 0.0
+    received: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # a survivor's rows, per layer
+    next_index: int = 0  # into ``layers``
+    spent: float = 0.0  # seconds in pre-transfer layers
+    bytes_received: int = 0
+    steps: int = 0  # decode steps since the Prepare
+    failed: str | None = None
+    reported: bool = False
+
+    @property
+    def complete(self) -> bool:
+        return self.next_index >= len(self.layers)
+
+    @property
+    def prestage_bytes(self) -> int:
+        """Spare memory held for the pause (a survivor's received rows)."""
+        return sum(t.numel() * t.element_size() for rows in self.received.values() for t in rows)
+
+    def words(self, now: float) -> list[int]:
+        """This rank's vote at the next step boundary: [hold, failed]."""
+        hold = not self.complete and over_share(self.spent, now - self.started, self.command.prestage_share)
+        return [int(hold), int(self.failed is not None)]
+
+    def matches(self, rescale: p.Rescale) -> bool:
+        """Whether ``rescale`` is the scale this preparation was made for."""
+        c = self.command
+        return (rescale.prepared and not rescale.lost and (c.generation, c.new_size, c.mapping, c.execute_on)
+                == (rescale.generation, rescale.new_size, rescale.mapping, rescale.execute_on))
+
+    def done(self, now_at: float, now: float, layers_total: int) -> p.PrepareDone:
+        return p.PrepareDone(
+            seconds=now - self.started, group_seconds=self.group_seconds, placement_seconds=self.placement_seconds,
+            layers=len(self.layers), layers_total=layers_total, bytes_received=self.bytes_received,
+            prestage_bytes=self.prestage_bytes, steps=self.steps, transfer_seconds=self.spent,
+            started_at=self.started_at, ended_at=now_at)
