@@ -154,8 +154,9 @@ def test_scale_cycle_with_other_policies(policy):
 
 
 @pytest.mark.timeout(120)
-def test_joining_ranks_are_ready_before_the_pause_and_a_scale_down_is_planned_while_decoding():
-    config = small_config(model=dict(num_layers=4, num_experts=8))
+@pytest.mark.parametrize("prepare", [True, False], ids=["prepared", "in-the-pause"])
+def test_joining_ranks_are_ready_before_the_pause_and_a_scale_down_is_planned_while_decoding(prepare):
+    config = small_config(model=dict(num_layers=4, num_experts=8), scaling=dict(prepare=prepare))
     with running(config) as c:
         c.wait_for_step(10)
         up = _scale(c, 4)
@@ -167,18 +168,24 @@ def test_joining_ranks_are_ready_before_the_pause_and_a_scale_down_is_planned_wh
         # both joining ranks had allocated and registered their weights before any rank paused
         first_pause = min(r.at - r.detail["seconds"] for r in rescale)
         assert max(r.at for r in ready) <= first_pause
+        assert all(r.detail["prepared"] is prepare for r in rescale)
         assert_consistent(c, 4)
 
         down = _scale(c, 2)
-        suppress = [r for by_pid in list(c._done.values()) for r in by_pid.values()
-                    if r.phase == "Suppress" and r.operation_id == down.id]
-        rescale = [r for by_pid in list(c._done.values()) for r in by_pid.values()
-                   if r.phase == "Rescale" and r.operation_id == down.id]
-        # the scale down was announced at Suppress: every rank planned it then, and the rescale used it
-        assert len(suppress) == 4 and all(r.detail["announced"] for r in suppress)
+        done = [r for by_pid in list(c._done.values()) for r in by_pid.values() if r.operation_id == down.id]
+        suppress = [r for r in done if r.phase == "Suppress"]
+        rescale = [r for r in done if r.phase == "Rescale"]
+        prepared = [r for r in done if r.phase == "Prepare"]
+        # the scale down was planned while decoding (at Prepare, or announced at Suppress without
+        # it), every rank the same way, and the rescale used that plan
         assert len(rescale) == 4 and all(r.detail["announced"] for r in rescale)
+        if prepare:
+            assert len(prepared) == 4 and not any(r.detail["announced"] for r in suppress)
+            assert down.prepare["layers"] == down.prepare["layers_total"], "a budget this large holds every layer"
+        else:
+            assert not prepared and len(suppress) == 4 and all(r.detail["announced"] for r in suppress)
         assert_consistent(c, 2)
-        # a scale up is not announced: the joining ranks compute the placement with the survivors
+        # a scale up is not announced at Suppress: the joining ranks get the placement from the survivors
         suppress_up = [r for by_pid in list(c._done.values()) for r in by_pid.values()
                        if r.phase == "Suppress" and r.operation_id == up.id]
         assert len(suppress_up) == 2 and not any(r.detail["announced"] for r in suppress_up)

@@ -194,13 +194,13 @@ def test_fault_events_and_faults_are_validated(tmp_path):
     base = base.replace("  max_ep_size: 3\n", "  max_ep_size: 3\n  auto_recover: true\n")
     base = base.replace("expect: {final_ep_size: 3}", "expect: {final_ep_size: 2}")
     text = base.replace("steps: 60", "steps: 60\ntimeline:\n"
-                        "  - {at_step: 10, action: kill, rank: 1, in_phase: draining, after_layers: 1}\n"
+                        "  - {at_step: 10, action: kill, rank: 1, in_phase: resuming, after_layers: 1}\n"
                         "  - {at_step: 12, action: kill, rank: 1, in_phase: suppressing}\n"
                         "  - {at_step: 14, action: stall, rank: 0}\n"
                         "faults:\n  - {kind: corrupt_buffer, rank: 0}\n  - {kind: delay_transfer, rank: 7, seconds: 1}\n")
     file = write(tmp_path, text)
     error = str(problems_of(file))
-    assert f"{file}: timeline[0].after_layers: expected after_layers only with in_phase: rescaling" in error
+    assert f"{file}: timeline[0].after_layers: expected after_layers only with in_phase: rescaling or draining" in error
     assert f"{file}: timeline[1].in_phase: expected 'draining', 'suppressed', 'rescaling' or 'resuming'" in error
     assert f"{file}: timeline[2].seconds: expected a value: this key is required" in error
     # the plan pass: a phase kill needs a scale to die in; corrupt_buffer needs verify_transfers

@@ -950,7 +950,11 @@ class Coordinator:
         """The prepare sub-phase of draining goes to the old group and to the joining ranks (standing by)."""
         scaling = self.config.scaling
         members = list(run.old) + list(run.joining)
-        command = functools.partial(p.Prepare, operation_id=run.op.id, generation=run.generation,
+        # pace the pre-transfer for at most half of what is left of the draining deadline: past it the
+        # layers go back to back, so a slow link makes the scale slower to prepare, not fail
+        in_draining = time.monotonic() - run.op.phases[Phase.DRAINING.value]["started"]
+        paced_for = max(0.0, self.config.timeouts.draining / 2 - in_draining)
+        command = functools.partial(p.Prepare, operation_id=run.op.id, generation=run.generation, paced_for_s=paced_for,
                                     new_size=run.mapping.new_size, mapping=tuple(run.mapping.old_to_new),
                                     execute_on=self._execute_on(run), prestage_max_bytes=int(scaling.prestage_max_bytes),
                                     prestage_share=scaling.prestage_share)

@@ -88,4 +88,6 @@ class ScalingConfig(BaseModel):
                                          "a unit: '1GiB'); what does not fit moves in the pause. A joining rank receives "
                                          "into its fresh weights and needs none")
     prestage_share: float = Field(0.1, gt=0, le=1.0, description="the most of the wall time the pre-transfer may take "
-                                  "from decoding (a layer starts only while every rank's share is below it)")
+                                  "from decoding (a layer starts only while every rank's share is below it); past half the "
+                                  "draining deadline the remaining layers go back to back, so a slow link cannot make the "
+                                  "scale overrun it")

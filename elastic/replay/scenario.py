@@ -110,7 +110,9 @@ class KillEvent(_Event):
 
     Without ``in_phase`` it dies at ``at_step``. With ``in_phase`` it dies when that phase's
     command of the *next scale event* of the timeline reaches it (``rescaling`` with
-    ``after_layers``: after moving that many layers); ``at_step`` then only orders the event.
+    ``after_layers``: after moving that many layers in the pause; ``draining`` with
+    ``after_layers``: after that many layers of the pre-transfer, the prepare sub-phase);
+    ``at_step`` then only orders the event.
     """
 
     action: Literal["kill"]
@@ -118,13 +120,14 @@ class KillEvent(_Event):
     generation: int | None = Field(None, ge=0, description="the generation it dies in (default: the one the timeline predicts)")
     in_phase: Literal["draining", "suppressed", "rescaling", "resuming"] | None = Field(
         None, description="die in this phase of the next scale event instead of at at_step")
-    after_layers: int | None = Field(None, ge=0, description="with in_phase: rescaling, die after moving this many layers")
+    after_layers: int | None = Field(None, ge=0, description="with in_phase: rescaling, die after moving this many "
+                                     "layers in the pause; with in_phase: draining, after this many of the pre-transfer")
 
     @field_validator("after_layers")
     @classmethod
-    def _only_rescaling(cls, value: int | None, info: Any) -> int | None:
-        if value is not None and info.data.get("in_phase") != "rescaling":
-            raise ValueError(f"expected after_layers only with in_phase: rescaling, got in_phase "
+    def _only_moving_phases(cls, value: int | None, info: Any) -> int | None:
+        if value is not None and info.data.get("in_phase") not in ("rescaling", "draining"):
+            raise ValueError(f"expected after_layers only with in_phase: rescaling or draining, got in_phase "
                              f"{info.data.get('in_phase')!r}")
         return value
 
@@ -502,9 +505,15 @@ def _plan_phase_kill(s: Scenario, armed: tuple[int, KillEvent], scale: ScaleEven
     layers = s.deployment.sizes.num_moe_layers
     if kill.after_layers is not None and kill.after_layers >= layers:
         problem(f"{where}.after_layers", f"expected fewer than the model's {layers} layers, got {kill.after_layers}")
+    pretransfer = kill.in_phase == "draining" and kill.after_layers is not None
+    if pretransfer and not s.deployment.scaling.prepare:
+        problem(f"{where}.after_layers", "expected deployment.scaling.prepare: true for a kill during the pre-transfer "
+                "(without it nothing moves in draining), got prepare: false")
     # which group the rank belongs to when the phase's command reaches it
-    joining = kill.in_phase == "rescaling" and kill.rank >= size
-    if kill.in_phase == "resuming":
+    joining = kill.in_phase in ("rescaling", "draining") and (kill.in_phase == "rescaling" or pretransfer) and kill.rank >= size
+    if kill.in_phase == "draining" and joining:  # a joining rank dies receiving: the old group stays whole
+        bound, gen, survivors = max(size, scale.to), generation + 1, size
+    elif kill.in_phase == "resuming":
         bound, gen, survivors = scale.to, generation + 1, scale.to - 1
     elif kill.in_phase == "rescaling":
         bound, gen = max(size, scale.to), generation + 1 if joining else generation

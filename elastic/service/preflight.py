@@ -364,11 +364,14 @@ class MemoryEstimate:
 
 
 def estimate_worker_memory(config: DeploymentConfig) -> MemoryEstimate | None:
-    """One worker's peak: its slots of every layer, a one-layer staging buffer, the load window, activations.
+    """One worker's peak: its slots of every layer, a one-layer staging buffer, the load window,
+    activations, and the experts a scale pre-transfers into spare memory.
 
     The reference model holds no KV cache; the load window (``[window, layers, experts]`` int64 on
     every rank) is the part that grows with traffic history instead. A rescale writes through
-    the same one-layer staging buffer, so the peak is the same during a scale.
+    the same one-layer staging buffer. With ``scaling.prepare``, a surviving rank holds the
+    experts it takes over until the switch: at most ``scaling.prestage_max_bytes``, and never
+    more than its own slots of every layer.
     """
     from eplb.model import ModelShape  # torch: loaded already by the config's model
 
@@ -388,6 +391,8 @@ def estimate_worker_memory(config: DeploymentConfig) -> MemoryEstimate | None:
         "activations": tokens * (2 * shape.hidden_size + shape.intermediate_size) * element,
         "runtime": RUNTIME_BYTES,
     }
+    if config.scaling.prepare:
+        parts["pre-transfer"] = min(int(config.scaling.prestage_max_bytes), parts["weights"])
     redundant = config.eplb.num_redundant_experts
     knobs = {
         "weights": "eplb.num_redundant_experts" if redundant > shape.num_experts else "model",
@@ -395,10 +400,12 @@ def estimate_worker_memory(config: DeploymentConfig) -> MemoryEstimate | None:
         "load window": "eplb.window_size",
         "activations": f"trace[{busiest}].trace.tokens_per_step",
         "runtime": "ep_size",
+        "pre-transfer": "scaling.prestage_max_bytes",
     }
     detail = {
         "weights": f"{slots} slots x {shape.num_layers} layers x {format_bytes(expert)}",
         "staging": "one layer of slots",
+        "pre-transfer": "experts a surviving rank takes over, received ahead of a scale's pause",
         "load window": f"{config.eplb.window_size} steps x {shape.num_layers} layers x {shape.num_experts} experts",
     }
     return MemoryEstimate(parts, knobs, detail)

@@ -14,7 +14,7 @@ formed as a standby group, and the network part of the plan moves while the old 
 
 Old ranks move one layer per decode step, at agreed steps: the step-boundary all-reduce carries
 two words (:meth:`Preparation.words`): *hold* (some rank has spent more than its share of the
-wall time on the pre-transfer) and *failed* (some rank's layer failed: every rank drops the
+wall time on the pre-transfer, and the pacing window has not run out) and *failed* (some rank's layer failed: every rank drops the
 preparation at the same step and the old group keeps serving). The joining ranks wait for each
 layer in turn. The pause is then the switch: install the standby group, copy the pre-transferred
 slots in place (with the undo log), move what was left, a barrier, adopt.
@@ -78,7 +78,9 @@ class Preparation:
 
     def words(self, now: float) -> list[int]:
         """This rank's vote at the next step boundary: [hold, failed]."""
-        hold = not self.complete and over_share(self.spent, now - self.started, self.command.prestage_share)
+        elapsed = now - self.started
+        hold = (not self.complete and elapsed < self.command.paced_for_s
+                and over_share(self.spent, elapsed, self.command.prestage_share))
         return [int(hold), int(self.failed is not None)]
 
     def matches(self, rescale: p.Rescale) -> bool:

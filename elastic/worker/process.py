@@ -464,8 +464,11 @@ class Worker:
             if recvs:
                 rows = [torch.empty((recvs, *t.shape[1:]), dtype=t.dtype) for t in weights]
                 self.comm.add_buffer(rows, transient=True)
+            # within half a collective timeout: a rank whose peer gave up on this layer must come
+            # back to the step-boundary all-reduce before its peers there time out (which would
+            # break the serving group for a scale that only had to fail)
             stats = receive_layer(plan, prep.executing_rank, weights, rows, group=prep.group,
-                                  timeout=self.spec.eplb.transfer_timeout_s,
+                                  timeout=min(self.spec.eplb.transfer_timeout_s, self.spec.collective_timeout_s / 2),
                                   max_ops_per_batch=self.spec.eplb.max_ops_per_batch, layer=layer, communicator=self.comm)
             if rows is not None:
                 prep.received[layer] = rows

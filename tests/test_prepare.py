@@ -1,0 +1,224 @@
+"""A scale prepares while the old group decodes (issue 16): the standby group, the pre-transfer,
+and a pause that only switches."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+
+from elastic.core.mapping import RankMapping
+from elastic.faults import DelayTransfer, KillRank
+from elastic.worker.prepare import over_share
+from eplb.plan import holders_from_mapping, plan_layer, prestage_layers
+from tests.conftest import running, small_config
+from tests.helpers import assert_consistent, wait_for_state
+from tests.test_communicators import COMMUNICATORS
+
+# -- pure decisions -----------------------------------------------------------------------------
+
+def _scale_down_plans(layers: int, moving: bool = True):
+    """3 -> 2 ranks, 2 slots each: rank 2 leaves holding experts 3 and 1; survivors take them over."""
+    mapping = RankMapping.for_resize(3, 2).old_to_new
+    old_holder, new_holder = holders_from_mapping(list(mapping), 2, "old", frozenset())
+    old_row = [0, 1, 2, 0, 3, 1]
+    new_row = [0, 3, 2, 1] if moving else [0, 1, 2, 0]
+    return [plan_layer(old_row, new_row, 2, 2, old_holder, new_holder) for _ in range(layers)]
+
+
+def test_prestage_takes_layers_in_order_while_every_survivor_stays_within_its_budget():
+    plans = _scale_down_plans(3)
+    assert all(len(plan.for_rank(rank).recvs) == 1 for plan in plans for rank in (0, 1))
+    # each survivor receives one 10-byte expert per layer: a 20-byte budget holds two layers
+    assert prestage_layers(plans, expert_bytes=10, budget_bytes=20, bounded=[0, 1]) == (0, 1)
+    assert prestage_layers(plans, expert_bytes=10, budget_bytes=30, bounded=[0, 1]) == (0, 1, 2)
+    assert prestage_layers(plans, expert_bytes=10, budget_bytes=0, bounded=[0, 1]) == ()
+    # ranks outside ``bounded`` (joining ranks, receiving into their fresh weights) have no budget
+    assert prestage_layers(plans, expert_bytes=10, budget_bytes=0, bounded=[]) == (0, 1, 2)
+
+
+def test_prestage_skips_layers_that_move_nothing_and_a_layer_too_big_does_not_stop_smaller_ones():
+    quiet = _scale_down_plans(1, moving=False)[0]
+    assert quiet.num_transfers == 0
+    busy = _scale_down_plans(1)[0]
+    assert prestage_layers([quiet, busy, quiet], expert_bytes=10, budget_bytes=10, bounded=[0, 1]) == (1,)
+    # rank 0 receives two experts in ``heavy``: over a one-expert budget, while the next layer fits
+    mapping = RankMapping.for_resize(3, 2).old_to_new
+    old_holder, new_holder = holders_from_mapping(list(mapping), 2, "old", frozenset())
+    heavy = plan_layer([0, 1, 2, 0, 3, 1], [3, 2, 1, 0], 2, 2, old_holder, new_holder)
+    assert len(heavy.for_rank(0).recvs) == 2
+    assert prestage_layers([heavy, busy], expert_bytes=10, budget_bytes=10, bounded=[0, 1]) == (1,)
+
+
+def test_a_rank_holds_the_next_layer_once_it_spent_its_share_of_the_wall_time():
+    assert not over_share(spent_s=0.0, elapsed_s=0.0, share=0.1)
+    assert over_share(spent_s=0.05, elapsed_s=0.2, share=0.1)
+    assert not over_share(spent_s=0.05, elapsed_s=0.6, share=0.1)
+
+
+# -- the standby group, on real processes -------------------------------------------------------
+
+def _standby_peer(rank: int, port: int, joining: bool, out) -> None:  # pragma: no cover - runs in a child
+    import torch
+    import torch.distributed as dist
+
+    from elastic.worker.groups import GroupGeneration, StandbyGroup, connect_store, shutdown_detached
+
+    try:
+        store = connect_store("127.0.0.1", port, 30)
+        if not joining:
+            serving = GroupGeneration.join(store, 1, rank, 2, timeout_s=20)
+            serving.build_eplb_group()
+        standby = StandbyGroup.form(store, 2, rank, 3, timeout_s=20)
+        # the standby group moves a tensor while the serving group still reduces over its own ranks
+        if rank == 0:
+            dist.send(torch.arange(4.0), group=standby.pg, group_dst=2)
+        elif rank == 2:
+            got = torch.empty(4)
+            dist.recv(got, group=standby.pg, group_src=0)
+            assert got.tolist() == [0.0, 1.0, 2.0, 3.0], got
+        if not joining:
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            assert t.item() == 2, "the serving group changed before the switch"
+        group, detached = standby.install()
+        assert len(detached) == (0 if joining else 2)  # the serving default group and its EPLB subgroup
+        t = torch.ones(1)
+        dist.all_reduce(t)  # the default group is now the standby one
+        assert (t.item(), dist.get_rank(), dist.get_world_size()) == (3, rank, 3)
+        group.build_eplb_group()  # a subgroup made after the switch gets the same name on every rank
+        t = torch.ones(1)
+        dist.all_reduce(t, group=group.eplb_group)
+        assert t.item() == 3
+        shutdown_detached(detached)
+        group.destroy()
+        out.put((rank, "ok"))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        out.put((rank, f"{type(exc).__name__}: {exc}"))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_a_standby_group_carries_transfers_beside_the_serving_group_and_becomes_the_default_at_install():
+    from elastic.worker.groups import open_store
+
+    store = open_store("127.0.0.1", 0)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_standby_peer, args=(r, store.port, r == 2, out), daemon=True) for r in range(3)]
+    for proc in procs:
+        proc.start()
+    try:
+        results = dict(out.get(timeout=60) for _ in procs)
+    finally:
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+    assert results == {0: "ok", 1: "ok", 2: "ok"}
+
+
+# -- scales on real workers ---------------------------------------------------------------------
+
+def _reports(c, op, phase):
+    return [r for by_pid in list(c._done.values()) for r in by_pid.values()
+            if r.phase == phase and r.operation_id == op.id]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("communicator", COMMUNICATORS)
+def test_a_prepared_scale_moves_every_expert_before_the_pause_and_the_pause_only_switches(communicator):
+    config = small_config(model=dict(num_layers=4, num_experts=8), eplb=dict(communicator=communicator))
+    with running(config) as c:
+        c.wait_for_step(15)
+        for size in (4, 2):
+            op = c.scale(size, timeout=120)
+            assert op.status.value == "succeeded", op.error
+            assert 0 < op.prepare["layers"] == op.prepare["layers_total"], op.prepare
+            assert op.prepare["bytes_received"] > 0 and op.prepare["steps"] > 0  # moved while decoding
+            rescale = _reports(c, op, "Rescale")
+            assert rescale and all(r.detail["prepared"] for r in rescale)
+            # nothing crossed the network in the pause, and nobody formed a group there
+            assert op.bytes_moved == 0 and all(r.detail["bytes_received"] == 0 for r in rescale)
+            assert all(r.detail["prestaged_layers"] == op.prepare["layers"] for r in rescale)
+            c.wait_for_step(c.snapshot()["step"] + 10)
+            assert_consistent(c, size)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_what_does_not_fit_the_prestage_budget_moves_in_the_pause_and_every_slot_stays_exact():
+    config = small_config(model=dict(num_layers=4, num_experts=8), scaling=dict(prestage_max_bytes=0))
+    with running(config) as c:
+        c.wait_for_step(15)
+        up = c.scale(4, timeout=120)
+        assert up.status.value == "succeeded", up.error
+        c.wait_for_step(c.snapshot()["step"] + 10)
+        down = c.scale(2, timeout=120)
+        assert down.status.value == "succeeded", down.error
+        # a survivor that takes over an expert needs spare memory for it: with none, its layers wait
+        assert down.prepare["layers_total"] > 0, "nothing moved: the test proves nothing"
+        assert down.prepare["layers"] < down.prepare["layers_total"] and down.bytes_moved > 0
+        assert down.prepare["prestage_bytes"] == 0
+        c.wait_for_step(c.snapshot()["step"] + 10)
+        assert_consistent(c, 2)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_a_slow_channel_spreads_the_pre_transfer_and_decoding_goes_on_between_its_layers():
+    config = small_config(model=dict(num_layers=4, num_experts=8), scaling=dict(prestage_share=0.25))
+    slow = [DelayTransfer(rank=r, seconds=0.05, generation=0) for r in range(2)]
+    with running(config, faults=slow) as c:
+        c.wait_for_step(15)
+        op = c.scale(4, timeout=120)
+        assert op.status.value == "succeeded", op.error
+        layers = op.prepare["layers"]
+        # each layer costs the old ranks at least 50 ms, so they hold about 150 ms after it
+        assert layers == op.prepare["layers_total"] > 1
+        assert op.prepare["seconds"] >= (layers - 1) * 0.05 / 0.25
+        assert op.prepare["steps"] >= 2 * layers, op.prepare
+        c.wait_for_step(c.snapshot()["step"] + 10)
+        assert_consistent(c, 4)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("communicator", COMMUNICATORS)
+def test_a_joining_rank_killed_during_the_pre_transfer_fails_the_scale_before_any_pause(communicator):
+    config = small_config(model=dict(num_layers=4, num_experts=8), scaling=dict(prestage_share=0.5),
+                          eplb=dict(communicator=communicator), timeouts=dict(collective=4, heartbeat=5))
+    # the first scale reserves generation 1 for its new group: rank 2 dies receiving its second layer
+    kill = KillRank(rank=2, generation=1, in_phase="draining", after_layers=1)
+    with running(config, faults=[kill]) as c:
+        c.wait_for_step(15)
+        op = c.scale(4, timeout=120)
+        assert op.status.value == "failed" and "draining" in (op.error or ""), op.error
+        assert not _reports(c, op, "Rescale"), "a rank paused for a scale that failed while preparing"
+        # the old group never stopped decoding, and its weights were never touched
+        c.wait_for_step(c.snapshot()["step"] + 10, timeout=30)
+        assert c.snapshot()["state"] == "failed"
+        recovered = c.recover(timeout=120)
+        assert recovered.status.value == "succeeded", recovered.error
+        assert_consistent(c, 2)
+        again = c.scale(4, timeout=120)
+        assert again.status.value == "succeeded", again.error
+        c.wait_for_step(c.snapshot()["step"] + 10)
+        assert_consistent(c, 4)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_a_surviving_rank_killed_during_the_pre_transfer_breaks_the_group_and_recovery_keeps_every_expert():
+    config = small_config(ep_size=3, model=dict(num_layers=4, num_experts=8), auto_recover=True,
+                          scaling=dict(prestage_share=0.5), timeouts=dict(collective=4, heartbeat=5))
+    kill = KillRank(rank=1, generation=0, in_phase="draining", after_layers=1)
+    with running(config, faults=[kill]) as c:
+        c.wait_for_step(15)
+        op = c.scale(4, timeout=120)
+        assert op.status.value == "failed", op.error
+        wait_for_state(c, "running", timeout=90)
+        assert c.snapshot()["ep_size"] == 2  # ranks 0 and 2 of the old group
+        c.wait_for_step(c.snapshot()["step"] + 10)
+        assert_consistent(c, 2)
