@@ -72,7 +72,8 @@ class CoordinatorCollector(Collector):
         eplb_bytes = CounterMetricFamily(PREFIX + "eplb_moved_bytes", "bytes moved by EPLB rebalances (sum over live ranks)")
         stalls = CounterMetricFamily(PREFIX + "watchdog_stalls", "async EPLB handshakes flagged as stalled (sum over ranks)")
         operations = GaugeMetricFamily(PREFIX + "operations", "operations by kind and status", labels=["kind", "status"])
-        scale_bytes = CounterMetricFamily(PREFIX + "scale_moved_bytes", "bytes moved by scale and recovery operations")
+        scale_bytes = CounterMetricFamily(PREFIX + "scale_moved_bytes",
+                                          "bytes moved by scale and recovery operations (ahead of the pause and in it)")
         rank_load = GaugeMetricFamily(PREFIX + "rank_load", "tokens routed to a rank's slots in its last step", labels=["rank"])
         rank_step = GaugeMetricFamily(PREFIX + "rank_step_seconds", "a rank's last decode step time", labels=["rank"])
         output_checks = CounterMetricFamily(PREFIX + "output_checks", "probes of a real model's output compared with the "
@@ -150,7 +151,9 @@ class CoordinatorCollector(Collector):
                 counts[key] = counts.get(key, 0) + 1
             for (kind, status), n in sorted(counts.items()):
                 operations.add_metric([kind, status], n)
-            scale_bytes.add_metric([], sum(op.get("bytes_moved") or 0 for op in ops))
+            # in the pause and ahead of it (the pre-transfer of a prepared scale)
+            scale_bytes.add_metric([], sum((op.get("bytes_moved") or 0) + (op.get("prepare") or {}).get("bytes_received", 0)
+                                           for op in ops))
             for hb in sorted(beats, key=lambda b: b.rank):
                 rank_load.add_metric([str(hb.rank)], float(hb.rank_load))
                 rank_step.add_metric([str(hb.rank)], float(hb.step_seconds))
