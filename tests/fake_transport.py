@@ -333,6 +333,9 @@ class FakeWorker:
                 continue
             if isinstance(command, p.Rescale):
                 return command
+            if isinstance(command, p.Prepare):  # a prepared scale: the joining rank receives, then waits on
+                self.done(command, {"layers": 0})
+                continue
             if isinstance(command, p.Shutdown):
                 self.done(command, {})
                 return None
@@ -402,6 +405,13 @@ class FakeWorker:
                 self.wait(lambda: launcher.try_commit(flight), self.spec.collective_timeout_s, "drain",
                           lambda: launcher.group_broken(self.generation))
             self.done(command, {"layers_committed": 0, "steps_while_draining": 0})
+        elif isinstance(command, p.Prepare):  # like the real worker: the drained EPLB stops, then the pre-transfer
+            with launcher.lock:
+                if self.transfer_in_flight is not None:
+                    launcher.violation(f"Prepare on rank {self.rank} (generation {self.generation}) with a transfer in flight")
+                    raise RuntimeError("prepare before the drain finished: a transfer is still in flight")
+                self.eplb_thread_running = False
+            self.done(command, {"layers": 0})
         elif isinstance(command, p.Suppress):
             with launcher.lock:
                 if self.transfer_in_flight is not None:

@@ -153,6 +153,7 @@ class Worker:
         # (announced scale down, maps then, its placement and layer plans), from Suppress to Rescale
         self._announced: tuple[p.Rescale, Placement, Placement, list[LayerPlan]] | None = None
         self.preparation: Preparation | None = None  # a scale's prepare sub-phase, from its Prepare to the switch
+        self._prepare_failed = False  # this rank's Prepare failed: vote "failed" at the next step boundary
         self._detached: list[Any] = []  # the old generation's groups after a switch, shut down at Resume
 
     @property
@@ -360,6 +361,20 @@ class Worker:
         with self._busy(p.WorkerMode.DRAINING):  # joining the thread, the rendezvous: busy, not silent
             if not self.eplb.stop_worker(timeout=self.spec.collective_timeout_s):
                 raise TimeoutError("the async EPLB thread did not stop in time")
+            try:
+                self._prepare_serving_rank(command, new_rank, scale_up, started_at, started)
+            except Exception as exc:  # noqa: BLE001 - the scale fails; the serving group must not break for it
+                self._prepare_failed = True  # voted at the next step boundary: every rank drops its preparation
+                self._discard_preparation()
+                self.report(p.WorkerError, step=self.step, where="prepare", error_type=type(exc).__name__,
+                            message=f"prepare failed: {exc}", traceback=traceback.format_exc(), fatal=False,
+                            seq=command.seq)
+
+    def _prepare_serving_rank(self, command: p.Prepare, new_rank: int, scale_up: bool, started_at: float,
+                              started: float) -> None:
+        """An old rank's part of Prepare: the plan, the standby group, what the joining ranks need."""
+        standby: StandbyGroup | None = None
+        try:
             base = self.eplb.placement
             mark = time.perf_counter()
             rescale = self._rescale_of(command)
@@ -378,8 +393,12 @@ class Worker:
                 if self.decoder is not None and command.new_size > len(self.spec_survivors(command)):
                     self.model.sync_non_expert(src=source, group=standby.pg, timeout=self.spec.collective_timeout_s)
             group_seconds = time.perf_counter() - mark
-        self.preparation = self._preparation(command, new_rank if scale_up else self.rank, new_rank, standby, base,
-                                             placement, plans, started_at, started)
+            self.preparation = self._preparation(command, new_rank if scale_up else self.rank, new_rank, standby, base,
+                                                 placement, plans, started_at, started)
+        except BaseException:
+            if standby is not None and self.preparation is None:
+                self._abandoned_groups.append(standby.discard())
+            raise
         self.preparation.placement_seconds, self.preparation.group_seconds = placement_seconds, group_seconds
         self._comm_for_prepare(command)
 
@@ -1056,6 +1075,8 @@ class Worker:
         words = self.eplb.control()
         self._control_seconds = (time.perf_counter() - mark, time.thread_time() - cpu)
         prepare = self.preparation.words(time.perf_counter()) if self.preparation is not None else [0] * PREPARE_WORDS
+        if self._prepare_failed:  # this rank's Prepare failed before it had a preparation to vote with
+            prepare[1], self._prepare_failed = 1, False
         control = torch.tensor([self.received_seq, *words, *prepare], dtype=torch.int64)
         try:
             dist.all_reduce(control, op=dist.ReduceOp.MAX)

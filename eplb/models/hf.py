@@ -465,7 +465,9 @@ class HFMoE:
         """
         started = time.perf_counter()
         limit = timedelta(seconds=self.timeout if timeout is None else timeout)
-        me = dist.get_rank(group)
+        # group.rank(), not dist.get_rank(group): a joining rank's standby group is not the default
+        # group, and it has no default group yet
+        me = group.rank() if group is not None else dist.get_rank()
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for _, t in self.non_expert_tensors():
             by_dtype.setdefault(t.dtype, []).append(t)
