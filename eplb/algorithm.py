@@ -266,11 +266,35 @@ def rebalance_experts(
     fn = _get_policy(policy)
     _check_options(policy, fn, policy_options)
     problem = _make_problem(weight, num_replicas, num_groups, num_nodes, num_gpus, previous)
-    p2l_np = fn(problem, **policy_options)
-    p2l = torch.from_numpy(np.ascontiguousarray(p2l_np, dtype=np.int64))
-    validate_physical_to_logical(p2l, problem.num_logical)  # a policy bug must never leave here
-    l2p, counts = build_logical_to_physical(p2l, problem.num_logical, problem.num_replicas - problem.num_logical + 1)
-    return p2l, l2p, counts
+    p2l_np = np.ascontiguousarray(fn(problem, **policy_options), dtype=np.int64)
+    return _outputs(p2l_np, problem.num_logical, problem.num_replicas - problem.num_logical + 1)
+
+
+def _outputs(p2l: np.ndarray, num_logical: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``physical_to_logical [B, P]`` (int64 numpy, from a policy) -> the three output tensors.
+
+    The same checks and maps as :func:`eplb.placement.validate_physical_to_logical` and
+    :func:`eplb.placement.build_logical_to_physical` (a policy bug must never leave here), in
+    numpy, which is faster on these sizes: a stable sort of 16-bit expert ids (radix) gives the
+    slots of each expert in ascending order. Where a check fails, the placement functions raise
+    their own error."""
+    b, p = p2l.shape
+    if p2l.size and (p2l.min() < 0 or p2l.max() >= num_logical):
+        validate_physical_to_logical(torch.from_numpy(p2l), num_logical)  # raises, naming the slot
+    counts = np.bincount((p2l + (np.arange(b) * num_logical)[:, None]).ravel(), minlength=b * num_logical)
+    counts = counts.reshape(b, num_logical)
+    if (counts == 0).any() or counts.max(initial=0) > width:
+        t = torch.from_numpy(p2l)
+        validate_physical_to_logical(t, num_logical)
+        build_logical_to_physical(t, num_logical, width)  # raises: an expert with too many replicas
+    key = p2l.astype(np.int16) if num_logical <= np.iinfo(np.int16).max else p2l
+    order = np.argsort(key, axis=1, kind="stable")  # slots by expert, ascending slot within one
+    sorted_expert = np.take_along_axis(p2l, order, axis=1)
+    run_start = np.cumsum(counts, axis=1) - counts
+    replica = np.arange(p) - np.take_along_axis(run_start, sorted_expert, axis=1)
+    l2p = np.full((b, num_logical * width), -1, dtype=np.int64)
+    np.put_along_axis(l2p, sorted_expert * width + replica, order, axis=1)
+    return torch.from_numpy(p2l), torch.from_numpy(l2p.reshape(b, num_logical, width)), torch.from_numpy(counts)
 
 
 def compute_placement(
@@ -336,16 +360,17 @@ def _make_problem(weight, num_replicas, num_groups, num_nodes, num_gpus, previou
     if weight.is_complex():
         raise InvalidLoadError(f"weight must be real, got {weight.dtype}")
     weight = weight.detach().cpu()
-    w = weight.to(torch.float64)
-    if weight.dtype.is_floating_point:
-        finite = torch.isfinite(weight)
-        if not bool(finite.all()):
-            layer, expert = (int(i) for i in (~finite).nonzero()[0])
-            raise InvalidLoadError(
-                f"weight must be finite: layer {layer}, expert {expert} has {float(weight[layer, expert])}"
-            )
-    negative = w < 0
-    if bool(negative.any()):
+    w = weight.to(torch.float64)  # the one conversion: every policy but the reference's works on this
+    w_np = w.numpy()
+    if not (np.isfinite(w_np).all() and (w_np >= 0).all()):  # the common case in one pass each
+        if weight.dtype.is_floating_point:
+            finite = torch.isfinite(weight)
+            if not bool(finite.all()):
+                layer, expert = (int(i) for i in (~finite).nonzero()[0])
+                raise InvalidLoadError(
+                    f"weight must be finite: layer {layer}, expert {expert} has {float(weight[layer, expert])}"
+                )
+        negative = w < 0
         layer, expert = (int(i) for i in negative.nonzero()[0])
         raise InvalidLoadError(f"weight must be >= 0: layer {layer}, expert {expert} has {weight[layer, expert].item()}")
 
@@ -387,7 +412,8 @@ def _make_problem(weight, num_replicas, num_groups, num_nodes, num_gpus, previou
         except PlacementError as exc:
             raise InvalidPreviousError(f"previous is not a valid placement: {exc}") from exc
         prev = previous.detach().cpu().to(torch.int64).numpy().copy()
-    return Problem(weight, w.numpy().copy(), num_replicas, num_groups, num_nodes, num_gpus, prev)
+    load = w_np.copy() if w is weight else w_np  # never the caller's memory (float64 input)
+    return Problem(weight, load, num_replicas, num_groups, num_nodes, num_gpus, prev)
 
 
 # --------------------------------------------------------------------------------------------
