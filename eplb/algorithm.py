@@ -644,6 +644,8 @@ def _fill_pack(load: np.ndarray, counts: np.ndarray, num_gpus: int) -> tuple[np.
     k_all = np.arange(s)
     zero_from = p - (item_load[:, ::-1] == 0).argmin(axis=1)  # [B]: items from here on weigh 0
     zero_from[(item_load == 0).all(axis=1)] = 0
+    flat_load, flat_expert = slot_load.reshape(-1), slot_expert.reshape(-1)  # views: index (layer, GPU, slot) flat
+    inv_g = 1.0 / g
     for start in range(g, p, g):
         if (zero_from <= start).all():
             # only zero-load replicas left (sparse loads): any free slot will do
@@ -652,18 +654,19 @@ def _fill_pack(load: np.ndarray, counts: np.ndarray, num_gpus: int) -> tuple[np.
             slot_load[free] = 0.0
             break
         w = item_load[:, start : start + g]
-        e = item_expert[:, start : start + g]
         # a positive step, so a GPU's k-th free slot always ranks after its (k-1)-th
-        step = np.maximum(w.mean(axis=1), 1e-9 * (loads.max(axis=1) + 1.0))
+        step = np.maximum(np.add.reduce(w, axis=1) * inv_g, 1e-9 * (np.maximum.reduce(loads, axis=1) + 1.0))
         # a GPU takes at most _FILL_MAX_PER_ROUND of a round while the others have room for the rest
         k = k_all[:_FILL_MAX_PER_ROUND] if (np.minimum(s - filled, _FILL_MAX_PER_ROUND).sum(axis=1) >= g).all() else k_all
-        key = (loads[:, :, None] + np.where(filled[:, :, None] + k < s, k * step[:, None, None], np.inf)).reshape(b, -1)
-        pick = np.argsort(key, axis=1)[:, :g]  # the G lowest, ascending (one sort beats partition + sort here)
+        key = np.where(filled[:, :, None] + k < s, k * step[:, None, None], np.inf)
+        key += loads[:, :, None]
+        pick = np.argsort(key.reshape(b, -1), axis=1)[:, :g]  # the G lowest, ascending (one sort beats partition + sort)
         gpu, kth = np.divmod(pick, k.size)
-        pos = filled[rr, gpu] + kth
-        slot_load[rr, gpu, pos] = w
-        slot_expert[rr, gpu, pos] = e
-        flat = (gpu + off).ravel()
+        flat = gpu + off  # [B, G] (layer, GPU)
+        at = flat * s + np.take(filled, flat) + kth
+        flat_load[at] = w
+        flat_expert[at] = item_expert[:, start : start + g]
+        flat = flat.ravel()
         loads += np.bincount(flat, weights=w.ravel(), minlength=b * g).reshape(b, g)
         filled += np.bincount(flat, minlength=b * g).reshape(b, g)
     return slot_load, slot_expert
@@ -730,13 +733,15 @@ def _paired_counts(load: np.ndarray, counts: np.ndarray, num_gpus: int) -> tuple
     return c, changed
 
 
-def _anchor_counts(load: np.ndarray, num_replicas: int, num_gpus: int, size: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _anchor_counts(
+    load: np.ndarray, num_replicas: int, num_gpus: int, size: np.ndarray, filler: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Counts for anchor-and-filler packings: each expert gets the fewest replicas of at most
     ``size [R]`` times the mean GPU load ``T`` (``ceil(w / (size T))``: few, large replicas that
     nearly fill a GPU each); the slots left go, by greedy replication, to experts whose replicas
-    are at most ``(1 - size) T`` (they become the small replicas that complete a GPU holding a
-    large one), then to any expert. Returns ``(counts, ok [R])``; ``ok`` is false where the
-    slots do not allow it.
+    are at most ``filler [R]`` times ``T`` (they become the smaller replicas that complete a GPU
+    holding a large one), then to any expert. Returns ``(counts, ok [R])``; ``ok`` is false
+    where the slots do not allow it.
 
     Water-filling counts make the replicas of the heavy experts nearly equal (say ``0.6 T``);
     with few slots per GPU every GPU then holds one of them and needs ``0.4 T`` more from its
@@ -748,7 +753,7 @@ def _anchor_counts(load: np.ndarray, num_replicas: int, num_gpus: int, size: np.
     counts = np.maximum(1.0, np.ceil(load / cap - 1e-9)).astype(np.int64)
     left = num_replicas - counts.sum(axis=1)
     ok = left >= 0
-    small = load / counts <= (1.0 - size[:, None]) * t * (1 + 1e-12)
+    small = load / counts <= filler[:, None] * t * (1 + 1e-12)
     counts = _add_replicas(load, counts, np.maximum(left, 0), small, g)
     left = num_replicas - counts.sum(axis=1)
     if (ok & (left > 0)).any():
@@ -776,10 +781,13 @@ def _recount(load: np.ndarray, counts: np.ndarray, slot_load: np.ndarray, slot_e
     """
     g = num_gpus
     c, sparse = _paired_counts(load, counts, g)
-    # pairing helps where the heaviest GPU holds three loaded replicas or more
+    best = slot_load.sum(axis=2).max(axis=1)
+    mean = load.sum(axis=1) / g
+    # pairing helps where the heaviest GPU holds three loaded replicas or more (sparse layers
+    # close to the mean gain little and cost the most: many of them)
     r = np.arange(load.shape[0])
     h = slot_load.sum(axis=2).argmax(axis=1)
-    paired = sparse & ((slot_load[r, h] > 0).sum(axis=1) >= 3)
+    paired = sparse & ((slot_load[r, h] > 0).sum(axis=1) >= 3) & (best * _RECOUNT_BELOW_SPARSE > mean)
     rows_list, counts_list = [np.nonzero(paired)[0]], [c[paired]]
     rest = np.nonzero(~sparse)[0]  # (sparse layers rarely gain by moved replicas)
     for width in _RECOUNT_WIDTHS if rest.size else ():
@@ -787,17 +795,18 @@ def _recount(load: np.ndarray, counts: np.ndarray, slot_load: np.ndarray, slot_e
         rows_list.append(rest[moved])
         counts_list.append(c[moved])
     # anchor-and-filler counts where the layer is far from the mean
-    best = slot_load.sum(axis=2).max(axis=1)
-    far = np.nonzero(best * np.where(sparse, _ANCHOR_BELOW_SPARSE, _ANCHOR_BELOW) > load.sum(axis=1) / g)[0]
+    far = np.nonzero(best * np.where(sparse, _ANCHOR_BELOW_SPARSE, _ANCHOR_BELOW) > mean)[0]
     if far.size:
-        c, ok = _anchor_counts(load[far], int(counts[0].sum()), g, np.where(sparse[far], _ANCHOR_SPARSE, _ANCHOR))
+        sp = sparse[far]
+        c, ok = _anchor_counts(load[far], int(counts[0].sum()), g, np.where(sp, _ANCHOR_SPARSE, _ANCHOR),
+                               np.where(sp, _FILLER_SPARSE, _FILLER))
         rows_list.append(far[ok])
         counts_list.append(c[ok])
     rows = np.concatenate(rows_list)
     if rows.size == 0:
         return
     cand_load, cand_expert = _fill_pack(load[rows], np.concatenate(counts_list), g)
-    _refine_swaps(cand_load, cand_expert, pair_iters=1, max_iters=4, width=4)
+    _refine_swaps(cand_load, cand_expert, pair_iters=1, max_iters=4, width=4, stop_at=0.995)
     peak = cand_load.sum(axis=2).max(axis=1)
     order = np.lexsort((peak, rows))  # by layer, then peak: the first of each layer is its best
     first = order[np.r_[True, rows[order][1:] != rows[order][:-1]]]
@@ -814,16 +823,19 @@ def _swap_candidates(slot_load, slot_expert, rows, ga, gb, gap, pinned=None, cro
     expert twice on a GPU, nor move a pinned replica across nodes. Returns
     ``(score [X, K], flat index i * S + j [X, K])``: score ``|gap - 2d|``, ``inf`` if forbidden.
     """
-    s = slot_load.shape[2]
-    rr = rows[:, None]
-    ea, eb = slot_expert[rr, ga], slot_expert[rr, gb]  # [X, K, S]
+    _, g, s = slot_load.shape
+    base = rows[:, None] * g
+    ia, ib = base + ga, base + gb  # [X, K] rows of the (layer * GPU, slot) views
+    se2, sl2 = slot_expert.reshape(-1, s), slot_load.reshape(-1, s)
+    ea, eb = se2[ia], se2[ib]  # [X, K, S]
     same = ea[:, :, :, None] == eb[:, :, None, :]  # [X, K, S_a, S_b]
     bad_a = same.any(axis=3)  # i's expert already on gb
     bad_b = same.any(axis=2)  # j's expert already on ga
     if pinned is not None:
-        bad_a |= cross[:, :, None] & pinned[rr, ga]
-        bad_b |= cross[:, :, None] & pinned[rr, gb]
-    score = slot_load[rr, ga][:, :, :, None] - slot_load[rr, gb][:, :, None, :]  # d, [X, K, S_a, S_b]
+        p2 = pinned.reshape(-1, s)
+        bad_a |= cross[:, :, None] & p2[ia]
+        bad_b |= cross[:, :, None] & p2[ib]
+    score = sl2[ia][:, :, :, None] - sl2[ib][:, :, None, :]  # d, [X, K, S_a, S_b]
     score *= -2.0
     score += gap[:, :, None, None]
     np.abs(score, out=score)
@@ -880,8 +892,8 @@ def _refine_swaps(
     for _ in range(pair_iters):
         if active.size == 0:
             return
-        order = np.argsort(loads[active], axis=1, kind="stable")
-        ga, gb = order[:, ::-1][:, :half], order[:, :half]
+        order = np.argsort(loads[active], axis=1)
+        ga, gb = order[:, : -half - 1 : -1], order[:, :half]
         rr = active[:, None]
         gap = loads[rr, ga] - loads[rr, gb]
         cross = None if pinned is None or node_of_gpu is None else node_of_gpu[ga] != node_of_gpu[gb]
@@ -902,7 +914,7 @@ def _refine_swaps(
         h = la.argmax(axis=1)
         # the `width` lightest GPUs (in no particular order: the best swap among them is taken)
         cand = np.argpartition(la, width - 1, axis=1)[:, :width] if width < g else np.argsort(la, axis=1)
-        ga = np.broadcast_to(h[:, None], cand.shape)
+        ga = h[:, None]  # [X, 1]: broadcasts against cand [X, K]
         gap = la[ra, h][:, None] - la[ra[:, None], cand]
         cross = None if pinned is None or node_of_gpu is None else node_of_gpu[ga] != node_of_gpu[cand]
         score, flat = _swap_candidates(slot_load, slot_expert, active, ga, cand, gap, pinned, cross)
@@ -1051,11 +1063,14 @@ def _balanced(
 
 
 _FILL_MAX_PER_ROUND = 3  # replicas one GPU may take from one round of _fill_pack (fewer keys to sort)
-_RECOUNT_BELOW = 0.97  # layers below this balancedness after the swaps try other replica counts
+_RECOUNT_BELOW = 0.98  # layers below this balancedness after the swaps try other replica counts
+_RECOUNT_BELOW_SPARSE = 0.97  # ... sparse layers (idle experts, 2-3 loaded replicas per GPU)
 _RECOUNT_WIDTHS = (5,)  # candidates of _recount: replicas moved for the heaviest 5 GPUs
 _ANCHOR = 0.95  # _anchor_counts: largest replica, as a share of the mean GPU load
 _ANCHOR_SPARSE = 0.7  # ... on sparse layers (idle experts, 2-3 loaded replicas per GPU)
-_ANCHOR_BELOW = 0.95  # layers below this balancedness try anchor counts
+_FILLER = 0.5  # _anchor_counts: spare slots split experts whose replicas are at most this share
+_FILLER_SPARSE = 0.3  # ... on sparse layers
+_ANCHOR_BELOW = 0.97  # layers below this balancedness try anchor counts
 _ANCHOR_BELOW_SPARSE = 0.93  # ... sparse layers
 _RECOUNT_GPU_ABOVE = 1.03  # ... the 2nd to 5th only while this far above the mean GPU load
 
