@@ -613,8 +613,9 @@ def _sorted_items(load: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.
     b = load.shape[0]
     per = load / counts
     order = np.argsort(-per, axis=1)  # deterministic for a given input
-    item_expert = np.repeat(order.ravel(), np.take_along_axis(counts, order, axis=1).ravel()).reshape(b, -1)
-    return np.take_along_axis(per, item_expert, axis=1), item_expert
+    times = np.take_along_axis(counts, order, axis=1).ravel()
+    item_expert = np.repeat(order.ravel(), times).reshape(b, -1)
+    return np.repeat(np.take_along_axis(per, order, axis=1).ravel(), times).reshape(b, -1), item_expert
 
 
 def _fill_pack(load: np.ndarray, counts: np.ndarray, num_gpus: int) -> tuple[np.ndarray, np.ndarray]:
@@ -950,7 +951,9 @@ def _add_replicas(load: np.ndarray, counts: np.ndarray, extra: np.ndarray, allow
     hi = load.max(axis=1) + 1.0
     for _ in range(12):
         mid = (lo + hi) / 2
-        add = np.clip(np.floor(load / np.maximum(mid, 1e-300)[:, None]) - base, 0, room)
+        add = np.floor(load / np.maximum(mid, 1e-300)[:, None]) - base
+        np.maximum(add, 0, out=add)
+        np.minimum(add, room, out=add)
         fits = add.sum(axis=1) <= extra
         hi = np.where(fits, mid, hi)
         lo = np.where(fits, lo, mid)
