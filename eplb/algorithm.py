@@ -1050,10 +1050,10 @@ def _balanced(
             slot_load[rows], slot_expert[rows] = sl, se
     # 6. layers still more than 1% above the mean get a second pass of swaps, twice as wide
     if max_swaps:
-        rows = np.nonzero(slot_load.sum(axis=2).max(axis=1) * 0.99 > mean)[0]
+        rows = np.nonzero(slot_load.sum(axis=2).max(axis=1) * 0.993 > mean)[0]
         if rows.size:
             sl, se = slot_load[rows], slot_expert[rows]
-            _refine_swaps(sl, se, pair_iters=min(pair_iters, 1), max_iters=max_swaps, width=2 * swap_width, stop_at=0.995)
+            _refine_swaps(sl, se, pair_iters=min(pair_iters, 1), max_iters=max_swaps, width=2 * swap_width, stop_at=0.997)
             slot_load[rows], slot_expert[rows] = sl, se
     p2l = slot_expert.reshape(b, -1)
     # 7. never worse than the static placement (it can win on tiny shapes)
