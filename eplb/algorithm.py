@@ -35,12 +35,16 @@ Policies (registry :data:`POLICIES`, chosen by name, extended with :func:`regist
     ``S`` is small and the load heavy-tailed); (3) improve by swaps: GPUs paired heaviest with
     lightest, each pair making its best swap, then the heaviest GPU against the lightest few,
     while a swap lowers the pair's peak (a swap never puts an expert twice on a GPU); (4) layers
-    still more than 3% above the mean try other replica counts, read off the packing (the
-    expert of the largest replica on each of the heaviest five GPUs gains a replica, the experts
-    that lose least by it give one; on sparse layers, loaded replicas cut to two per GPU, the
-    rest going to idle experts), repacked at once and kept where the peak is lower
-    (:func:`_recount`); (5) layers still more than 1% above the mean get a second pass of swaps,
-    twice as wide; (6) a layer where the static placement is better (tiny shapes) keeps the
+    still more than 2% above the mean (sparse ones: 3%) try other replica counts: read off the
+    packing (the expert of the largest replica on each of the heaviest five GPUs gains a
+    replica, the experts that lose least by it give one; on sparse layers, loaded replicas cut
+    to two per GPU, the rest going to idle experts), and, on layers further off, anchor-and-filler
+    counts (the fewest replicas of at most 0.95 of the mean GPU load each, so large replicas
+    nearly fill a GPU, the spare slots splitting the experts whose replicas are at most half of
+    it into the smaller replicas that complete such GPUs; :func:`_anchor_counts`); every
+    candidate is repacked and swapped briefly at once, and kept where the peak is lower
+    (:func:`_recount`); (5) layers still more than 0.7% above the mean get a second pass of
+    swaps, twice as wide; (6) a layer where the static placement is better (tiny shapes) keeps the
     static one. Stateless, like the reference: ``previous`` is ignored. Options: ``pair_iters``,
     ``max_swaps``, ``swap_width`` (the swaps), ``recount`` (step 4, default on). Two replicas of
     one expert may share a GPU (valid: that GPU serves two shares of its tokens).
@@ -1041,14 +1045,14 @@ def _balanced(
     slot_load, slot_expert = _fill_pack(load, counts, g)
     # 4. improve by swaps: all GPUs in heavy/light pairs, then the heaviest GPU alone
     _refine_swaps(slot_load, slot_expert, pair_iters=pair_iters, max_iters=max_swaps, width=swap_width)
-    # 5. layers still more than 3% above the mean: try other replica counts
+    # 5. layers still more than 2% above the mean (sparse: 3%): try other replica counts
     if recount:
         rows = np.nonzero(slot_load.sum(axis=2).max(axis=1) * _RECOUNT_BELOW > mean)[0]
         if rows.size:
             sl, se = slot_load[rows], slot_expert[rows]
             _recount(load[rows], counts[rows], sl, se, g)
             slot_load[rows], slot_expert[rows] = sl, se
-    # 6. layers still more than 1% above the mean get a second pass of swaps, twice as wide
+    # 6. layers still more than 0.7% above the mean get a second pass of swaps, twice as wide
     if max_swaps:
         rows = np.nonzero(slot_load.sum(axis=2).max(axis=1) * 0.993 > mean)[0]
         if rows.size:
