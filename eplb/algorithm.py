@@ -811,7 +811,7 @@ def _recount(load: np.ndarray, counts: np.ndarray, slot_load: np.ndarray, slot_e
     if rows.size == 0:
         return
     cand_load, cand_expert = _fill_pack(load[rows], np.concatenate(counts_list), g)
-    _refine_swaps(cand_load, cand_expert, pair_iters=1, max_iters=4, width=4, stop_at=0.995)
+    _refine_swaps(cand_load, cand_expert, pair_iters=1, max_iters=2, width=4, stop_at=0.995)
     peak = cand_load.sum(axis=2).max(axis=1)
     order = np.lexsort((peak, rows))  # by layer, then peak: the first of each layer is its best
     first = order[np.r_[True, rows[order][1:] != rows[order][:-1]]]
