@@ -86,12 +86,12 @@ Policies (registry :data:`POLICIES`, chosen by name, extended with :func:`regist
     ``noise`` (``"auto"``, ``"counts"``, ``"none"``), ``previous_num_gpus``, ``rank_mapping``.
 
 Measured by ``python -m bench.bench_algorithm`` on eight load families and held-out seeds
-(figures in ``docs/design.md``): on DeepSeek-V3 shapes ``default`` reaches 0.992-0.999 (32 GPUs)
-and 0.964-0.997 (64 GPUs) by family, the weakest on sparse loads with 5 slots per GPU (worst
-layer 0.85), in 6-15 ms for 58 layers on one core of a loaded 2-core machine (load average
-6-9), whatever the input dtype; ``migration_aware`` copies 0.1-1.4% of the slots per rebalance on
-stationary loads and 0.14x / 0.22x ``default``'s copies on drifting ones; its next-window
-balance is within 0.01 of ``default``'s except on fast drift (-0.015 / -0.011).
+(figures in ``docs/design.md``): on DeepSeek-V3 shapes ``default`` reaches 0.993-0.999 (32 GPUs)
+and 0.967-0.997 (64 GPUs) by family, the weakest on sparse loads with 5 slots per GPU (worst
+layer 0.90), in 4-11 ms for 58 layers on one core of a loaded 2-core machine (load average
+4-6), whatever the input dtype; ``migration_aware`` copies 0.1-1.4% of the slots per rebalance on
+stationary loads and 0.14x / 0.21x ``default``'s copies on drifting ones; its next-window
+balance is within 0.01 of ``default``'s except on fast drift (-0.013 / -0.013).
 
 Errors are :class:`AlgorithmError` (a ``ValueError``) subclasses with messages naming what is
 wrong. Groups and nodes that do not nest (a group count that does not divide the experts, a node
