@@ -35,12 +35,16 @@ Policies (registry :data:`POLICIES`, chosen by name, extended with :func:`regist
     ``S`` is small and the load heavy-tailed); (3) improve by swaps: GPUs paired heaviest with
     lightest, each pair making its best swap, then the heaviest GPU against the lightest few,
     while a swap lowers the pair's peak (a swap never puts an expert twice on a GPU); (4) layers
-    still more than 3% above the mean try other replica counts, read off the packing (the
-    expert of the largest replica on each of the heaviest five GPUs gains a replica, the experts
-    that lose least by it give one; on sparse layers, loaded replicas cut to two per GPU, the
-    rest going to idle experts), repacked at once and kept where the peak is lower
-    (:func:`_recount`); (5) layers still more than 1% above the mean get a second pass of swaps,
-    twice as wide; (6) a layer where the static placement is better (tiny shapes) keeps the
+    still more than 2% above the mean (sparse ones: 3%) try other replica counts: read off the
+    packing (the expert of the largest replica on each of the heaviest five GPUs gains a
+    replica, the experts that lose least by it give one; on sparse layers, loaded replicas cut
+    to two per GPU, the rest going to idle experts), and, on layers further off, anchor-and-filler
+    counts (the fewest replicas of at most 0.95 of the mean GPU load each, so large replicas
+    nearly fill a GPU, the spare slots splitting the experts whose replicas are at most half of
+    it into the smaller replicas that complete such GPUs; :func:`_anchor_counts`); every
+    candidate is repacked and swapped briefly at once, and kept where the peak is lower
+    (:func:`_recount`); (5) layers still more than 0.7% above the mean get a second pass of
+    swaps, twice as wide; (6) a layer where the static placement is better (tiny shapes) keeps the
     static one. Stateless, like the reference: ``previous`` is ignored. Options: ``pair_iters``,
     ``max_swaps``, ``swap_width`` (the swaps), ``recount`` (step 4, default on). Two replicas of
     one expert may share a GPU (valid: that GPU serves two shares of its tokens).
@@ -82,12 +86,12 @@ Policies (registry :data:`POLICIES`, chosen by name, extended with :func:`regist
     ``noise`` (``"auto"``, ``"counts"``, ``"none"``), ``previous_num_gpus``, ``rank_mapping``.
 
 Measured by ``python -m bench.bench_algorithm`` on eight load families and held-out seeds
-(figures in ``docs/design.md``): on DeepSeek-V3 shapes ``default`` reaches 0.992-0.999 (32 GPUs)
-and 0.964-0.997 (64 GPUs) by family, the weakest on sparse loads with 5 slots per GPU (worst
-layer 0.85), in 6-15 ms for 58 layers on one core of a loaded 2-core machine (load average
-6-9), whatever the input dtype; ``migration_aware`` copies 0.1-1.4% of the slots per rebalance on
-stationary loads and 0.14x / 0.22x ``default``'s copies on drifting ones; its next-window
-balance is within 0.01 of ``default``'s except on fast drift (-0.015 / -0.011).
+(figures in ``docs/design.md``): on DeepSeek-V3 shapes ``default`` reaches 0.993-0.999 (32 GPUs)
+and 0.967-0.997 (64 GPUs) by family, the weakest on sparse loads with 5 slots per GPU (worst
+layer 0.90), in 4-11 ms for 58 layers on one core of a loaded 2-core machine (load average
+4-6), whatever the input dtype; ``migration_aware`` copies 0.1-1.4% of the slots per rebalance on
+stationary loads and 0.14x / 0.21x ``default``'s copies on drifting ones; its next-window
+balance is within 0.01 of ``default``'s except on fast drift (-0.013 / -0.013).
 
 Errors are :class:`AlgorithmError` (a ``ValueError``) subclasses with messages naming what is
 wrong. Groups and nodes that do not nest (a group count that does not divide the experts, a node
@@ -266,11 +270,35 @@ def rebalance_experts(
     fn = _get_policy(policy)
     _check_options(policy, fn, policy_options)
     problem = _make_problem(weight, num_replicas, num_groups, num_nodes, num_gpus, previous)
-    p2l_np = fn(problem, **policy_options)
-    p2l = torch.from_numpy(np.ascontiguousarray(p2l_np, dtype=np.int64))
-    validate_physical_to_logical(p2l, problem.num_logical)  # a policy bug must never leave here
-    l2p, counts = build_logical_to_physical(p2l, problem.num_logical, problem.num_replicas - problem.num_logical + 1)
-    return p2l, l2p, counts
+    p2l_np = np.ascontiguousarray(fn(problem, **policy_options), dtype=np.int64)
+    return _outputs(p2l_np, problem.num_logical, problem.num_replicas - problem.num_logical + 1)
+
+
+def _outputs(p2l: np.ndarray, num_logical: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``physical_to_logical [B, P]`` (int64 numpy, from a policy) -> the three output tensors.
+
+    The same checks and maps as :func:`eplb.placement.validate_physical_to_logical` and
+    :func:`eplb.placement.build_logical_to_physical` (a policy bug must never leave here), in
+    numpy, which is faster on these sizes: a stable sort of 16-bit expert ids (radix) gives the
+    slots of each expert in ascending order. Where a check fails, the placement functions raise
+    their own error."""
+    b, p = p2l.shape
+    if p2l.size and (p2l.min() < 0 or p2l.max() >= num_logical):
+        validate_physical_to_logical(torch.from_numpy(p2l), num_logical)  # raises, naming the slot
+    counts = np.bincount((p2l + (np.arange(b) * num_logical)[:, None]).ravel(), minlength=b * num_logical)
+    counts = counts.reshape(b, num_logical)
+    if (counts == 0).any() or counts.max(initial=0) > width:
+        t = torch.from_numpy(p2l)
+        validate_physical_to_logical(t, num_logical)
+        build_logical_to_physical(t, num_logical, width)  # raises: an expert with too many replicas
+    key = p2l.astype(np.int16) if num_logical <= np.iinfo(np.int16).max else p2l
+    order = np.argsort(key, axis=1, kind="stable")  # slots by expert, ascending slot within one
+    sorted_expert = np.take_along_axis(p2l, order, axis=1)
+    run_start = np.cumsum(counts, axis=1) - counts
+    replica = np.arange(p) - np.take_along_axis(run_start, sorted_expert, axis=1)
+    l2p = np.full((b, num_logical * width), -1, dtype=np.int64)
+    np.put_along_axis(l2p, sorted_expert * width + replica, order, axis=1)
+    return torch.from_numpy(p2l), torch.from_numpy(l2p.reshape(b, num_logical, width)), torch.from_numpy(counts)
 
 
 def compute_placement(
@@ -336,16 +364,17 @@ def _make_problem(weight, num_replicas, num_groups, num_nodes, num_gpus, previou
     if weight.is_complex():
         raise InvalidLoadError(f"weight must be real, got {weight.dtype}")
     weight = weight.detach().cpu()
-    w = weight.to(torch.float64)
-    if weight.dtype.is_floating_point:
-        finite = torch.isfinite(weight)
-        if not bool(finite.all()):
-            layer, expert = (int(i) for i in (~finite).nonzero()[0])
-            raise InvalidLoadError(
-                f"weight must be finite: layer {layer}, expert {expert} has {float(weight[layer, expert])}"
-            )
-    negative = w < 0
-    if bool(negative.any()):
+    w = weight.to(torch.float64)  # the one conversion: every policy but the reference's works on this
+    w_np = w.numpy()
+    if not (np.isfinite(w_np).all() and (w_np >= 0).all()):  # the common case in one pass each
+        if weight.dtype.is_floating_point:
+            finite = torch.isfinite(weight)
+            if not bool(finite.all()):
+                layer, expert = (int(i) for i in (~finite).nonzero()[0])
+                raise InvalidLoadError(
+                    f"weight must be finite: layer {layer}, expert {expert} has {float(weight[layer, expert])}"
+                )
+        negative = w < 0
         layer, expert = (int(i) for i in negative.nonzero()[0])
         raise InvalidLoadError(f"weight must be >= 0: layer {layer}, expert {expert} has {weight[layer, expert].item()}")
 
@@ -387,7 +416,8 @@ def _make_problem(weight, num_replicas, num_groups, num_nodes, num_gpus, previou
         except PlacementError as exc:
             raise InvalidPreviousError(f"previous is not a valid placement: {exc}") from exc
         prev = previous.detach().cpu().to(torch.int64).numpy().copy()
-    return Problem(weight, w.numpy().copy(), num_replicas, num_groups, num_nodes, num_gpus, prev)
+    load = w_np.copy() if w is weight else w_np  # never the caller's memory (float64 input)
+    return Problem(weight, load, num_replicas, num_groups, num_nodes, num_gpus, prev)
 
 
 # --------------------------------------------------------------------------------------------
@@ -587,8 +617,9 @@ def _sorted_items(load: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.
     b = load.shape[0]
     per = load / counts
     order = np.argsort(-per, axis=1)  # deterministic for a given input
-    item_expert = np.repeat(order.ravel(), np.take_along_axis(counts, order, axis=1).ravel()).reshape(b, -1)
-    return np.take_along_axis(per, item_expert, axis=1), item_expert
+    times = np.take_along_axis(counts, order, axis=1).ravel()
+    item_expert = np.repeat(order.ravel(), times).reshape(b, -1)
+    return np.repeat(np.take_along_axis(per, order, axis=1).ravel(), times).reshape(b, -1), item_expert
 
 
 def _fill_pack(load: np.ndarray, counts: np.ndarray, num_gpus: int) -> tuple[np.ndarray, np.ndarray]:
@@ -618,6 +649,8 @@ def _fill_pack(load: np.ndarray, counts: np.ndarray, num_gpus: int) -> tuple[np.
     k_all = np.arange(s)
     zero_from = p - (item_load[:, ::-1] == 0).argmin(axis=1)  # [B]: items from here on weigh 0
     zero_from[(item_load == 0).all(axis=1)] = 0
+    flat_load, flat_expert = slot_load.reshape(-1), slot_expert.reshape(-1)  # views: index (layer, GPU, slot) flat
+    inv_g = 1.0 / g
     for start in range(g, p, g):
         if (zero_from <= start).all():
             # only zero-load replicas left (sparse loads): any free slot will do
@@ -626,19 +659,19 @@ def _fill_pack(load: np.ndarray, counts: np.ndarray, num_gpus: int) -> tuple[np.
             slot_load[free] = 0.0
             break
         w = item_load[:, start : start + g]
-        e = item_expert[:, start : start + g]
         # a positive step, so a GPU's k-th free slot always ranks after its (k-1)-th
-        step = np.maximum(w.mean(axis=1), 1e-9 * (loads.max(axis=1) + 1.0))
+        step = np.maximum(np.add.reduce(w, axis=1) * inv_g, 1e-9 * (np.maximum.reduce(loads, axis=1) + 1.0))
         # a GPU takes at most _FILL_MAX_PER_ROUND of a round while the others have room for the rest
         k = k_all[:_FILL_MAX_PER_ROUND] if (np.minimum(s - filled, _FILL_MAX_PER_ROUND).sum(axis=1) >= g).all() else k_all
-        key = (loads[:, :, None] + np.where(filled[:, :, None] + k < s, k * step[:, None, None], np.inf)).reshape(b, -1)
-        pick = np.argpartition(key, g - 1, axis=1)[:, :g]
-        pick = np.take_along_axis(pick, np.argsort(np.take_along_axis(key, pick, axis=1), axis=1), axis=1)
+        key = np.where(filled[:, :, None] + k < s, k * step[:, None, None], np.inf)
+        key += loads[:, :, None]
+        pick = np.argsort(key.reshape(b, -1), axis=1)[:, :g]  # the G lowest, ascending (one sort beats partition + sort)
         gpu, kth = np.divmod(pick, k.size)
-        pos = filled[rr, gpu] + kth
-        slot_load[rr, gpu, pos] = w
-        slot_expert[rr, gpu, pos] = e
-        flat = (gpu + off).ravel()
+        flat = gpu + off  # [B, G] (layer, GPU)
+        at = flat * s + np.take(filled, flat) + kth
+        flat_load[at] = w
+        flat_expert[at] = item_expert[:, start : start + g]
+        flat = flat.ravel()
         loads += np.bincount(flat, weights=w.ravel(), minlength=b * g).reshape(b, g)
         filled += np.bincount(flat, minlength=b * g).reshape(b, g)
     return slot_load, slot_expert
@@ -705,38 +738,81 @@ def _paired_counts(load: np.ndarray, counts: np.ndarray, num_gpus: int) -> tuple
     return c, changed
 
 
+def _anchor_counts(
+    load: np.ndarray, num_replicas: int, num_gpus: int, size: np.ndarray, filler: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Counts for anchor-and-filler packings: each expert gets the fewest replicas of at most
+    ``size [R]`` times the mean GPU load ``T`` (``ceil(w / (size T))``: few, large replicas that
+    nearly fill a GPU each); the slots left go, by greedy replication, to experts whose replicas
+    are at most ``filler [R]`` times ``T`` (they become the smaller replicas that complete a GPU
+    holding a large one), then to any expert. Returns ``(counts, ok [R])``; ``ok`` is false
+    where the slots do not allow it.
+
+    Water-filling counts make the replicas of the heavy experts nearly equal (say ``0.6 T``);
+    with few slots per GPU every GPU then holds one of them and needs ``0.4 T`` more from its
+    other slots, which the light experts do not have, so some GPU takes two. Replicas near
+    ``T`` for some experts and small ones for others pair up instead."""
+    g = num_gpus
+    t = (load.sum(axis=1) / g)[:, None]
+    cap = np.maximum(size[:, None] * t, 1e-300)
+    counts = np.maximum(1.0, np.ceil(load / cap - 1e-9)).astype(np.int64)
+    left = num_replicas - counts.sum(axis=1)
+    ok = left >= 0
+    small = load / counts <= filler[:, None] * t * (1 + 1e-12)
+    counts = _add_replicas(load, counts, np.maximum(left, 0), small, g)
+    left = num_replicas - counts.sum(axis=1)
+    if (ok & (left > 0)).any():
+        counts = _add_replicas(load, counts, np.where(ok, np.maximum(left, 0), 0), np.ones_like(small), np.iinfo(np.int64).max)
+    return counts, ok
+
+
 def _recount(load: np.ndarray, counts: np.ndarray, slot_load: np.ndarray, slot_expert: np.ndarray, num_gpus: int) -> None:
     """Try other replica counts where the packing shows the counts are wrong; ``slot_*`` in place.
 
     The counts come from the loads alone (:func:`_replica_counts`, :func:`_pack_aware_counts`);
     the packing shows whether they fit: with few slots per GPU and a heavy tail, the heaviest GPU
-    is often one whose large replica nothing small enough can complement. One candidate per
-    layer: on sparse layers (idle experts, between ``2G`` and ``3G`` loaded replicas) whose
-    heaviest GPU holds three loaded replicas, the loaded replicas cut to two per GPU
-    (:func:`_paired_counts`); on the others, replicas moved as the packing asks
-    (:func:`_moved_counts`, for the heaviest five GPUs). The candidates are packed at once
-    (:func:`_fill_pack`) and a layer takes its candidate when its peak is lower. Tuned on the
-    bench's tune seeds: one move per GPU for up to five GPUs in one repack matched three
-    single moves with three repacks, at a third of the time.
+    is often one whose large replica nothing small enough can complement. Candidates per layer:
+    on sparse layers (idle experts, between ``2G`` and ``3G`` loaded replicas) whose heaviest GPU
+    holds three loaded replicas, the loaded replicas cut to two per GPU (:func:`_paired_counts`);
+    on the others, replicas moved as the packing asks (:func:`_moved_counts`, for the heaviest
+    five GPUs); and on layers far from the mean (below ``_ANCHOR_BELOW``, sparse ones below
+    ``_ANCHOR_BELOW_SPARSE``), anchor-and-filler counts (:func:`_anchor_counts`). The candidates
+    are packed at once (:func:`_fill_pack`), each gets a short pass of swaps (a candidate is
+    judged as the packing it will become, not as packed), and a layer takes its best candidate
+    when its peak is lower. Tuned on the bench's tune seeds: one move per GPU for up to five GPUs
+    in one repack matched three single moves with three repacks, at a third of the time; the
+    swaps before judging lifted the worst EP32 ``zipf`` / ``sparse`` layers from 0.94 / 0.93 to
+    0.97 / 0.96 at no measurable cost (fewer layers are left for step 6's second pass).
     """
     g = num_gpus
     c, sparse = _paired_counts(load, counts, g)
-    # pairing helps where the heaviest GPU holds three loaded replicas or more
+    best = slot_load.sum(axis=2).max(axis=1)
+    mean = load.sum(axis=1) / g
+    # pairing helps where the heaviest GPU holds three loaded replicas or more (sparse layers
+    # close to the mean gain little and cost the most: many of them)
     r = np.arange(load.shape[0])
     h = slot_load.sum(axis=2).argmax(axis=1)
-    paired = sparse & ((slot_load[r, h] > 0).sum(axis=1) >= 3)
+    paired = sparse & ((slot_load[r, h] > 0).sum(axis=1) >= 3) & (best * _RECOUNT_BELOW_SPARSE > mean)
     rows_list, counts_list = [np.nonzero(paired)[0]], [c[paired]]
     rest = np.nonzero(~sparse)[0]  # (sparse layers rarely gain by moved replicas)
     for width in _RECOUNT_WIDTHS if rest.size else ():
         c, moved = _moved_counts(load[rest], counts[rest], slot_load[rest], slot_expert[rest], g, width)
         rows_list.append(rest[moved])
         counts_list.append(c[moved])
+    # anchor-and-filler counts where the layer is far from the mean
+    far = np.nonzero(best * np.where(sparse, _ANCHOR_BELOW_SPARSE, _ANCHOR_BELOW) > mean)[0]
+    if far.size:
+        sp = sparse[far]
+        c, ok = _anchor_counts(load[far], int(counts[0].sum()), g, np.where(sp, _ANCHOR_SPARSE, _ANCHOR),
+                               np.where(sp, _FILLER_SPARSE, _FILLER))
+        rows_list.append(far[ok])
+        counts_list.append(c[ok])
     rows = np.concatenate(rows_list)
     if rows.size == 0:
         return
     cand_load, cand_expert = _fill_pack(load[rows], np.concatenate(counts_list), g)
+    _refine_swaps(cand_load, cand_expert, pair_iters=1, max_iters=2, width=4, stop_at=0.995)
     peak = cand_load.sum(axis=2).max(axis=1)
-    best = slot_load.sum(axis=2).max(axis=1)
     order = np.lexsort((peak, rows))  # by layer, then peak: the first of each layer is its best
     first = order[np.r_[True, rows[order][1:] != rows[order][:-1]]]
     win = first[peak[first] < best[rows[first]] * (1 - 1e-12)]
@@ -752,24 +828,26 @@ def _swap_candidates(slot_load, slot_expert, rows, ga, gb, gap, pinned=None, cro
     expert twice on a GPU, nor move a pinned replica across nodes. Returns
     ``(score [X, K], flat index i * S + j [X, K])``: score ``|gap - 2d|``, ``inf`` if forbidden.
     """
-    s = slot_load.shape[2]
-    rr = rows[:, None]
-    ea, eb = slot_expert[rr, ga], slot_expert[rr, gb]  # [X, K, S]
+    _, g, s = slot_load.shape
+    base = rows[:, None] * g
+    ia, ib = base + ga, base + gb  # [X, K] rows of the (layer * GPU, slot) views
+    se2, sl2 = slot_expert.reshape(-1, s), slot_load.reshape(-1, s)
+    ea, eb = se2[ia], se2[ib]  # [X, K, S]
     same = ea[:, :, :, None] == eb[:, :, None, :]  # [X, K, S_a, S_b]
-    pen_a = np.where(same.any(axis=3), np.inf, 0.0)  # i's expert already on gb
-    pen_b = np.where(same.any(axis=2), np.inf, 0.0)  # j's expert already on ga
+    bad_a = same.any(axis=3)  # i's expert already on gb
+    bad_b = same.any(axis=2)  # j's expert already on ga
     if pinned is not None:
-        pen_a[cross[:, :, None] & pinned[rr, ga]] = np.inf
-        pen_b[cross[:, :, None] & pinned[rr, gb]] = np.inf
-    score = slot_load[rr, ga][:, :, :, None] - slot_load[rr, gb][:, :, None, :]  # d, [X, K, S_a, S_b]
+        p2 = pinned.reshape(-1, s)
+        bad_a |= cross[:, :, None] & p2[ia]
+        bad_b |= cross[:, :, None] & p2[ib]
+    score = sl2[ia][:, :, :, None] - sl2[ib][:, :, None, :]  # d, [X, K, S_a, S_b]
     score *= -2.0
     score += gap[:, :, None, None]
     np.abs(score, out=score)
-    score += pen_a[:, :, :, None]
-    score += pen_b[:, :, None, :]
+    np.putmask(score, bad_a[:, :, :, None] | bad_b[:, :, None, :], np.inf)
     score = score.reshape(*score.shape[:2], s * s)
     best = score.argmin(axis=2)
-    best_score = np.take_along_axis(score, best[:, :, None], axis=2)[:, :, 0]
+    best_score = score.min(axis=2)
     return np.where(best_score < gap, best_score, np.inf), best
 
 
@@ -819,8 +897,8 @@ def _refine_swaps(
     for _ in range(pair_iters):
         if active.size == 0:
             return
-        order = np.argsort(loads[active], axis=1, kind="stable")
-        ga, gb = order[:, ::-1][:, :half], order[:, :half]
+        order = np.argsort(loads[active], axis=1)
+        ga, gb = order[:, : -half - 1 : -1], order[:, :half]
         rr = active[:, None]
         gap = loads[rr, ga] - loads[rr, gb]
         cross = None if pinned is None or node_of_gpu is None else node_of_gpu[ga] != node_of_gpu[gb]
@@ -839,8 +917,9 @@ def _refine_swaps(
         la = loads[active]
         ra = np.arange(active.size)
         h = la.argmax(axis=1)
-        cand = np.argsort(la, axis=1, kind="stable")[:, :width]
-        ga = np.broadcast_to(h[:, None], cand.shape)
+        # the `width` lightest GPUs (in no particular order: the best swap among them is taken)
+        cand = np.argpartition(la, width - 1, axis=1)[:, :width] if width < g else np.argsort(la, axis=1)
+        ga = h[:, None]  # [X, 1]: broadcasts against cand [X, K]
         gap = la[ra, h][:, None] - la[ra[:, None], cand]
         cross = None if pinned is None or node_of_gpu is None else node_of_gpu[ga] != node_of_gpu[cand]
         score, flat = _swap_candidates(slot_load, slot_expert, active, ga, cand, gap, pinned, cross)
@@ -876,7 +955,9 @@ def _add_replicas(load: np.ndarray, counts: np.ndarray, extra: np.ndarray, allow
     hi = load.max(axis=1) + 1.0
     for _ in range(12):
         mid = (lo + hi) / 2
-        add = np.clip(np.floor(load / np.maximum(mid, 1e-300)[:, None]) - base, 0, room)
+        add = np.floor(load / np.maximum(mid, 1e-300)[:, None]) - base
+        np.maximum(add, 0, out=add)
+        np.minimum(add, room, out=add)
         fits = add.sum(axis=1) <= extra
         hi = np.where(fits, mid, hi)
         lo = np.where(fits, lo, mid)
@@ -964,19 +1045,19 @@ def _balanced(
     slot_load, slot_expert = _fill_pack(load, counts, g)
     # 4. improve by swaps: all GPUs in heavy/light pairs, then the heaviest GPU alone
     _refine_swaps(slot_load, slot_expert, pair_iters=pair_iters, max_iters=max_swaps, width=swap_width)
-    # 5. layers still more than 3% above the mean: try other replica counts
+    # 5. layers still more than 2% above the mean (sparse: 3%): try other replica counts
     if recount:
         rows = np.nonzero(slot_load.sum(axis=2).max(axis=1) * _RECOUNT_BELOW > mean)[0]
         if rows.size:
             sl, se = slot_load[rows], slot_expert[rows]
             _recount(load[rows], counts[rows], sl, se, g)
             slot_load[rows], slot_expert[rows] = sl, se
-    # 6. layers still more than 1% above the mean get a second pass of swaps, twice as wide
+    # 6. layers still more than 0.7% above the mean get a second pass of swaps, twice as wide
     if max_swaps:
-        rows = np.nonzero(slot_load.sum(axis=2).max(axis=1) * 0.99 > mean)[0]
+        rows = np.nonzero(slot_load.sum(axis=2).max(axis=1) * 0.993 > mean)[0]
         if rows.size:
             sl, se = slot_load[rows], slot_expert[rows]
-            _refine_swaps(sl, se, pair_iters=min(pair_iters, 1), max_iters=max_swaps, width=2 * swap_width, stop_at=0.995)
+            _refine_swaps(sl, se, pair_iters=min(pair_iters, 1), max_iters=max_swaps, width=2 * swap_width, stop_at=0.997)
             slot_load[rows], slot_expert[rows] = sl, se
     p2l = slot_expert.reshape(b, -1)
     # 7. never worse than the static placement (it can win on tiny shapes)
@@ -989,8 +1070,15 @@ def _balanced(
 
 
 _FILL_MAX_PER_ROUND = 3  # replicas one GPU may take from one round of _fill_pack (fewer keys to sort)
-_RECOUNT_BELOW = 0.97  # layers below this balancedness after the swaps try other replica counts
+_RECOUNT_BELOW = 0.98  # layers below this balancedness after the swaps try other replica counts
+_RECOUNT_BELOW_SPARSE = 0.97  # ... sparse layers (idle experts, 2-3 loaded replicas per GPU)
 _RECOUNT_WIDTHS = (5,)  # candidates of _recount: replicas moved for the heaviest 5 GPUs
+_ANCHOR = 0.95  # _anchor_counts: largest replica, as a share of the mean GPU load
+_ANCHOR_SPARSE = 0.7  # ... on sparse layers (idle experts, 2-3 loaded replicas per GPU)
+_FILLER = 0.5  # _anchor_counts: spare slots split experts whose replicas are at most this share
+_FILLER_SPARSE = 0.3  # ... on sparse layers
+_ANCHOR_BELOW = 0.97  # layers below this balancedness try anchor counts
+_ANCHOR_BELOW_SPARSE = 0.93  # ... sparse layers
 _RECOUNT_GPU_ABOVE = 1.03  # ... the 2nd to 5th only while this far above the mean GPU load
 
 

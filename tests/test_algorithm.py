@@ -583,6 +583,23 @@ def test_recount_never_worse_and_better_on_heavy_tails():
     assert with_recount.mean() > without.mean() + 0.005
 
 
+def test_anchor_counts_fill_every_slot_with_large_replicas_and_smaller_fillers():
+    # 64 GPUs x 5 slots, steep Zipf: every expert gets the fewest replicas of at most 0.95 of the
+    # mean GPU load; the spare slots split only experts whose replicas are at most half of it
+    w = _zipf_load(6, 256, seed=5, lo=1.2, hi=2.0).numpy().astype(np.float64)
+    g, p = 64, 320
+    t = w.sum(axis=1, keepdims=True) / g
+    counts, ok = alg._anchor_counts(w, p, g, np.full(6, 0.95), np.full(6, 0.5))
+    assert ok.all() and (counts.sum(axis=1) == p).all() and (counts >= 1).all()
+    assert (w / counts <= 0.95 * t * (1 + 1e-9)).all()
+    fewest = np.maximum(1, np.ceil(w / (0.95 * t) - 1e-9))
+    grew = counts > fewest
+    assert (w[grew] / (counts[grew] - 1) <= 0.5 * np.broadcast_to(t, w.shape)[grew] * (1 + 1e-9)).all()
+    # a size the slots cannot give is refused, not forced
+    _, ok = alg._anchor_counts(w, p, g, np.full(6, 0.01), np.full(6, 0.5))
+    assert not ok.any()
+
+
 def test_paired_counts_leave_two_loaded_replicas_per_gpu_on_sparse_layers():
     # 64 GPUs x 5 slots, 70 loaded experts and 186 idle ones: greedy replication puts all 64
     # redundant slots on loaded experts (134 loaded replicas, so some GPU takes three); pairing
