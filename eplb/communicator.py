@@ -429,6 +429,7 @@ class NixlCommunicator(Communicator):
         self.deregistrations = 0
         self.layers = 0
         self.reads = 0
+        self.read_requests = 0  # posted read requests (one per peer per layer, or per peer per round)
         self.bytes_read = 0
         self.read_seconds = 0.0
         self.agree_seconds = 0.0
@@ -704,6 +705,7 @@ class NixlCommunicator(Communicator):
                 handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local, mem),
                                                agent.get_xfer_descs(remote, mem), self._peers[peer].agent)
                 handles[peer] = (handle, ops)
+                self.read_requests += 1
                 if agent.transfer(handle) == "ERR":
                     failed = f"posting the NIXL read from rank {peer} failed"
                     break
@@ -820,7 +822,8 @@ class NixlCommunicator(Communicator):
             # named but not registered yet (registration waits for the next transfer)
             "pending_bytes": sum(r.nbytes for r in held if not r.registered),
             "registrations": self.registrations, "deregistrations": self.deregistrations,
-            "layers": self.layers, "reads": self.reads, "bytes_read": self.bytes_read,
+            "layers": self.layers, "reads": self.reads, "read_requests": self.read_requests,
+            "bytes_read": self.bytes_read,
             "read_seconds": self.read_seconds, "agree_seconds": self.agree_seconds,
             "exchange_seconds": self.exchange_seconds, "leaked_handles": len(self._leaked),
         }
