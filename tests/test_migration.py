@@ -199,3 +199,21 @@ def test_same_host_preference_on_two_hosts():
 def test_hosts_errors(hosts, message):
     with pytest.raises(PlanError, match=message):
         plan_layer([0, 1, 2, 3, 4, 5, 6, 7], [7, 6, 5, 4, 3, 2, 1, 0], 2, hosts=hosts)
+
+
+def test_the_eplb_plans_with_the_hosts_of_its_generation_only():
+    """Hosts come with start_worker (the generation's list); a rescale's adopt forgets them, so a
+    rebalance between the adopt and the next start never plans with the old group's hosts."""
+    from eplb.placement import Placement
+    from eplb.state import EPLBState
+
+    state = EPLBState(EPLBConfig(use_async=False), None, Placement.static(2, 4, 4), 0, 2)
+    assert state.hosts is None
+    state.start_worker(None, 1, hosts=("a", "b"))
+    assert state.hosts == ("a", "b")
+    state.start_worker(None, 1)  # a restart after a failed layer keeps them
+    assert state.hosts == ("a", "b")
+    state.adopt(Placement.static(2, 4, 8), 0, 4)
+    assert state.hosts is None
+    state.start_worker(None, 2, hosts=())  # a group that knows no hosts
+    assert state.hosts is None
