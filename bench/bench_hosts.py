@@ -11,8 +11,9 @@ a rebalance on the 4 ranks, and back to 2 (one survivor per host). Placements co
 namespace test's policy: an expert's replicas on one host), on a seeded skewed load (the
 worker's own ``placement_for``, slot-aligned to what the ranks hold), plans from
 ``holders_from_mapping`` and ``plan_layer`` exactly as the worker calls them, once without hosts
-and once with the executing group's hosts. A transfer is cross-host when its sender and receiver are on different hosts; bytes = transfers x expert
-bytes (``3 * hidden * intermediate`` bf16 values).
+and once with the executing group's hosts. A transfer is cross-host when its sender and
+receiver are on different hosts; bytes = transfers x expert bytes (``3 * hidden *
+intermediate`` bf16 values).
 """
 
 from __future__ import annotations
