@@ -14,6 +14,10 @@ For each communicator, on the same weights and the same plans:
 
 ``--progress-thread`` adds a run of NIXL with its own UCX progress thread (the communicator's
 default drives progress from the layer's waits instead; see :mod:`eplb.communicator`).
+``--migration-batching on|both`` runs each communicator with ``enable_migration_batching``
+(batches follow the plan's migration rounds: one peer per direction per rank and batch) instead
+of, or as well as, the plain chunks (``off``, the default); the batched runs are named
+``<communicator>+rounds``.
 
 A time is the slowest rank's (a layer is done when every rank is); bytes are summed over the
 receiving ranks; effective bandwidth = bytes / time.
@@ -55,7 +59,7 @@ def _rank_main(rank: int, args: dict[str, Any], port: int, results: Any) -> None
 
     from eplb.communicator import NixlCommunicator, TorchCommunicator, nixl_available
     from eplb.plan import plan_layer
-    from eplb.transfer import commit_layer, execute_layer
+    from eplb.transfer import commit_layer, execute_layer, op_batches
 
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -85,28 +89,31 @@ def _rank_main(rank: int, args: dict[str, Any], port: int, results: Any) -> None
                 wrong += sum(int(not bool((t[j] == value).all())) for t in weights[layer])
         return wrong
 
-    candidates = ["gloo"] + (["nixl"] if nixl_available() and not args["gloo_only"] else [])
-    if args["progress_thread"] and "nixl" in candidates:
-        candidates.append("nixl+thread")  # NIXL with its own (polling) UCX progress thread
+    kinds = ["gloo"] + (["nixl"] if nixl_available() and not args["gloo_only"] else [])
+    if args["progress_thread"] and "nixl" in kinds:
+        kinds.append("nixl+thread")  # NIXL with its own (polling) UCX progress thread
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args["migration_batching"]]
+    candidates = [kind + ("+rounds" if batching else "") for kind in kinds for batching in modes]
     # warm the gloo connections (lazy pair set-up) so neither side pays it in the timings
     dist.all_reduce(torch.zeros(1))
     out: dict[str, Any] = {}
     for name in candidates:
-        comm = (TorchCommunicator("gloo") if name == "gloo"
-                else NixlCommunicator(progress_thread=name == "nixl+thread"))
+        kind, batching = name.removesuffix("+rounds"), name.endswith("+rounds")
+        comm = (TorchCommunicator("gloo") if kind == "gloo"
+                else NixlCommunicator(progress_thread=kind == "nixl+thread"))
         comm.bind(0, dist.PrefixStore(f"bench-{name}/", store))
         comm.set_weights(weights)
         comm.add_buffer(staging)
         reset()
         times, first, received = [], None, 0
-        for repeat in range(args["repeats"] + (1 if name != "gloo" else 0)):
+        for repeat in range(args["repeats"] + (1 if kind != "gloo" else 0)):
             dist.barrier()
             start = time.perf_counter()
             stats = execute_layer(plans[0], rank, weights[0], staging, timeout=120.0, layer=0, communicator=comm,
-                                  max_ops_per_batch=args["max_ops"])
+                                  max_ops_per_batch=args["max_ops"], migration_batching=batching)
             elapsed = time.perf_counter() - start
             received = stats.bytes_received
-            if name != "gloo" and repeat == 0:
+            if kind != "gloo" and repeat == 0:
                 first = elapsed  # agent, registrations, metadata exchange, then the reads
             else:
                 times.append(elapsed)
@@ -115,13 +122,15 @@ def _rank_main(rank: int, args: dict[str, Any], port: int, results: Any) -> None
         total = 0
         for layer in range(L):
             stats = execute_layer(plans[layer], rank, weights[layer], staging, timeout=120.0, layer=layer,
-                                  communicator=comm, max_ops_per_batch=args["max_ops"])
+                                  communicator=comm, max_ops_per_batch=args["max_ops"], migration_batching=batching)
             commit_layer(plans[layer].for_rank(rank), staging, weights[layer])
             total += stats.bytes_received
         full = time.perf_counter() - start
         dist.barrier()
+        batches = [op_batches(plan.for_rank(rank), 2, args["max_ops"], batching)[1] for plan in plans]
         out[name] = {"layer_times": times, "layer_first": first, "layer_bytes": received, "full_seconds": full,
-                     "full_bytes": total, "wrong_slots": check(), "comm": comm.stats()}
+                     "full_bytes": total, "wrong_slots": check(), "comm": comm.stats(),
+                     "batches_per_layer": sum(batches) / len(batches)}
         comm.close()
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, out)
@@ -137,7 +146,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
     settings = {k: getattr(args, k) for k in ("ranks", "layers", "slots", "experts", "hidden", "intermediate",
-                                              "repeats", "seed", "max_ops", "gloo_only", "progress_thread")}
+                                              "repeats", "seed", "max_ops", "gloo_only", "progress_thread",
+                                              "migration_batching")}
     ctx = mp.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
     results = ctx.Queue()
@@ -170,12 +180,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "first_seconds": max(first) if first else None,
             "full_seconds": full, "full_bytes": full_bytes, "full_bytes_per_second": full_bytes / full if full else None,
             "wrong_slots": sum(r["wrong_slots"] for r in ranks),
+            "batches_per_layer": ranks[0]["batches_per_layer"],
             "comm": ranks[0]["comm"],
         }
     comms = out["communicators"]
     if "gloo" in comms and "nixl" in comms:
         out["nixl_speedup_layer"] = comms["gloo"]["layer_seconds"] / comms["nixl"]["layer_seconds"]
         out["nixl_speedup_full"] = comms["gloo"]["full_seconds"] / comms["nixl"]["full_seconds"]
+    for name in list(comms):
+        if name + "+rounds" in comms:  # > 1: migration batching faster
+            out.setdefault("rounds_speedup_full", {})[name] = comms[name]["full_seconds"] / comms[name + "+rounds"]["full_seconds"]
     return out
 
 
@@ -193,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gloo-only", dest="gloo_only", action="store_true")
     parser.add_argument("--progress-thread", dest="progress_thread", action="store_true",
                         help="also run NIXL with its own UCX progress thread (polls all the time)")
+    parser.add_argument("--migration-batching", dest="migration_batching", choices=("off", "on", "both"),
+                        default="off", help="batches by migration round (enable_migration_batching), or both ways")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -203,11 +219,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{fmt_bytes(3 * args.hidden * args.intermediate * 2)} (bf16), same seeded plan per communicator")
     result = run(args)
     table = Table(title="expert transfers: gloo vs NIXL (CPU, one host)")
-    for column in ("communicator", "one layer", "bytes", "bandwidth", "NIXL first layer", "full rebalance",
-                   "bytes", "bandwidth", "wrong slots"):
+    for column in ("communicator", "batches/layer", "one layer", "bytes", "bandwidth", "NIXL first layer",
+                   "full rebalance", "bytes", "bandwidth", "wrong slots"):
         table.add_column(column, justify="right")
     for name, r in result["communicators"].items():
-        table.add_row(name, fmt_s(r["layer_seconds"]), fmt_bytes(r["layer_bytes"]),
+        table.add_row(name, f"{r['batches_per_layer']:.1f}", fmt_s(r["layer_seconds"]), fmt_bytes(r["layer_bytes"]),
                       f"{r['layer_bytes_per_second'] / MiB:.0f} MiB/s", fmt_s(r["first_seconds"]),
                       fmt_s(r["full_seconds"]), fmt_bytes(r["full_bytes"]),
                       f"{r['full_bytes_per_second'] / MiB:.0f} MiB/s", str(r["wrong_slots"]))
@@ -217,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"full rebalance x{result['nixl_speedup_full']:.2f} (> 1: NIXL faster)")
     else:
         console.print("NIXL is not installed: gloo only (pip install '.[nixl]')")
+    for name, speedup in result.get("rounds_speedup_full", {}).items():
+        console.print(f"{name}: migration batching vs plain chunks, full rebalance x{speedup:.2f} (> 1: rounds faster)")
     write_json(args.json, result)
     return 0 if all(r["wrong_slots"] == 0 for r in result["communicators"].values()) else 1
 

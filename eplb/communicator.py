@@ -218,9 +218,10 @@ class TorchCommunicator(Communicator):
 
     ``name=None`` accepts whatever backend the group has (what :func:`execute_layer` uses when
     given no communicator); ``"gloo"``/``"nccl"`` check the group's backend on first use.
-    The global op list is cut into chunks of ``max_ops_per_batch`` identically on every rank;
-    each chunk's own ops are posted with one ``batch_isend_irecv`` and waited for with the
-    layer's deadline (see :mod:`eplb.transfer`).
+    The global op list is cut into batches identically on every rank (``TransferOp.batch``:
+    chunks of ``max_ops_per_batch``, by migration round when ``migration_batching``); each
+    batch's own ops are posted with one ``batch_isend_irecv`` and waited for with the layer's
+    deadline (see :mod:`eplb.transfer`).
     """
 
     def __init__(self, name: str | None = None):
@@ -248,11 +249,11 @@ class TorchCommunicator(Communicator):
         chunks: dict[int, list[tuple[TransferOp, torch.Tensor, torch.Tensor | None]]] = {}
         for op in x.sends:
             t = op.tensor if op.tensor.is_contiguous() else op.tensor.contiguous()
-            chunks.setdefault(op.index // x.max_ops_per_batch, []).append((op, t, None))
+            chunks.setdefault(op.batch, []).append((op, t, None))
         for op in x.recvs:
             buf, target = (op.tensor, None) if op.tensor.is_contiguous() else (torch.empty_like(op.tensor), op.tensor)
-            chunks.setdefault(op.index // x.max_ops_per_batch, []).append((op, buf, target))
-        num_chunks = -(-x.num_ops // x.max_ops_per_batch)
+            chunks.setdefault(op.batch, []).append((op, buf, target))
+        num_chunks = x.num_batches
         me, limit, layer = x.rank, x.timeout, x.layer
         for c in sorted(chunks):
             entries = sorted(chunks[c], key=lambda e: e[0].index)
@@ -385,7 +386,10 @@ class NixlCommunicator(Communicator):
       deadline) and loads them. Once per generation: ``stats()["exchanges_by_generation"]``.
     - A layer: check that this rank's sends come from its registered weights, post one read
       request per peer (local staging slot <- remote weight slot), poll them until done or the
-      deadline, then a MAX all-reduce of per-rank failure flags on the layer's group
+      deadline (with ``migration_batching``: one migration round after another, so a receiver
+      reads from one peer at a time; rounds are not synchronized across receivers, which would
+      cost a collective per round, so a sender may still serve two readers that drifted into
+      different rounds), then a MAX all-reduce of per-rank failure flags on the layer's group
       (``async_op=True``, waited for until the deadline): a sender learns that its readers are
       done (it may then change its weights) and every rank learns whether any rank failed.
     - Progress: UCX serves a peer's reads only while this side's worker is progressed. NIXL's
@@ -425,6 +429,7 @@ class NixlCommunicator(Communicator):
         self.deregistrations = 0
         self.layers = 0
         self.reads = 0
+        self.read_requests = 0  # posted read requests (one per peer per layer, or per peer per round)
         self.bytes_read = 0
         self.read_seconds = 0.0
         self.agree_seconds = 0.0
@@ -636,12 +641,13 @@ class NixlCommunicator(Communicator):
                         "(the weights were replaced without set_weights)")
         return ""
 
-    def _read_requests(self, x: LayerExchange) -> dict[int, tuple[list[TransferOp], list[tuple], list[tuple], str]]:
+    def _read_requests(self, x: LayerExchange,
+                       ops: Sequence[TransferOp]) -> dict[int, tuple[list[TransferOp], list[tuple], list[tuple], str]]:
         """Per peer: (ops, local descriptors, remote descriptors, mem type)."""
         out: dict[int, tuple[list[TransferOp], list[tuple], list[tuple], str]] = {}
         layer = x.layer
         assert layer is not None  # exchange() refuses a LayerExchange without a layer index
-        for op in x.recvs:
+        for op in ops:
             peer = self._peers.get(op.peer)
             if peer is None:
                 raise TransferError("no NIXL metadata for a peer", layer=x.layer, rank=x.rank, peers=[op.peer],
@@ -671,19 +677,35 @@ class NixlCommunicator(Communicator):
         return out
 
     def _read(self, x: LayerExchange) -> str:
-        """Post and wait for every read of the layer; '' on success, else the reason (or raise a timeout)."""
+        """Post and wait for every read of the layer; '' on success, else the reason (or raise a timeout).
+
+        All at once (one request per peer), or with ``migration_batching`` one migration round
+        after another: the reads of a round come from one peer, so this receiver reads from one
+        peer at a time."""
+        groups: dict[int, list[TransferOp]] = {}
+        for op in x.recvs:
+            groups.setdefault(op.batch if x.migration_batching else 0, []).append(op)
+        for batch in sorted(groups):
+            failed = self._read_ops(x, groups[batch])
+            if failed:
+                return failed
+        return ""
+
+    def _read_ops(self, x: LayerExchange, ops: Sequence[TransferOp]) -> str:
+        """Post and wait for ``ops``' reads (one request per peer); '' on success, else the reason."""
         agent = self._agent
         handles: dict[int, tuple[Any, list[TransferOp]]] = {}
         failed = ""
         try:
             try:
-                requests = self._read_requests(x)
+                requests = self._read_requests(x, ops)
             except (TransferError, ValueError) as exc:  # told to every rank by the all-reduce
                 return str(exc)
             for peer, (ops, local, remote, mem) in sorted(requests.items()):
                 handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local, mem),
                                                agent.get_xfer_descs(remote, mem), self._peers[peer].agent)
                 handles[peer] = (handle, ops)
+                self.read_requests += 1
                 if agent.transfer(handle) == "ERR":
                     failed = f"posting the NIXL read from rank {peer} failed"
                     break
@@ -800,7 +822,8 @@ class NixlCommunicator(Communicator):
             # named but not registered yet (registration waits for the next transfer)
             "pending_bytes": sum(r.nbytes for r in held if not r.registered),
             "registrations": self.registrations, "deregistrations": self.deregistrations,
-            "layers": self.layers, "reads": self.reads, "bytes_read": self.bytes_read,
+            "layers": self.layers, "reads": self.reads, "read_requests": self.read_requests,
+            "bytes_read": self.bytes_read,
             "read_seconds": self.read_seconds, "agree_seconds": self.agree_seconds,
             "exchange_seconds": self.exchange_seconds, "leaked_handles": len(self._leaked),
         }

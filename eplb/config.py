@@ -30,6 +30,12 @@ class EPLBConfig(BaseModel):
     log_balancedness: bool = False
     transfer_timeout_s: float = Field(30.0, gt=0, description="deadline of every transfer wait")
     max_ops_per_batch: int = Field(64, ge=2, description="p2p ops in one batch_isend_irecv call")
+    enable_migration_batching: bool = Field(
+        False, description="post a layer's transfers in migration rounds, in each of which every rank sends to at "
+                           "most one peer and receives from at most one (as few rounds as the busiest rank has "
+                           "transfers; a round is still cut at max_ops_per_batch; NIXL: a receiver reads one round "
+                           "at a time). Off: the transfer list is cut into chunks of max_ops_per_batch, where a rank "
+                           "may exchange with every peer at once. Must be equal on every rank")
     watchdog_s: float = Field(10.0, gt=0, description="an async handshake that has not moved this long is flagged as a stall")
     verify_transfers: bool = Field(False, description="check every staged layer against the model's own check before committing it")
     initial_placement: str | None = Field(

@@ -80,7 +80,8 @@ class TransferOp:
     """One weight tensor of one :class:`~eplb.plan.Transfer`, as one rank sees it.
 
     ``index`` is the op's position in the layer's global op list (``transfer.index * T + weight``),
-    identical on every rank; ``peer`` is the other side (group rank); ``tensor`` is the local
+    identical on every rank; ``batch`` the global batch it is posted in (identical on every rank,
+    :func:`eplb.transfer.op_batches`); ``peer`` is the other side (group rank); ``tensor`` is the local
     side: the source slot for a send, the destination slot for a receive (a view of the
     caller's buffer, possibly non-contiguous).
     """
@@ -91,6 +92,7 @@ class TransferOp:
     transfer: Transfer
     weight: int
     tensor: torch.Tensor
+    batch: int
 
 
 @dataclass(frozen=True)
@@ -98,8 +100,10 @@ class LayerExchange:
     """The network phase of one layer on one rank, handed to a :class:`~eplb.communicator.Communicator`.
 
     ``sends``/``recvs`` are this rank's ops in global op order. ``num_ops`` is the size of the
-    global op list (the same on every rank), ``max_ops_per_batch`` the chunk size two-sided
-    communicators cut it into. ``deadline`` (``time.monotonic()``) bounds every wait; ``timeout``
+    global op list (the same on every rank), ``max_ops_per_batch`` the chunk size it is cut into;
+    two-sided communicators post one batch (``TransferOp.batch``, of ``num_batches``) at a time.
+    ``migration_batching``: the batches follow the plan's migration rounds (one peer per direction
+    per rank and batch). ``deadline`` (``time.monotonic()``) bounds every wait; ``timeout``
     is the layer's limit in seconds, for messages.
     """
 
@@ -112,6 +116,8 @@ class LayerExchange:
     max_ops_per_batch: int
     timeout: float
     deadline: float
+    num_batches: int = 0
+    migration_batching: bool = False
 
     @property
     def is_idle(self) -> bool:

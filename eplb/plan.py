@@ -37,6 +37,8 @@ Rules the plan follows
    every new slot that needs it (``dst_slots``; the executor receives into the first and fans
    out locally). The sender is the live holder with the fewest sends so far in this layer
    (ties: lowest group rank); its source slot is its lowest old slot holding the expert.
+   With ``hosts`` (the host of every executing group rank, identical on every rank) a holder
+   on the receiver's host comes first: same host, then fewest sends, then lowest rank.
 4. *Reload*: an expert that no live worker holds comes from the canonical checkpoint
    (``RankPlan.reloads``), unless ``allow_reload=False`` (then :class:`PlanError`).
 5. Workers without a new rank (leaving) only send; fresh workers (no old rank) only receive,
@@ -45,6 +47,17 @@ Rules the plan follows
 New slots are visited in order (new rank, local slot); the global transfer list is in the
 order transfers were first needed. Its positions (``Transfer.index``) are what the executor
 chunks on, identically on every rank.
+
+Migration rounds
+----------------
+:func:`migration_rounds` splits the transfer list into *rounds* in which every group rank
+sends to at most one peer and receives from at most one peer (a proper edge colouring of
+the bipartite sender/receiver multigraph, one edge per transfer). It colours the transfers
+in list order and repairs conflicts along an alternating path (Kőnig's construction), so it
+needs exactly as many rounds as the busiest rank has transfers (sends or receives, whichever
+is larger): the fewest possible. It is pure: every rank derives the same rounds from the
+same list. Every plan carries them (``LayerPlan.rounds``, ``RankPlan.rounds``); the executor
+uses them when ``enable_migration_batching`` is on.
 """
 
 from __future__ import annotations
@@ -62,6 +75,7 @@ __all__ = [
     "Reload",
     "Transfer",
     "holders_from_mapping",
+    "migration_rounds",
     "plan_layer",
     "prestage_layers",
 ]
@@ -123,6 +137,8 @@ class RankPlan:
     keeps: tuple[int, ...]  # new local slots whose content is unchanged
     reloads: tuple[Reload, ...]
     num_transfers: int
+    #: the layer's migration rounds (global transfer indices, see :func:`migration_rounds`)
+    rounds: tuple[tuple[int, ...], ...] = ()
 
     @property
     def changed_slots(self) -> tuple[int, ...]:
@@ -148,6 +164,8 @@ class LayerPlan:
     new_holder: tuple[int, ...]
     transfers: tuple[Transfer, ...]
     _ranks: dict[int, RankPlan] = field(repr=False, compare=False)
+    #: :func:`migration_rounds` of ``transfers`` (a function of them: not compared)
+    rounds: tuple[tuple[int, ...], ...] = field(default=(), repr=False, compare=False)
 
     @property
     def num_transfers(self) -> int:
@@ -182,7 +200,7 @@ class LayerPlan:
         """The part of ``group_rank``; an empty part for a group rank the plan does not involve."""
         plan = self._ranks.get(group_rank)
         if plan is None:
-            return RankPlan(group_rank, None, None, 0, 0, (), (), (), (), (), self.num_transfers)
+            return RankPlan(group_rank, None, None, 0, 0, (), (), (), (), (), self.num_transfers, self.rounds)
         return plan
 
 
@@ -241,12 +259,15 @@ def plan_layer(
     new_holder: Sequence[int] | None = None,
     *,
     allow_reload: bool = True,
+    hosts: Sequence[str] | None = None,
 ) -> LayerPlan:
     """Plan one layer's move from ``old_row`` (``[P_old]``) to ``new_row`` (``[P_new]``).
 
     ``new_slots_per_rank`` defaults to ``old_slots_per_rank``; ``old_holder``/``new_holder``
-    default to the identity (a rebalance on the same group). See the module docstring.
-    Raises :class:`PlanError` on inconsistent inputs.
+    default to the identity (a rebalance on the same group). ``hosts[g]`` is the host of
+    executing group rank ``g`` (one entry per group rank the holders name, or more): senders on
+    the receiver's host are preferred; every rank must pass the same list. See the module
+    docstring. Raises :class:`PlanError` on inconsistent inputs.
     """
     old = _as_row(old_row, "old_row")
     new = _as_row(new_row, "new_row")
@@ -256,6 +277,7 @@ def plan_layer(
     n_new = _ranks_of(new, s_new, "new")
     old_h = _as_holders(old_holder, n_old, "old_holder", allow_lost=True)
     new_h = _as_holders(new_holder, n_new, "new_holder", allow_lost=False)
+    host_of = _as_hosts(hosts, old_h, new_h)
 
     # What each live worker holds in its old slots.
     old_rank_of: dict[int, int] = {g: r for r, g in enumerate(old_h) if g >= 0}
@@ -300,7 +322,10 @@ def plan_layer(
             elif (g, e) in recv_of:
                 recv_of[(g, e)]["dst_slots"].append(j)
             elif e in holders_of:
-                src = min(holders_of[e], key=lambda h: (send_count[h], h))
+                if host_of is None:
+                    src = min(holders_of[e], key=lambda h: (send_count[h], h))
+                else:
+                    src = min(holders_of[e], key=lambda h: (host_of[h] != host_of[g], send_count[h], h))
                 send_count[src] += 1
                 t = {"src": src, "src_slot": first_slot[src][e], "dst": g, "expert": e, "dst_slots": [j]}
                 recv_of[(g, e)] = t
@@ -312,6 +337,7 @@ def plan_layer(
         Transfer(t["src"], t["src_slot"], t["dst"], t["expert"], tuple(t["dst_slots"]), index)
         for index, t in enumerate(transfers)
     )
+    rounds = migration_rounds(frozen)
     new_rank_of = {g: n for n, g in enumerate(new_h)}
     ranks: dict[int, RankPlan] = {}
     for g in sorted(set(old_rank_of) | set(new_rank_of)):
@@ -328,8 +354,76 @@ def plan_layer(
             keeps=tuple(mine["keeps"]),
             reloads=tuple(Reload(e, tuple(slots)) for e, slots in mine["reloads"].items()),
             num_transfers=len(frozen),
+            rounds=rounds,
         )
-    return LayerPlan(old, new, s_old, s_new, old_h, new_h, frozen, ranks)
+    return LayerPlan(old, new, s_old, s_new, old_h, new_h, frozen, ranks, rounds)
+
+
+def _as_hosts(hosts: Sequence[str] | None, old_h: tuple[int, ...], new_h: tuple[int, ...]) -> tuple[str, ...] | None:
+    if hosts is None:
+        return None
+    if isinstance(hosts, str):
+        raise PlanError("hosts must be a sequence of host names (one per group rank), not a string")
+    values = tuple(str(h) for h in hosts)
+    needed = max([*old_h, *new_h]) + 1
+    if len(values) < needed:
+        raise PlanError(f"hosts names {len(values)} group ranks, but the holders name group ranks up to {needed - 1}")
+    return values
+
+
+def migration_rounds(transfers: Sequence[Transfer]) -> tuple[tuple[int, ...], ...]:
+    """The transfers (by ``Transfer.index``) in rounds where every group rank sends to at most
+    one peer and receives from at most one peer; rounds in order, each ascending.
+
+    A proper edge colouring of the bipartite multigraph (senders on one side, receivers on the
+    other, one edge per transfer), built in list order: a transfer takes the lowest colour free
+    at its sender (``a``); when ``a`` is taken at its receiver, the path from the receiver that
+    alternates ``a`` and the receiver's lowest free colour ``b`` has the two swapped (it cannot
+    reach the sender: the sender has no ``a`` edge and the graph is bipartite), which frees
+    ``a`` there. That uses exactly the maximum degree of colours (Kőnig): as many rounds as the
+    busiest rank has sends or receives. Pure and deterministic.
+    """
+    # node: (0, sender group rank) or (1, receiver group rank) -> colour -> position in ``transfers``
+    at: dict[tuple[int, int], dict[int, int]] = {}
+    colour: list[int] = []
+
+    def ends(k: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        return (0, transfers[k].src), (1, transfers[k].dst)
+
+    def lowest_free(used: dict[int, int]) -> int:
+        c = 0
+        while c in used:
+            c += 1
+        return c
+
+    for k in range(len(transfers)):
+        u, v = ends(k)
+        at_u, at_v = at.setdefault(u, {}), at.setdefault(v, {})
+        a = lowest_free(at_u)
+        if a in at_v:
+            b = lowest_free(at_v)
+            path: list[int] = []
+            node, cur, other = v, a, b
+            while cur in at[node]:
+                e = at[node][cur]
+                path.append(e)
+                x, y = ends(e)
+                node = y if node == x else x
+                cur, other = other, cur
+            for e in path:  # swap a <-> b along the path: take every edge out, then put it back
+                for n in ends(e):
+                    del at[n][colour[e]]
+            for e in path:
+                colour[e] = b if colour[e] == a else a
+                for n in ends(e):
+                    at[n][colour[e]] = e
+        colour.append(a)
+        at_u[a] = k
+        at_v[a] = k
+    rounds: dict[int, list[int]] = {}
+    for k, c in enumerate(colour):
+        rounds.setdefault(c, []).append(transfers[k].index)
+    return tuple(tuple(sorted(rounds[c])) for c in sorted(rounds))
 
 
 def holders_from_mapping(

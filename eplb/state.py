@@ -250,8 +250,10 @@ class AsyncEPLBWorker:
     def __init__(self, *, config: EPLBConfig, weights: Callable[[], list[list[torch.Tensor]]],
                  staging: list[torch.Tensor], group: Any, rank: int, name: str = "eplb-async",
                  hooks: TransferHooks | None = None, communicator: Any = None, generation: int = 0,
-                 extra_staging: Sequence[list[torch.Tensor]] = ()):
+                 extra_staging: Sequence[list[torch.Tensor]] = (), hosts: Sequence[str] | None = None):
         self.config = config
+        #: the host of every rank of ``group`` (the same list on every rank): plans prefer same-host senders
+        self.hosts = tuple(hosts) if hosts else None
         self.hooks = hooks or TransferHooks()
         self.communicator = communicator  # eplb.communicator.Communicator; None: the group's backend
         self._weights = weights
@@ -356,14 +358,14 @@ class AsyncEPLBWorker:
                     staging = self.slots[position]
                     old_row = job.placement.physical_to_logical[layer]
                     new_row = new.physical_to_logical[layer]
-                    plan = plan_layer(old_row, new_row, slots, slots, identity, identity)
+                    plan = plan_layer(old_row, new_row, slots, slots, identity, identity, hosts=self.hosts)
                     rank_plan = plan.for_rank(self.rank)
                     if self.hooks.before_layer is not None:
                         self.hooks.before_layer(layer)
                     stats = execute_layer(
                         plan, self.rank, self._weights()[layer], staging, group=self.group,
                         timeout=timeout, max_ops_per_batch=self.config.max_ops_per_batch, layer=layer,
-                        communicator=self.communicator,
+                        communicator=self.communicator, migration_batching=self.config.enable_migration_batching,
                     )
                     if self.hooks.after_fill is not None:
                         self.hooks.after_fill(layer, rank_plan, staging)
@@ -471,6 +473,9 @@ class EPLBState:
         self.rank = rank
         self.num_ranks = num_ranks
         self.group = group
+        #: the host of every rank of the group (``start_worker(hosts=...)``), identical on every rank;
+        #: None: unknown (plans then ignore hosts)
+        self.hosts: tuple[str, ...] | None = None
         self.window = window or LoadWindow(config.window_size, placement.num_layers, placement.num_logical)
         self.stats = EPLBStats()
         self.on_event = on_event or (lambda kind, data: None)
@@ -507,11 +512,15 @@ class EPLBState:
 
     # -- lifecycle (driven by the control plane) -----------------------------------------------
     def start_worker(self, group: Any = None, generation: int = 0, *, config: EPLBConfig | None = None,
-                     rebuild_group: Callable[[], Any] | None = None) -> None:
+                     rebuild_group: Callable[[], Any] | None = None, hosts: Sequence[str] | None = None) -> None:
         """Start a fresh async run on ``group`` (the dedicated EPLB group) for ``generation``;
-        ``config`` (this generation's: its node count) and ``rebuild_group`` replace the old ones."""
+        ``config`` (this generation's: its node count), ``rebuild_group`` and ``hosts`` (the host
+        of every rank of the group, the same list on every rank: plans prefer same-host senders)
+        replace the old ones."""
         if config is not None:
             self.config = config
+        if hosts is not None:
+            self.hosts = tuple(hosts) or None
         if rebuild_group is not None:
             self.rebuild_group = rebuild_group
         if not (self.config.enabled and self.config.use_async):
@@ -529,7 +538,8 @@ class EPLBState:
             self.communicator.add_buffer(staging)  # NIXL reads land here: registered once per start
         worker = AsyncEPLBWorker(config=self.config, weights=self.model.expert_weights, staging=slots[0],
                                  group=self.group, rank=self.rank, hooks=self.hooks,
-                                 communicator=self.communicator, generation=generation, extra_staging=slots[1:])
+                                 communicator=self.communicator, generation=generation, extra_staging=slots[1:],
+                                 hosts=self.hosts)
         self.run = AsyncRun(generation, worker, staging, slots=slots)
         self.all_idle = True
         worker.start()
@@ -578,6 +588,7 @@ class EPLBState:
             raise RuntimeError("adopt while the async EPLB worker runs: stop it first")
         self.placement, self.rank, self.num_ranks = placement, rank, num_ranks
         self.group = None
+        self.hosts = None  # the old group's: the owner names the new group's at start_worker
         self.draining = True
 
     # -- per step ------------------------------------------------------------------------------
@@ -805,13 +816,14 @@ class EPLBState:
             old_row, new_row = self.placement.physical_to_logical[layer], new.physical_to_logical[layer]
             if torch.equal(old_row, new_row):
                 continue
-            plan = plan_layer(old_row, new_row, slots, slots, identity, identity)
+            plan = plan_layer(old_row, new_row, slots, slots, identity, identity, hosts=self.hosts)
             rank_plan = plan.for_rank(self.rank)
             if self.hooks is not None and self.hooks.before_layer is not None:
                 self.hooks.before_layer(layer)
             stats = execute_layer(plan, self.rank, weights[layer], self._sync_staging, group=self.group,
                                   timeout=timeout, max_ops_per_batch=self.config.max_ops_per_batch, layer=layer,
-                                  communicator=self.communicator)
+                                  communicator=self.communicator,
+                                  migration_batching=self.config.enable_migration_batching)
             commit_layer(rank_plan, self._sync_staging, weights[layer])
             self.placement = self.placement.with_layer(layer, new_row)
             self.stats.layers_committed += 1

@@ -33,6 +33,15 @@ Two-sided protocol (gloo / NCCL; deadlock free, no collective needed):
   every rank is done with its earlier chunks: no cycle, no deadlock. Ranks without ops in a
   chunk skip it. Between one pair of ranks ops are posted in the same global order on both
   sides, so messages match.
+- With ``migration_batching`` (``EPLBConfig.enable_migration_batching``) the chunks follow the
+  plan's migration rounds (:func:`eplb.plan.migration_rounds`: in a round every rank sends
+  to at most one peer and receives from at most one): round after round, each round's ops
+  (its transfers in index order, one op per weight tensor) cut into chunks of
+  ``max_ops_per_batch``. The rounds come from the global transfer list, so these chunks too
+  are global and identical on every rank (``migration_batching`` must be the same
+  everywhere), every op lies in exactly one, and the argument above holds unchanged. A batch
+  then carries at most one peer's traffic per direction per rank: no rank receives from (or
+  sends to) several peers at once.
 - Every rank of the group whose part is not idle must call :func:`execute_layer` for the
   layer. Idle ranks may call it (it returns at once) or not.
 - Every wait has a deadline (``timeout`` for the whole network phase of the layer). A peer
@@ -84,6 +93,7 @@ __all__ = [
     "execute_layer",
     "finish_layer",
     "materialize",
+    "op_batches",
     "receive_layer",
 ]
 
@@ -166,6 +176,7 @@ def execute_layer(
     reload_fn: Callable[[int], Sequence[torch.Tensor]] | None = None,
     layer: int | None = None,
     communicator: Communicator | None = None,
+    migration_batching: bool = False,
 ) -> TransferStats:
     """Fill ``staging`` with every slot this rank's part changes; return what was done.
 
@@ -175,7 +186,8 @@ def execute_layer(
     ``reload_fn(expert)`` returns one tensor per weight tensor (trailing shape of a slot) for
     experts no live worker holds. ``communicator`` moves the bytes (default: the group's own
     ``torch.distributed`` backend, gloo or NCCL, with ``batch_isend_irecv``; see
-    :mod:`eplb.communicator` for NIXL). Raises :class:`TransferTimeout` / :class:`TransferError`
+    :mod:`eplb.communicator` for NIXL). ``migration_batching`` batches by the plan's migration
+    rounds (one peer per direction per rank per batch; equal on every rank). Raises :class:`TransferTimeout` / :class:`TransferError`
     on a stuck or broken peer, ``ValueError`` on buffers that do not fit the plan.
     """
     started = time.monotonic()
@@ -185,7 +197,8 @@ def execute_layer(
     new = _tensors(staging)
     num_tensors = _check_args(rp, old, new, reload_fn)
     _network_phase(rp, old, num_tensors, lambda k, t, w: new[w][t.dst_slots[0]], group=group, started=started,
-                   limit=limit, max_ops_per_batch=max_ops_per_batch, layer=layer, communicator=communicator)
+                   limit=limit, max_ops_per_batch=max_ops_per_batch, layer=layer, communicator=communicator,
+                   migration_batching=migration_batching)
     _local_phase(rp, old, new, num_tensors, reload_fn, layer)
     return _stats(rp, old, new, started)
 
@@ -201,6 +214,7 @@ def receive_layer(
     max_ops_per_batch: int = 64,
     layer: int | None = None,
     communicator: Communicator | None = None,
+    migration_batching: bool = False,
 ) -> TransferStats:
     """The network phase of :func:`execute_layer` only, ahead of time: this rank's sends, and its
     receives into ``received`` (per weight tensor ``[len(rank_plan.recvs), ...]``: receive ``k``
@@ -219,7 +233,8 @@ def receive_layer(
         raise ValueError(f"rank {rp.group_rank} sends but was given no old weights of {rp.num_old_slots} slots")
     num_tensors = len(rows) if rp.recvs else len(old)
     _network_phase(rp, old, num_tensors, lambda k, t, w: rows[w][k], group=group, started=started,
-                   limit=limit, max_ops_per_batch=max_ops_per_batch, layer=layer, communicator=communicator)
+                   limit=limit, max_ops_per_batch=max_ops_per_batch, layer=layer, communicator=communicator,
+                   migration_batching=migration_batching)
     return TransferStats(bytes_sent=len(rp.sends) * _expert_bytes(old), bytes_received=len(rp.recvs) * _expert_bytes(rows),
                          num_sends=len(rp.sends), num_recvs=len(rp.recvs), seconds=time.monotonic() - started)
 
@@ -266,7 +281,7 @@ def _rank_plan(plan: RankPlan | LayerPlan, my_group_rank: int | None, group: dis
 def _network_phase(rp: RankPlan, old: list[torch.Tensor], num_tensors: int,
                    recv_target: Callable[[int, Any, int], torch.Tensor], *, group: dist.ProcessGroup | None,
                    started: float, limit: float, max_ops_per_batch: int, layer: int | None,
-                   communicator: Communicator | None) -> None:
+                   communicator: Communicator | None, migration_batching: bool = False) -> None:
     """Hand this rank's sends and receives (``recv_target(k, transfer, tensor)``: where receive
     ``k`` of weight tensor ``tensor`` lands) to the communicator, with the layer's deadline."""
     comm = communicator if communicator is not None else _default_communicator()
@@ -274,19 +289,53 @@ def _network_phase(rp: RankPlan, old: list[torch.Tensor], num_tensors: int,
     recvs: list[TransferOp] = []
     if (rp.sends or rp.recvs) and num_tensors < 1:
         raise ValueError("experts have no weight tensors")
+    batch_of, num_batches = op_batches(rp, max(num_tensors, 1), max_ops_per_batch, migration_batching)
     for t in rp.sends:
         for w in range(num_tensors):
-            sends.append(TransferOp(t.index * num_tensors + w, True, t.dst, t, w, old[w][t.src_slot]))
+            sends.append(TransferOp(t.index * num_tensors + w, True, t.dst, t, w, old[w][t.src_slot],
+                                    batch_of(t.index, w)))
     for k, t in enumerate(rp.recvs):
         for w in range(num_tensors):
-            recvs.append(TransferOp(t.index * num_tensors + w, False, t.src, t, w, recv_target(k, t, w)))
+            recvs.append(TransferOp(t.index * num_tensors + w, False, t.src, t, w, recv_target(k, t, w),
+                                    batch_of(t.index, w)))
     # a layer nobody moves over the network needs no exchange at all (every rank knows the global count)
     if sends or recvs or (comm.collective_per_layer and rp.num_transfers > 0):
         comm.exchange(LayerExchange(
             layer=layer, rank=rp.group_rank, group=group, sends=tuple(sorted(sends, key=lambda op: op.index)),
             recvs=tuple(sorted(recvs, key=lambda op: op.index)), num_ops=rp.num_transfers * max(num_tensors, 0),
             max_ops_per_batch=max_ops_per_batch, timeout=limit, deadline=started + limit,
+            num_batches=num_batches, migration_batching=migration_batching,
         ))
+
+
+def op_batches(rp: RankPlan, num_tensors: int, max_ops_per_batch: int,
+               migration_batching: bool) -> tuple[Callable[[int, int], int], int]:
+    """``(batch_of(transfer index, weight tensor), number of batches)``: the global batch every
+    op of the layer is posted in, the same on every rank (pure: a function of the plan's global
+    transfer list, its rounds and the two settings).
+
+    Off: op ``k = index * T + w`` is in batch ``k // max_ops_per_batch``. On: the plan's
+    migration rounds in order, each round's ops (its transfers in index order, ``T`` ops each)
+    cut into chunks of ``max_ops_per_batch``."""
+    per = max_ops_per_batch
+    if not migration_batching:
+        return (lambda index, w: (index * num_tensors + w) // per), -(-rp.num_transfers * num_tensors // per)
+    rounds = rp.rounds
+    if sum(len(r) for r in rounds) != rp.num_transfers:
+        raise ValueError(f"the plan's migration rounds cover {sum(len(r) for r in rounds)} transfers, "
+                         f"not its {rp.num_transfers}")
+    where: dict[int, tuple[int, int]] = {}  # transfer index -> (first batch of its round, op position in the round)
+    first = 0
+    for members in rounds:
+        for position, index in enumerate(members):
+            where[index] = (first, position * num_tensors)
+        first += -(-len(members) * num_tensors // per)
+
+    def batch_of(index: int, w: int) -> int:
+        start, offset = where[index]
+        return start + (offset + w) // per
+
+    return batch_of, first
 
 
 def _local_phase(rp: RankPlan, old: list[torch.Tensor], new: list[torch.Tensor], num_tensors: int,

@@ -30,10 +30,11 @@ from eplb.communicator import (
 )
 from eplb.config import EPLBConfig
 from eplb.plan import plan_layer
-from eplb.transfer import TransferError, TransferTimeout, commit_layer, execute_layer, materialize
+from eplb.transfer import TransferError, TransferTimeout, commit_layer, execute_layer, materialize, op_batches
 from tests.distributed import run_distributed
 from tests.test_transfer import (
     GARBAGE,
+    SHAPES,
     STUCK_NEW,
     STUCK_OLD,
     WORLD,
@@ -109,7 +110,8 @@ def test_nixl_registrations_follow_the_tensors():
 # ---------------------------------------------------------------------------------------------
 
 
-def body_random_layers(rank: int, world_size: int, name: str, seed: int, num_layers: int) -> dict:
+def body_random_layers(rank: int, world_size: int, name: str, seed: int, num_layers: int,
+                       batching: bool = False) -> dict:
     """Every layer of make_case on one group; weights registered once, every slot verified."""
     comm = _communicator(name)
     comm.bind(0, _test_store(f"{name}-{seed}"))
@@ -126,7 +128,7 @@ def body_random_layers(rank: int, world_size: int, name: str, seed: int, num_lay
     for staging in stagings:
         if staging is not None:
             comm.add_buffer(staging)
-    out = {"sends": 0, "recvs": 0, "bytes_received": 0, "kinds": set(),
+    out = {"sends": 0, "recvs": 0, "bytes_received": 0, "kinds": set(), "requests": 0, "requests_plain": 0,
            "moving_layers": sum(1 for plan in plans if plan.num_transfers > 0)}
     for layer, case in enumerate(cases):
         kind, old_row, new_row, s_old, s_new, _, _, max_ops = case
@@ -134,7 +136,8 @@ def body_random_layers(rank: int, world_size: int, name: str, seed: int, num_lay
         rp = plan.for_rank(rank)
         old_copy = [t.clone() for t in old] if old is not None else None
         stats = execute_layer(plan, rank, old, staging, timeout=20.0, max_ops_per_batch=max_ops, layer=layer,
-                              reload_fn=lambda e, layer=layer: expert_weights(layer, e), communicator=comm)
+                              reload_fn=lambda e, layer=layer: expert_weights(layer, e), communicator=comm,
+                              migration_batching=batching)
         assert stats.num_sends == len(rp.sends) and stats.num_recvs == len(rp.recvs)
         if old is not None:
             assert all(torch.equal(a, b) for a, b in zip(old, old_copy)), "old weights were modified"
@@ -150,6 +153,10 @@ def body_random_layers(rank: int, world_size: int, name: str, seed: int, num_lay
             else:
                 weights = materialize(rp, old, final)
             assert_slots(weights, layer, want, range(s_new), f"{name} committed")
+        batch_of, _ = op_batches(rp, len(SHAPES), max_ops, batching)
+        out["requests"] += len({(batch_of(t.index, w) if batching else 0, t.src)
+                                for t in rp.recvs for w in range(len(SHAPES))})
+        out["requests_plain"] += len({t.src for t in rp.recvs})
         out["sends"] += stats.num_sends
         out["recvs"] += stats.num_recvs
         out["bytes_received"] += stats.bytes_received
@@ -173,9 +180,26 @@ def test_random_layers_bit_exact(name):
             assert c["exchanges_by_generation"] == {0: 1}, c  # once, at the first transfer
             assert c["peers"] == [x for x in range(WORLD) if x != results.index(r)]
             assert c["bytes_read"] == r["bytes_received"] and c["reads"] == r["recvs"] * 2
+            assert c["read_requests"] == r["requests"] == r["requests_plain"]  # one request per peer and layer
             # one exchange per layer that moves anything over the network; none for the others
             assert c["layers"] == r["moving_layers"] and c["leaked_handles"] == 0
             assert r["closed"]["registered_regions"] == 0 and r["closed"]["peers"] == []
+
+
+@needs_nixl
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_nixl_random_layers_with_migration_batching_bit_exact():
+    """NIXL reads one migration round after another (one peer at a time): the same slots, the same reads."""
+    results = run_distributed(body_random_layers, WORLD, args=("nixl", 4321, 24, True), timeout=50)
+    assert sum(r["sends"] for r in results) == sum(r["recvs"] for r in results) > 0
+    for r in results:
+        c = r["comm"]
+        assert c["bytes_read"] == r["bytes_received"] and c["reads"] == r["recvs"] * 2
+        assert c["layers"] == r["moving_layers"] and c["leaked_handles"] == 0
+        # one request per (batch, peer): a receiver reads a round's experts from its one peer, then the next round
+        assert c["read_requests"] == r["requests"] > 0 or r["recvs"] == 0, (c, r["requests"])
+    assert sum(r["requests_plain"] for r in results) < sum(r["comm"]["read_requests"] for r in results)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -127,9 +127,12 @@ def _reports(c, op, phase):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("communicator", COMMUNICATORS)
+@pytest.mark.parametrize("communicator", [*COMMUNICATORS, "gloo+rounds"])
 def test_a_prepared_scale_moves_every_expert_before_the_pause_and_the_pause_only_switches(communicator):
-    config = small_config(model=dict(num_layers=4, num_experts=8), eplb=dict(communicator=communicator))
+    # gloo+rounds: with migration batching (every weight checked by assert_consistent)
+    config = small_config(model=dict(num_layers=4, num_experts=8),
+                          eplb=dict(communicator=communicator.removesuffix("+rounds"),
+                                    enable_migration_batching=communicator.endswith("+rounds")))
     with running(config) as c:
         c.wait_for_step(15)
         for size in (4, 2):

@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from eplb.communicator import TorchCommunicator
 from eplb.plan import holders_from_mapping, plan_layer
 from eplb.transfer import (
     TransferError,
@@ -169,7 +170,8 @@ def make_case(layer: int, seed: int):
     return kind, old_row, new_row, s_old, s_new, old_holder, new_holder, max_ops
 
 
-def run_layer(rank: int, layer: int, case, timeout: float = 20.0) -> dict:
+def run_layer(rank: int, layer: int, case, timeout: float = 20.0, *, batching: bool = False,
+              communicator=None) -> dict:
     """Execute one layer's case on this rank and verify every slot bit-exactly."""
     kind, old_row, new_row, s_old, s_new, old_holder, new_holder, max_ops = case
     plan = plan_layer(old_row, new_row, s_old, s_new, old_holder, new_holder)
@@ -179,7 +181,8 @@ def run_layer(rank: int, layer: int, case, timeout: float = 20.0) -> dict:
     staging = garbage(s_new) if rp.new_rank is not None else None
     stats = execute_layer(
         plan, rank, old, staging, timeout=timeout, max_ops_per_batch=max_ops,
-        reload_fn=lambda e: expert_weights(layer, e), layer=layer,
+        reload_fn=lambda e: expert_weights(layer, e), layer=layer, migration_batching=batching,
+        communicator=communicator,
     )
     assert stats.num_sends == len(rp.sends) and stats.num_recvs == len(rp.recvs)
     if old is not None:
@@ -222,6 +225,51 @@ def test_random_layers_on_four_ranks_bit_exact():
     assert all(v > 0 for v in totals.values()), totals
     # Chunking was exercised: some layer had more ops than one batch holds.
     assert any(r["transfers"] * len(SHAPES) > r["max_ops"] for r in results[0])
+
+
+class RecordingCommunicator(TorchCommunicator):
+    """gloo, recording per layer and batch the peers this rank sent to and received from."""
+
+    def __init__(self):
+        super().__init__()
+        self.batches: list[tuple[int | None, int, tuple[int, ...], tuple[int, ...]]] = []
+
+    def exchange(self, x):
+        by_batch: dict[int, tuple[set[int], set[int]]] = {}
+        for op in x.sends:
+            by_batch.setdefault(op.batch, (set(), set()))[0].add(op.peer)
+        for op in x.recvs:
+            by_batch.setdefault(op.batch, (set(), set()))[1].add(op.peer)
+        for b, (to, frm) in sorted(by_batch.items()):
+            self.batches.append((x.layer, b, tuple(sorted(to)), tuple(sorted(frm))))
+        super().exchange(x)
+
+
+def body_random_layers_batched(rank: int, world_size: int, seed: int, num_layers: int) -> dict:
+    comm = RecordingCommunicator()
+    layers = [run_layer(rank, layer, make_case(layer, seed), batching=True, communicator=comm)
+              for layer in range(num_layers)]
+    return {"layers": layers, "batches": comm.batches}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_random_layers_with_migration_batching_bit_exact():
+    """Every layer of the random suite with migration batching on: bit-exact slots (run_layer
+    checks), and in every batch a rank sent to at most one peer and received from at most one."""
+    num_layers = 24
+    results = run_distributed(body_random_layers_batched, WORLD, args=(4321, num_layers), timeout=75)
+    kinds = {r["kind"] for per_rank in results for r in per_rank["layers"]}
+    assert kinds == {"rebalance", "failure", "scale_down_old", "scale_up_new"}
+    for layer in range(num_layers):
+        rows = [results[rank]["layers"][layer] for rank in range(WORLD)]
+        assert sum(r["sends"] for r in rows) == sum(r["recvs"] for r in rows) == rows[0]["transfers"]
+    posted = [b for per_rank in results for b in per_rank["batches"]]
+    assert posted, "nothing was sent"
+    for layer, batch, to, frm in posted:
+        assert len(to) <= 1 and len(frm) <= 1, f"layer {layer} batch {batch}: sent to {to}, received from {frm}"
+    # the rounds spread a rank's peers over several batches (with plain chunks they share one)
+    assert any(len({p for _, _, to, frm in per_rank["batches"] for p in (*to, *frm)}) > 1 for per_rank in results)
 
 
 def body_rescale(rank: int, world_size: int, case_name: str) -> dict:

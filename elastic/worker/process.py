@@ -285,7 +285,7 @@ class Worker:
         self._attach_comm(group.generation)
         # the config of this generation: num_nodes of its hosts
         self.eplb.start_worker(group.build_eplb_group(), group.generation, config=self._eplb_config(group.hosts),
-                               rebuild_group=self._rebuild_eplb_group)
+                               rebuild_group=self._rebuild_eplb_group, hosts=group.hosts)
         self.eplb.resume()
 
     def _rebuild_eplb_group(self) -> Any:
@@ -379,10 +379,14 @@ class Worker:
             mark = time.perf_counter()
             rescale = self._rescale_of(command)
             placement = self._next_placement(rescale, base, base.physical_to_logical)
-            plans = self._layer_plans(rescale, base.physical_to_logical, placement)
+            # a scale up runs on the standby group: planned once it formed, with its hosts (as the joining ranks do)
+            plans = None if scale_up else self._layer_plans(rescale, base.physical_to_logical, placement)
             placement_seconds = time.perf_counter() - mark
             mark = time.perf_counter()
             standby = self._form_standby(command, new_rank) if new_rank >= 0 else None
+            if plans is None:
+                plans = self._layer_plans(rescale, base.physical_to_logical, placement,
+                                          hosts=standby.hosts if standby is not None else ())
             if scale_up:
                 assert standby is not None
                 # the joining ranks learn the maps from the lowest survivor, and a Hugging Face
@@ -426,7 +430,7 @@ class Worker:
                                                                   timeout=spec.collective_timeout_s)
             group_seconds = time.perf_counter() - mark
             rescale = self._rescale_of(command)
-            plans = self._layer_plans(rescale, base.physical_to_logical, placement)
+            plans = self._layer_plans(rescale, base.physical_to_logical, placement, hosts=standby.hosts)
             prep = self._preparation(command, self.rank, self.rank, standby, base, placement, plans, started_at, started)
             prep.group_seconds = group_seconds
             self._comm_for_prepare(command)
@@ -441,7 +445,8 @@ class Worker:
                 mark = time.perf_counter()
                 stats = execute_layer(plans[layer], self.rank, None, weights[layer], group=standby.pg, timeout=wait_s,
                                       max_ops_per_batch=spec.eplb.max_ops_per_batch, layer=layer,
-                                      reload_fn=functools.partial(self._canonical, layer), communicator=self.comm)
+                                      reload_fn=functools.partial(self._canonical, layer), communicator=self.comm,
+                                      migration_batching=spec.eplb.enable_migration_batching)
                 prep.spent += time.perf_counter() - mark
                 prep.bytes_received += stats.bytes_received
                 prep.next_index = index + 1
@@ -488,7 +493,8 @@ class Worker:
             # break the serving group for a scale that only had to fail)
             stats = receive_layer(plan, prep.executing_rank, weights, rows, group=prep.group,
                                   timeout=min(self.spec.eplb.transfer_timeout_s, self.spec.collective_timeout_s / 2),
-                                  max_ops_per_batch=self.spec.eplb.max_ops_per_batch, layer=layer, communicator=self.comm)
+                                  max_ops_per_batch=self.spec.eplb.max_ops_per_batch, layer=layer, communicator=self.comm,
+                                  migration_batching=self.spec.eplb.enable_migration_batching)
             if rows is not None:
                 prep.received[layer] = rows
             prep.bytes_received += stats.bytes_received
@@ -898,11 +904,17 @@ class Worker:
             return None
         return placement, plans
 
-    def _layer_plans(self, cmd: p.Rescale, held: torch.Tensor, new_placement: Placement) -> list[LayerPlan]:
-        """Every layer's transfer plan from the ``held`` rows to ``new_placement`` (pure)."""
+    def _layer_plans(self, cmd: p.Rescale, held: torch.Tensor, new_placement: Placement,
+                     hosts: tuple[str, ...] | None = None) -> list[LayerPlan]:
+        """Every layer's transfer plan from the ``held`` rows to ``new_placement`` (pure), senders
+        on the receiver's host first. ``hosts``: those of the executing group, the same list on
+        every rank of it; default: this rank's group's (the executing group everywhere but at a
+        scale up's Prepare, where the standby group's are passed)."""
         per_rank = held.shape[1] // len(cmd.mapping)
         old_holder, new_holder = holders_from_mapping(list(cmd.mapping), cmd.new_size, cmd.execute_on, frozenset(cmd.lost))
-        return [plan_layer(held[layer], new_placement.physical_to_logical[layer], per_rank, per_rank, old_holder, new_holder)
+        hosts = self._in_group().hosts if hosts is None else hosts
+        return [plan_layer(held[layer], new_placement.physical_to_logical[layer], per_rank, per_rank, old_holder, new_holder,
+                           hosts=hosts or None)
                 for layer in range(held.shape[0])]
 
     def _next_placement(self, cmd: p.Rescale, old: Placement, held: torch.Tensor) -> Placement:
@@ -983,7 +995,7 @@ class Worker:
                         plan, executing_rank, old_layer, target,
                         group=None, timeout=timeout, max_ops_per_batch=self.spec.eplb.max_ops_per_batch, layer=layer,
                         reload_fn=functools.partial(self._canonical, layer),
-                        communicator=self.comm,
+                        communicator=self.comm, migration_batching=self.spec.eplb.enable_migration_batching,
                     )
                     received += stats.bytes_received
                 if in_place:
