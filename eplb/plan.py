@@ -487,22 +487,23 @@ def holders_from_mapping(
 
 def prestage_layers(plans: Sequence[LayerPlan], expert_bytes: int, budget_bytes: int,
                     bounded: Iterable[int]) -> tuple[int, ...]:
-    """The layers whose network part can move ahead of a rescale's pause (pure: every rank gets
-    the same answer from the same plans).
+    """The layers a rescale prepares ahead of its pause (pure: every rank gets the same answer
+    from the same plans).
 
-    Every layer with a transfer, in layer order, first fit: a layer is taken when every rank of
-    ``bounded`` (group ranks that receive into spare memory, i.e. the ranks that keep serving
-    with their old weights until the switch) still holds at most ``budget_bytes`` of received
-    experts with it; a layer that does not fit is skipped (it moves in the pause) and later,
-    smaller ones may still fit. Ranks outside ``bounded`` (joining ranks: they receive into
-    their fresh weights) take part without a budget.
+    Every layer that changes a slot anywhere, in layer order, first fit: a layer is taken when
+    every rank of ``bounded`` (group ranks that keep serving from their weights until the switch:
+    they stage the new contents of each slot they change, with room for its undo copy, so
+    ``2 * changed slots * expert_bytes`` per layer) still holds at most ``budget_bytes`` with it;
+    a layer that does not fit is skipped (it moves in the pause) and later, smaller ones may still
+    fit. Ranks outside ``bounded`` (joining ranks: they receive into their fresh weights) take
+    part without a budget.
     """
     used = {rank: 0 for rank in bounded}
     chosen: list[int] = []
     for index, plan in enumerate(plans):
-        if not plan.num_transfers:
+        if all(plan.for_rank(rank).is_idle for rank in plan.group_ranks):
             continue
-        need = {rank: len(plan.for_rank(rank).recvs) * expert_bytes for rank in used}
+        need = {rank: 2 * len(plan.for_rank(rank).changed_slots) * expert_bytes for rank in used}
         if all(used[rank] + n <= budget_bytes for rank, n in need.items()):
             for rank, n in need.items():
                 used[rank] += n

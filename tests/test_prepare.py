@@ -28,26 +28,26 @@ def _scale_down_plans(layers: int, moving: bool = True):
 
 def test_prestage_takes_layers_in_order_while_every_survivor_stays_within_its_budget():
     plans = _scale_down_plans(3)
-    assert all(len(plan.for_rank(rank).recvs) == 1 for plan in plans for rank in (0, 1))
-    # each survivor receives one 10-byte expert per layer: a 20-byte budget holds two layers
-    assert prestage_layers(plans, expert_bytes=10, budget_bytes=20, bounded=[0, 1]) == (0, 1)
-    assert prestage_layers(plans, expert_bytes=10, budget_bytes=30, bounded=[0, 1]) == (0, 1, 2)
+    assert all(len(plan.for_rank(rank).changed_slots) == 1 for plan in plans for rank in (0, 1))
+    # each survivor stages one changed 10-byte slot per layer and room for its undo copy: 20 bytes
+    assert prestage_layers(plans, expert_bytes=10, budget_bytes=40, bounded=[0, 1]) == (0, 1)
+    assert prestage_layers(plans, expert_bytes=10, budget_bytes=60, bounded=[0, 1]) == (0, 1, 2)
     assert prestage_layers(plans, expert_bytes=10, budget_bytes=0, bounded=[0, 1]) == ()
     # ranks outside ``bounded`` (joining ranks, receiving into their fresh weights) have no budget
     assert prestage_layers(plans, expert_bytes=10, budget_bytes=0, bounded=[]) == (0, 1, 2)
 
 
-def test_prestage_skips_layers_that_move_nothing_and_a_layer_too_big_does_not_stop_smaller_ones():
+def test_prestage_skips_layers_that_change_nothing_and_a_layer_too_big_does_not_stop_smaller_ones():
     quiet = _scale_down_plans(1, moving=False)[0]
-    assert quiet.num_transfers == 0
+    assert quiet.num_transfers == 0 and not any(quiet.for_rank(r).changed_slots for r in quiet.group_ranks)
     busy = _scale_down_plans(1)[0]
-    assert prestage_layers([quiet, busy, quiet], expert_bytes=10, budget_bytes=10, bounded=[0, 1]) == (1,)
-    # rank 0 receives two experts in ``heavy``: over a one-expert budget, while the next layer fits
+    assert prestage_layers([quiet, busy, quiet], expert_bytes=10, budget_bytes=20, bounded=[0, 1]) == (1,)
+    # rank 0 changes both its slots in ``heavy``: over a one-slot budget, while the next layer fits
     mapping = RankMapping.for_resize(3, 2).old_to_new
     old_holder, new_holder = holders_from_mapping(list(mapping), 2, "old", frozenset())
     heavy = plan_layer([0, 1, 2, 0, 3, 1], [3, 2, 1, 0], 2, 2, old_holder, new_holder)
-    assert len(heavy.for_rank(0).recvs) == 2
-    assert prestage_layers([heavy, busy], expert_bytes=10, budget_bytes=10, bounded=[0, 1]) == (1,)
+    assert len(heavy.for_rank(0).changed_slots) == 2
+    assert prestage_layers([heavy, busy], expert_bytes=10, budget_bytes=20, bounded=[0, 1]) == (1,)
 
 
 def test_a_rank_holds_the_next_layer_once_it_spent_its_share_of_the_wall_time():

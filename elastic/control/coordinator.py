@@ -1021,7 +1021,9 @@ class Coordinator:
         """Check the ranks agree on the new maps, let the retired ranks go, adopt the new size."""
         op = run.op
         results = {pid: r.result for pid, r in reports.items() if isinstance(r.result, p.RescaleDone)}
-        op.paused_seconds = max(r.seconds for r in results.values())
+        # the pause is the ranks that go on decoding: a leaving rank's rescale ends with its report
+        op.paused_seconds = max((r.seconds for r in results.values() if not r.retired),
+                                default=max(r.seconds for r in results.values()))
         op.bytes_moved = sum(r.bytes_received for r in results.values())
         op.diverged_layers = sorted({layer for r in results.values() for layer in r.diverged_layers})
         kept = [r for r in results.values() if not r.retired]

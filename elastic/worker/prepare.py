@@ -7,8 +7,9 @@ model serves. So the new placement and every layer's plan are computed once, the
 formed as a standby group, and the network part of the plan moves while the old group decodes:
 
 - a joining rank receives its experts straight into its fresh weights;
-- a surviving rank receives the experts it takes over into spare memory (compact, one row per
-  received expert), at most ``prestage_max_bytes``; layers that do not fit move in the pause;
+- a surviving rank receives the experts it takes over into spare memory and stages the new
+  contents of every slot it changes, with room for their undo copy (:class:`StagedLayer`), at
+  most ``prestage_max_bytes``; layers that do not fit move in the pause;
 - a scale up moves over the standby group (the joining ranks are in no other group); a scale
   down over the old group (the leaving ranks are in no other).
 
@@ -43,6 +44,25 @@ def over_share(spent_s: float, elapsed_s: float, share: float) -> bool:
 
 
 @dataclass
+class StagedLayer:
+    """A surviving rank's layer, ready for the switch: the new contents of its changed local
+    ``slots`` (one ``[len(slots), ...]`` tensor per weight tensor) and as much room for the undo
+    copy of what they replace. The switch is two vectorized copies per weight tensor."""
+
+    slots: torch.Tensor  # int64 local slot indices
+    new_rows: list[torch.Tensor]
+    undo_rows: list[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.new_rows)
+
+    def install(self, weights: list[torch.Tensor]) -> None:
+        for tensor, rows in zip(weights, self.new_rows):
+            tensor.index_copy_(0, self.slots, rows)
+
+
+@dataclass
 class Preparation:
     """Everything one rank holds for a prepared scale, from its Prepare to the switch."""
 
@@ -59,7 +79,7 @@ class Preparation:
     started: float  # time.perf_counter() at the Prepare
     group_seconds: float = 0.0
     placement_seconds: float = 0.0
-    received: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # a survivor's rows, per layer
+    received: dict[int, StagedLayer] = field(default_factory=dict)  # a survivor's staged layers
     next_index: int = 0  # into ``layers``
     spent: float = 0.0  # seconds in pre-transfer layers
     bytes_received: int = 0
@@ -73,8 +93,8 @@ class Preparation:
 
     @property
     def prestage_bytes(self) -> int:
-        """Spare memory held for the pause (a survivor's received rows)."""
-        return sum(t.numel() * t.element_size() for rows in self.received.values() for t in rows)
+        """Spare memory held for the pause (a survivor's staged layers: new contents and undo room)."""
+        return sum(2 * staged.nbytes for staged in self.received.values())
 
     def words(self, now: float) -> list[int]:
         """This rank's vote at the next step boundary: [hold, failed]."""

@@ -35,7 +35,7 @@ from elastic.service.logs import configure as configure_logging
 from elastic.serving.batch import RequestBatch
 from elastic.worker.groups import GroupGeneration, StandbyGroup, connect_store, num_nodes_of, shutdown_detached
 from elastic.worker.injector import FaultInjector
-from elastic.worker.prepare import PREPARE_WORDS, Preparation
+from elastic.worker.prepare import PREPARE_WORDS, Preparation, StagedLayer
 from eplb.communicator import make_communicator
 from eplb.config import EPLBConfig
 from eplb.model import ModelShape
@@ -92,17 +92,27 @@ class UndoLog:
     adoption puts the slots back and the old placement matches the weights again."""
 
     def __init__(self) -> None:
-        self._saved: list[tuple[int, int, list[torch.Tensor]]] = []  # (layer, local slot, previous contents)
+        # (layer, local slots, their previous contents: one [len(slots), ...] tensor per weight tensor)
+        self._saved: list[tuple[int, torch.Tensor, list[torch.Tensor]]] = []
 
     def save(self, layer: int, slots: Sequence[int], weights: list[torch.Tensor]) -> None:
         """Keep the current contents of ``slots`` of one layer before they are overwritten."""
-        self._saved += [(layer, j, [t[j].clone() for t in weights]) for j in slots]
+        if slots:
+            index = torch.tensor(list(slots), dtype=torch.int64)
+            self._saved.append((layer, index, [t.index_select(0, index) for t in weights]))
+
+    def save_into(self, layer: int, index: torch.Tensor, weights: list[torch.Tensor], rows: list[torch.Tensor]) -> None:
+        """:meth:`save` into rows allocated (and faulted in) ahead, so the pause allocates nothing."""
+        if index.numel():
+            for t, row in zip(weights, rows):
+                torch.index_select(t, 0, index, out=row)
+            self._saved.append((layer, index, rows))
 
     def replay(self, weights: list[list[torch.Tensor]]) -> None:
         """Put back everything saved (newest first) and forget it."""
-        for layer, slot, saved in reversed(self._saved):
+        for layer, index, saved in reversed(self._saved):
             for tensor, value in zip(weights[layer], saved):
-                tensor[slot].copy_(value)
+                tensor.index_copy_(0, index, value)
         self._saved.clear()
 
     def __len__(self) -> int:
@@ -495,8 +505,12 @@ class Worker:
                                   timeout=min(self.spec.eplb.transfer_timeout_s, self.spec.collective_timeout_s / 2),
                                   max_ops_per_batch=self.spec.eplb.max_ops_per_batch, layer=layer, communicator=self.comm,
                                   migration_batching=self.spec.eplb.enable_migration_batching)
+            if prep.new_rank >= 0:  # a survivor: the new contents of its changed slots, ready to copy in place
+                staged = self._stage_layer(plan.for_rank(prep.executing_rank), rows, weights, layer)
+                if staged is not None:
+                    prep.received[layer] = staged
             if rows is not None:
-                prep.received[layer] = rows
+                self.comm.remove_buffer(rows)  # deregistered before it is freed
             prep.bytes_received += stats.bytes_received
             prep.next_index += 1
         except Exception as exc:  # noqa: BLE001 - the scale fails; the old group goes on serving
@@ -505,6 +519,21 @@ class Worker:
                         message=f"pre-transfer of layer {layer} failed: {exc}", fatal=False, seq=prep.command.seq)
         finally:
             prep.spent += time.perf_counter() - mark
+
+    def _stage_layer(self, rank_plan: Any, rows: list[torch.Tensor] | None, weights: list[torch.Tensor],
+                     layer: int) -> StagedLayer | None:
+        """A survivor's pre-transferred layer as the switch copies it: the new contents of every
+        changed slot (received experts fanned out, local copies from the serving weights, which do
+        not change before the switch) and room for their undo copy, both faulted in now."""
+        changed = rank_plan.changed_slots
+        if not changed:
+            return None
+        staging = [torch.empty_like(t) for t in weights]
+        finish_layer(rank_plan, rows, weights, staging, reload_fn=functools.partial(self._canonical, layer), layer=layer)
+        index = torch.tensor(changed, dtype=torch.int64)
+        new_rows = [s.index_select(0, index) for s in staging]
+        undo_rows = [torch.zeros_like(r) for r in new_rows]
+        return StagedLayer(index, new_rows, undo_rows)
 
     def _rescale_of(self, command: p.Prepare) -> p.Rescale:
         """The rescale a Prepare prepares, as the planning functions take it."""
@@ -559,8 +588,7 @@ class Worker:
             return
         if prep.standby is not None:
             self._abandoned_groups.append(prep.standby.discard())
-        for rows in prep.received.values():
-            self.comm.remove_buffer(rows)
+        prep.received.clear()
 
     def _take_preparation(self, cmd: p.Rescale) -> Preparation | None:
         """The preparation a prepared rescale switches with; any other rescale drops it first."""
@@ -743,9 +771,9 @@ class Worker:
                                                                                announced, prep)
             mark = time.perf_counter()
             if new_rank < 0:
-                self._destroy_group()
-                timing["group_seconds"] = time.perf_counter() - mark
+                # reported first: its teardown pauses nobody (the survivors decode on without it)
                 self._retire(cmd, started, bytes_moved, timing)
+                self._destroy_group()
                 return
             try:
                 if prep is not None:
@@ -775,7 +803,14 @@ class Worker:
             timing["group_seconds"] = time.perf_counter() - mark
             if prep is None:
                 self.non_expert_sync = None
-            base, held = self._share_state(cmd, new_rank, fresh, prepared=prep is not None)
+            mark = time.perf_counter()
+            base, held, source_started = self._share_state(cmd, new_rank, fresh, started, prepared=prep is not None)
+            timing["share_seconds"] = time.perf_counter() - mark  # step, maps, window, request batch
+            if fresh:
+                # a joining rank waited, standing by, while the old group still decoded: its part of the
+                # pause starts when the old group stopped (the lowest survivor's start, as it said)
+                timing["waited_seconds"] = max(0.0, source_started - started)
+                started = source_started
             if self.non_expert_sync is not None:  # a Hugging Face model's replicated weights, from a peer
                 timing["non_expert_bytes"] = self.non_expert_sync["bytes"]
                 timing["non_expert_seconds"] = self.non_expert_sync["seconds"]
@@ -831,8 +866,10 @@ class Worker:
             raise RuntimeError("the placement changed between Prepare and the rescale (the EPLB was off)")
         return prep.placement, prep.plans
 
-    def _share_state(self, cmd: p.Rescale, new_rank: int, fresh: bool, prepared: bool = False) -> tuple[Placement, torch.Tensor]:
-        """Agree on the state the new group starts from; returns ``(base placement, held rows)``.
+    def _share_state(self, cmd: p.Rescale, new_rank: int, fresh: bool, started: float,
+                     prepared: bool = False) -> tuple[Placement, torch.Tensor, float]:
+        """Agree on the state the new group starts from; returns ``(base placement, held rows, when the
+        lowest survivor began its rescale, on this rank's clock)``.
 
         The lowest surviving rank sends step, placement and load window to every rank of the
         new group: its placement is the *base* the policy starts from. What the weights hold
@@ -848,6 +885,7 @@ class Worker:
         payload: list[Any] = [None]
         if new_rank == source:
             payload = [{
+                "elapsed": time.perf_counter() - started,  # since this rank stopped decoding for the rescale
                 "batch_index": self.decoder.batch_index if self.decoder is not None else -1,
                 "step": self.step,
                 "p2l": self.eplb.placement.physical_to_logical,
@@ -859,10 +897,17 @@ class Worker:
             }]
         dist.broadcast_object_list(payload, src=source)
         state = payload[0]
+        source_started = time.perf_counter() - state["elapsed"]  # on this rank's clock, to a broadcast's latency
         own: list[Any] = [None] * cmd.new_size
-        dist.all_gather_object(own, None if fresh else (self.rank, self.eplb.placement.physical_to_logical))
-        self.step = state["step"]
         base = Placement.from_physical_to_logical(state["p2l"], self.sizes.num_logical_experts)
+        if prepared:
+            # drained, the EPLB off since Prepare: every survivor holds the base maps (checked here,
+            # locally; a survivor whose maps differ fails the rescale and the others roll back)
+            if not fresh and not self.eplb.placement.equals(base):
+                raise RuntimeError("this survivor's maps differ from the lowest survivor's after a drain")
+        else:
+            dist.all_gather_object(own, None if fresh else (self.rank, self.eplb.placement.physical_to_logical))
+        self.step = state["step"]
         held = base.physical_to_logical.clone()
         per_rank = held.shape[1] // len(cmd.mapping)
         for entry in own:
@@ -891,7 +936,7 @@ class Worker:
             if cmd.new_size > len(survivors) and not prepared:  # fresh ranks: the replicated weights from a survivor
                 self.non_expert_sync = self.model.sync_non_expert(src=source, group=None,
                                                                   timeout=self.spec.collective_timeout_s)
-        return base, held
+        return base, held, source_started
 
     def _announced_plan(self, cmd: p.Rescale, base: Placement) -> tuple[Placement, list[LayerPlan]] | None:
         """The placement and layer plans computed at Suppress for this very scale down, if nothing
@@ -984,11 +1029,15 @@ class Worker:
                 rank_plan = plan.for_rank(executing_rank)
                 old_layer = None if old_weights is None else old_weights[layer]
                 if layer in ahead:
-                    if not in_place:
-                        continue  # a joining rank received it into its weights, a leaving one sent it
-                    finish_layer(rank_plan, rows.get(layer), old_layer, staging,
-                                 reload_fn=functools.partial(self._canonical, layer), layer=layer)
-                    copied += len(rank_plan.recvs) * expert_bytes
+                    # a joining rank received it into its weights, a leaving one sent it; a survivor
+                    # copies the new contents of its changed slots in place (and their undo copy)
+                    staged = rows.get(layer)
+                    if in_place and staged is not None:
+                        assert weights is not None
+                        undo.save_into(layer, staged.slots, weights[layer], staged.undo_rows)
+                        staged.install(weights[layer])
+                        copied += 2 * staged.nbytes
+                    continue
                 else:
                     target = staging if in_place else ([] if weights is None else weights[layer])
                     stats = execute_layer(
