@@ -9,7 +9,8 @@ many MiB (the intermediate size is chosen for it), running the ``--sizes`` seque
 The pause (issue 16). A scale prepares in ``draining``: the standby group is formed and the
 experts move ahead of the pause (``Operation.prepare``), so the pause is the switch. Target per
 operation: pause <= 50 ms + (bytes still moved inside the pause / loopback bandwidth) + (bytes
-copied locally in the pause / memcpy bandwidth), both bandwidths measured here; and decode
+the busiest rank copies locally in the pause / memcpy bandwidth of one thread, as the workers
+run), both bandwidths measured here; and decode
 throughput while the pre-transfer runs >= 90% of the steady throughput just before the
 operation (decode steps per second of the old ranks in each window). The pause is fitted
 against the bytes the operation moved (ahead of the pause or in it), per direction: the slope
@@ -84,16 +85,22 @@ def intermediate_for(args: argparse.Namespace, mib_per_rank: float) -> int:
     return max(1, round(64 * mib_per_rank * MiB / per_rank_at_64))
 
 
-def memcpy_bandwidth(nbytes: int = 256 * MiB, repeats: int = 5) -> float:
-    """Bytes/s of one local tensor copy (what the pause's slot copies cost), median of ``repeats``."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # fault the pages in
-    times = []
-    for _ in range(repeats):
-        mark = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - mark)
+def memcpy_bandwidth(nbytes: int = 256 * MiB, repeats: int = 5, threads: int = 1) -> float:
+    """Bytes/s of one local tensor copy (what the pause's slot copies cost), median of ``repeats``,
+    with ``threads`` torch threads: 1 by default, as the workers run (``torch.set_num_threads(1)``)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        src = torch.ones(nbytes // 4, dtype=torch.float32)
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # fault the pages in
+        times = []
+        for _ in range(repeats):
+            mark = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - mark)
+    finally:
+        torch.set_num_threads(before)
     return nbytes / statistics.median(times)
 
 
@@ -290,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     console.print("  measuring loopback and memcpy bandwidth ...")
     bw = loopback_bandwidth(args.bw_mib * MiB)
     bandwidth = bw["bytes_per_second"]
-    memcpy = memcpy_bandwidth()
+    memcpy = memcpy_bandwidth()  # one thread, as a worker copies
+    memcpy_all_threads = memcpy_bandwidth(threads=torch.get_num_threads())
     cpus = os.cpu_count() or 1
     results = [r for run in runs for r in run["operations"]]
     for r in results:
@@ -319,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         table.add_row(f"{r['mib_per_rank']:.0f}", f"{r['from']} -> {r['to']}", *cells)
     console.print(table)
 
-    table = Table(title=f"The pause (loopback gloo {bandwidth / MiB:.0f} MiB/s one tensor, memcpy {memcpy / MiB:.0f} MiB/s)")
+    table = Table(title=f"The pause (loopback gloo {bandwidth / MiB:.0f} MiB/s one tensor; memcpy {memcpy / MiB:.0f} MiB/s on one "
+                        f"thread, as a worker copies; {memcpy_all_threads / MiB:.0f} MiB/s on {torch.get_num_threads()})")
     for col in ("MiB/rank", "operation", "pause", "moved ahead", "moved in pause", "copied in pause",
                 "target: 50 ms + b/bw + c/memcpy", "verdict", "prepare", "decode in prepare / steady", "verdict",
                 "longest step gap", "issue-4 limit: 2*all/bw + group", "verdict"):
@@ -371,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     for note in notes:
         console.print(f"[yellow]note[/yellow]: {note}")
     write_json(args.json_path, {"bench": "scale", "notes": notes, "args": vars(args), "machine": machine_info(),
-                                "bandwidth": bw, "memcpy_bytes_per_second": memcpy, "runs": runs,
+                                "bandwidth": bw, "memcpy_bytes_per_second": memcpy,
+                                "memcpy_bytes_per_second_all_threads": memcpy_all_threads, "runs": runs,
                                 "operations": results, "slopes": slopes,
                                 "verify_mismatched": mismatched, "pause_target_pass": all_pass,
                                 "prepare_throughput_pass": throughput_pass,

@@ -225,3 +225,25 @@ def test_a_surviving_rank_killed_during_the_pre_transfer_breaks_the_group_and_re
         assert c.snapshot()["ep_size"] == 2  # ranks 0 and 2 of the old group
         c.wait_for_step(c.snapshot()["step"] + 10)
         assert_consistent(c, 2)
+
+
+def test_a_staged_layer_holds_the_new_contents_of_every_changed_slot_from_receives_fan_out_and_local_copies():
+    import torch
+
+    from eplb.transfer import stage_layer
+
+    identity = [0, 1]
+    plan = plan_layer([0, 1, 2, 3, 4, 0], [3, 3, 1, 0, 4, 2], 3, 3, identity, identity)
+    for rank, old in ((0, [0, 1, 2]), (1, [3, 4, 0])):
+        rank_plan = plan.for_rank(rank)
+        weights = [torch.tensor(old, dtype=torch.float32).repeat_interleave(2).view(3, 2)]  # slot i holds expert old[i]
+        row_of = {slot: row for row, slot in enumerate(rank_plan.changed_slots)}
+        rows = [torch.full((len(row_of), 2), -1.0)]
+        for t in rank_plan.recvs:  # what receive_layer does: the expert lands in its first destination's row
+            rows[0][row_of[t.dst_slots[0]]] = float(t.expert)
+        stage_layer(rank_plan, rows, weights)
+        new = [3, 3, 1] if rank == 0 else [0, 4, 2]
+        assert {slot: int(rows[0][row, 0]) for slot, row in row_of.items()} == {s: new[s] for s in row_of}
+        assert weights[0][:, 0].tolist() == old  # the serving weights are only read
+    assert any(len(t.dst_slots) > 1 for t in plan.for_rank(0).recvs), "no fan-out: the test proves less"
+    assert plan.for_rank(0).local_copies and plan.for_rank(1).local_copies
