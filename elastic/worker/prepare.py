@@ -7,9 +7,10 @@ model serves. So the new placement and every layer's plan are computed once, the
 formed as a standby group, and the network part of the plan moves while the old group decodes:
 
 - a joining rank receives its experts straight into its fresh weights;
-- a surviving rank receives the experts it takes over into spare memory and stages the new
-  contents of every slot it changes, with room for their undo copy (:class:`StagedLayer`), at
-  most ``prestage_max_bytes``; layers that do not fit move in the pause;
+- a surviving rank stages the layers it changes in spare memory (:class:`StagedLayer`: the
+  whole new layer, swapped in at the switch, or with NIXL the new contents of the changed slots
+  and room for their undo copy, copied in place), at most ``prestage_max_bytes``; layers that do
+  not fit move in the pause;
 - a scale up moves over the standby group (the joining ranks are in no other group); a scale
   down over the old group (the leaving ranks are in no other).
 
@@ -45,17 +46,33 @@ def over_share(spent_s: float, elapsed_s: float, share: float) -> bool:
 
 @dataclass
 class StagedLayer:
-    """A surviving rank's layer, ready for the switch: the new contents of its changed local
-    ``slots`` (one ``[len(slots), ...]`` tensor per weight tensor) and as much room for the undo
-    copy of what they replace. The switch is two vectorized copies per weight tensor."""
+    """A surviving rank's layer, ready for the switch, in one of two forms.
 
-    slots: torch.Tensor  # int64 local slot indices
-    new_rows: list[torch.Tensor]
-    undo_rows: list[torch.Tensor]
+    - *Whole layer* (``layer``: the new tensors of the layer, every slot): the switch swaps them
+      in for the serving ones, which stay untouched until adoption (so nothing to undo and
+      nothing to copy). For communicators whose peers do not address the weight tensors (gloo,
+      NCCL).
+    - *Rows* (``new_rows``: the new contents of the changed local ``slots``, one ``[len(slots),
+      ...]`` tensor per weight tensor, and ``undo_rows``, as much room for the undo copy): the
+      switch copies them in place, two vectorized copies per weight tensor. For NIXL, whose peers
+      read the registered weight tensors: they must stay the same tensors.
+    """
+
+    slots: torch.Tensor  # int64 local slot indices that change
+    new_rows: list[torch.Tensor] = field(default_factory=list)
+    undo_rows: list[torch.Tensor] = field(default_factory=list)
+    layer: list[torch.Tensor] | None = None
 
     @property
     def nbytes(self) -> int:
+        """What the switch copies in place (the new rows; the undo copy is as large); 0 for a whole layer."""
         return sum(t.numel() * t.element_size() for t in self.new_rows)
+
+    @property
+    def held_bytes(self) -> int:
+        """Spare memory this layer holds until the switch."""
+        tensors = self.layer if self.layer is not None else [*self.new_rows, *self.undo_rows]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def install(self, weights: list[torch.Tensor]) -> None:
         for tensor, rows in zip(weights, self.new_rows):
@@ -93,8 +110,8 @@ class Preparation:
 
     @property
     def prestage_bytes(self) -> int:
-        """Spare memory held for the pause (a survivor's staged layers: new contents and undo room)."""
-        return sum(2 * staged.nbytes for staged in self.received.values())
+        """Spare memory held for the pause (a survivor's staged layers)."""
+        return sum(staged.held_bytes for staged in self.received.values())
 
     def words(self, now: float) -> list[int]:
         """This rank's vote at the next step boundary: [hold, failed]."""

@@ -175,6 +175,7 @@ class Worker:
         self.preparation: Preparation | None = None  # a scale's prepare sub-phase, from its Prepare to the switch
         self._prepare_failed = False  # this rank's Prepare failed: vote "failed" at the next step boundary
         self._detached: list[Any] = []  # the old generation's groups after a switch, shut down at Resume
+        self._released: list[Any] = []  # weight tensors a switch swapped out, freed at Resume
 
     @property
     def eplb(self) -> EPLBState:
@@ -505,6 +506,20 @@ class Worker:
             plan = prep.plans[layer]
             weights = self.model.expert_weights()[layer]
             rank_plan = plan.for_rank(prep.executing_rank)
+            timeout = min(self.spec.eplb.transfer_timeout_s, self.spec.collective_timeout_s / 2)
+            if prep.new_rank >= 0 and rank_plan.changed_slots and not self.comm.addresses_weights:
+                # the whole new layer: a copy of the serving one with the changed slots filled in
+                # (kept slots copied now, not in the pause); the switch swaps it in
+                layer_tensors = [t.clone() for t in weights]
+                stats = execute_layer(plan, prep.executing_rank, weights, layer_tensors, group=prep.group, timeout=timeout,
+                                      max_ops_per_batch=self.spec.eplb.max_ops_per_batch, layer=layer,
+                                      reload_fn=functools.partial(self._canonical, layer), communicator=self.comm,
+                                      migration_batching=self.spec.eplb.enable_migration_batching)
+                index = torch.tensor(rank_plan.changed_slots, dtype=torch.int64)
+                prep.received[layer] = StagedLayer(index, layer=layer_tensors)
+                prep.bytes_received += stats.bytes_received
+                prep.next_index += 1
+                return
             rows = None
             if prep.new_rank >= 0 and rank_plan.changed_slots:
                 rows = [torch.empty((len(rank_plan.changed_slots), *t.shape[1:]), dtype=t.dtype) for t in weights]
@@ -512,8 +527,7 @@ class Worker:
             # within half a collective timeout: a rank whose peer gave up on this layer must come
             # back to the step-boundary all-reduce before its peers there time out (which would
             # break the serving group for a scale that only had to fail)
-            stats = receive_layer(plan, prep.executing_rank, weights, rows, group=prep.group,
-                                  timeout=min(self.spec.eplb.transfer_timeout_s, self.spec.collective_timeout_s / 2),
+            stats = receive_layer(plan, prep.executing_rank, weights, rows, group=prep.group, timeout=timeout,
                                   max_ops_per_batch=self.spec.eplb.max_ops_per_batch, layer=layer, communicator=self.comm,
                                   migration_batching=self.spec.eplb.enable_migration_batching)
             if rows is not None:  # a survivor: the new contents of its changed slots, ready to copy in place
@@ -556,7 +570,8 @@ class Worker:
             bounded = self.spec_survivors(command)
         else:
             bounded = [old for old, n in enumerate(command.mapping) if n >= 0]
-        layers = prestage_layers(plans, self.sizes.expert_bytes, command.prestage_max_bytes, bounded)
+        layers = prestage_layers(plans, self.sizes.expert_bytes, command.prestage_max_bytes, bounded,
+                                 whole_layers=not self.comm.addresses_weights)
         return Preparation(command=command, executing_rank=executing_rank, new_rank=new_rank, standby=standby,
                            base=base, placement=placement, plans=plans, layers=layers,
                            group=standby.pg if command.execute_on == "new" and standby is not None else None,
@@ -583,7 +598,8 @@ class Worker:
         if prep.standby is not None:
             self._abandoned_groups.append(prep.standby.discard())
         for staged in prep.received.values():
-            self.comm.remove_buffer(staged.new_rows)  # deregistered before it is freed
+            if staged.new_rows:
+                self.comm.remove_buffer(staged.new_rows)  # deregistered before it is freed
         prep.received.clear()
 
     def _take_preparation(self, cmd: p.Rescale) -> Preparation | None:
@@ -632,6 +648,7 @@ class Worker:
         started = time.perf_counter()
         with self._busy(p.WorkerMode.RESUMING):  # the EPLB group and memory registration: not silence
             shutdown_detached(self._detached)  # the old generation's groups, after the pause
+            self._released.clear()  # and the weight tensors the switch swapped out
             self._resume_eplb()
         self.mode = p.WorkerMode.DECODING
         self._done(command, p.ResumeDone(seconds=time.perf_counter() - started, threads=_thread_names()))
@@ -1012,7 +1029,9 @@ class Worker:
         weights: list[list[torch.Tensor]] | None = None
         if in_place:
             assert old_weights is not None
-            weights = old_weights
+            # a new list: a staged whole layer replaces its entry, and the model's list stays as it
+            # was until adoption (the in-place layers are the same tensors)
+            weights = list(old_weights)
             staging = [torch.empty_like(t) for t in old_weights[0]]
         else:
             if my_new_rank >= 0:
@@ -1036,9 +1055,12 @@ class Worker:
                     staged = rows.get(layer)
                     if in_place and staged is not None:
                         assert weights is not None
-                        undo.save_into(layer, staged.slots, weights[layer], staged.undo_rows)
-                        staged.install(weights[layer])
-                        copied += 2 * staged.nbytes
+                        if staged.layer is not None:  # swapped in at adoption: the serving tensors stay as they are
+                            weights[layer] = staged.layer
+                        else:
+                            undo.save_into(layer, staged.slots, weights[layer], staged.undo_rows)
+                            staged.install(weights[layer])
+                            copied += 2 * staged.nbytes
                     continue
                 else:
                     target = staging if in_place else ([] if weights is None else weights[layer])
@@ -1134,6 +1156,9 @@ class Worker:
         self.rank, self.size, self.generation = new_rank, cmd.new_size, cmd.generation
         self.model.install_placement(placement, new_rank, cmd.new_size)
         self.comm.adopt_incoming()  # registrations follow the tensors (old ones deregistered first)
+        # tensors a switch swapped out are freed at Resume, not here: giving back a few GiB is kernel
+        # work that would lengthen the pause
+        self._released.append(self.model.expert_weights())
         self.model.replace_weights(weights)
         if self.decoder is not None:
             self.decoder.state = None  # a joining rank has no KV cache: every rank starts the next batch
