@@ -369,9 +369,9 @@ def estimate_worker_memory(config: DeploymentConfig) -> MemoryEstimate | None:
 
     The reference model holds no KV cache; the load window (``[window, layers, experts]`` int64 on
     every rank) is the part that grows with traffic history instead. A rescale writes through
-    the same one-layer staging buffer. With ``scaling.prepare``, a surviving rank holds the new
-    contents of the slots it changes, and room for their undo copy, until the switch: at most
-    ``scaling.prestage_max_bytes``, and never more than twice its own slots of every layer.
+    the same one-layer staging buffer. With ``scaling.prepare``, a surviving rank holds the layers
+    it changes until the switch (whole, or with NIXL the changed slots and room for their undo
+    copy): at most ``scaling.prestage_max_bytes``, and never more than twice its own slots.
     """
     from eplb.model import ModelShape  # torch: loaded already by the config's model
 
@@ -392,7 +392,7 @@ def estimate_worker_memory(config: DeploymentConfig) -> MemoryEstimate | None:
         "runtime": RUNTIME_BYTES,
     }
     if config.scaling.prepare:
-        # a survivor stages at most every slot it holds, with room for its undo copy
+        # a survivor stages at most every slot it holds (whole layers), or with NIXL every slot with room for its undo copy
         parts["pre-transfer"] = min(int(config.scaling.prestage_max_bytes), 2 * parts["weights"])
     redundant = config.eplb.num_redundant_experts
     knobs = {
@@ -406,7 +406,7 @@ def estimate_worker_memory(config: DeploymentConfig) -> MemoryEstimate | None:
     detail = {
         "weights": f"{slots} slots x {shape.num_layers} layers x {format_bytes(expert)}",
         "staging": "one layer of slots",
-        "pre-transfer": "a surviving rank's staged slots and their undo room, ahead of a scale's pause",
+        "pre-transfer": "the layers a surviving rank stages ahead of a scale's pause",
         "load window": f"{config.eplb.window_size} steps x {shape.num_layers} layers x {shape.num_experts} experts",
     }
     return MemoryEstimate(parts, knobs, detail)
