@@ -97,8 +97,7 @@ def global_batches(plan, num_tensors: int, max_ops: int, batching: bool):
 @settings(max_examples=300, deadline=None)
 @given(layouts(), st.integers(1, 3), st.integers(1, 7))
 def test_batches_with_migration_batching_talk_to_one_peer_per_direction(case, num_tensors, max_ops):
-    old_row, new_row, s_old, s_new, old_holder, new_holder = case
-    plan = plan_layer(old_row, new_row, s_old, s_new, old_holder, new_holder)
+    plan = plan_layer(*case)
     batches, counts = global_batches(plan, num_tensors, max_ops, True)
     # every rank counts the same batches, and every op of the layer lies in exactly one of them
     # (the sender and the receiver of an op put it in the same batch: one entry per op)
@@ -125,8 +124,7 @@ def test_batches_with_migration_batching_talk_to_one_peer_per_direction(case, nu
 @settings(max_examples=100, deadline=None)
 @given(layouts(), st.integers(1, 3), st.integers(1, 7))
 def test_batches_without_migration_batching_are_the_plain_chunks(case, num_tensors, max_ops):
-    old_row, new_row, s_old, s_new, old_holder, new_holder = case
-    plan = plan_layer(old_row, new_row, s_old, s_new, old_holder, new_holder)
+    plan = plan_layer(*case)
     batches, counts = global_batches(plan, num_tensors, max_ops, False)
     for b, members in batches.items():
         assert all(op[0] // max_ops == b for op in members)
