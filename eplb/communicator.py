@@ -168,9 +168,6 @@ class Communicator(ABC):
     #: True when every rank of the group must call ``exchange`` for every layer, idle or not
     #: (the communicator ends each layer with a collective)
     collective_per_layer: bool = False
-    #: True when peers address this rank's weight tensors directly (registered, published): then a
-    #: rank must keep writing the same tensors in place, never swap in new ones mid-generation
-    addresses_weights: bool = False
 
     def bind(self, generation: int, store: Any | None = None) -> None:
         """A new group generation formed; ``store`` is that generation's store (a ``PrefixStore``)."""
@@ -406,7 +403,6 @@ class NixlCommunicator(Communicator):
 
     name = "nixl"
     collective_per_layer = True
-    addresses_weights = True
 
     def __init__(self, *, agent_name: str | None = None, backends: Sequence[str] = ("UCX",),
                  progress_thread: bool = False):

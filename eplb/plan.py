@@ -486,33 +486,27 @@ def holders_from_mapping(
 
 
 def prestage_layers(plans: Sequence[LayerPlan], expert_bytes: int, budget_bytes: int,
-                    bounded: Iterable[int], whole_layers: bool = False) -> tuple[int, ...]:
+                    bounded: Iterable[int]) -> tuple[int, ...]:
     """The layers a rescale prepares ahead of its pause (pure: every rank gets the same answer
     from the same plans).
 
     Every layer that changes a slot anywhere, in layer order, first fit: a layer is taken when
     every rank of ``bounded`` (group ranks that keep serving from their weights until the switch)
     still holds at most ``budget_bytes`` with it; a layer that does not fit is skipped (it moves
-    in the pause) and later, smaller ones may still fit. What a bounded rank holds for a layer it
-    changes: the whole layer's new tensors (``whole_layers``: the switch swaps them in, nothing
-    is copied; ``new slots * expert_bytes``), or the new contents of each changed slot with room
-    for its undo copy (``2 * changed slots * expert_bytes``; the switch copies them in place).
-    Ranks outside ``bounded`` (joining ranks: they receive into their fresh weights) take part
-    without a budget.
+    in the pause) and later ones may still fit. A bounded rank holds, for a layer it changes, the
+    whole new layer (``new slots * expert_bytes``: the switch swaps it in); nothing for a layer
+    it does not change. Ranks outside ``bounded`` (joining ranks: they receive into their fresh
+    weights) take part without a budget.
     """
     used = {rank: 0 for rank in bounded}
     chosen: list[int] = []
-
-    def held(rank_plan: RankPlan) -> int:
-        changed = len(rank_plan.changed_slots)
-        if not changed:
-            return 0
-        return (rank_plan.num_new_slots if whole_layers else 2 * changed) * expert_bytes
-
     for index, plan in enumerate(plans):
         if all(plan.for_rank(rank).is_idle for rank in plan.group_ranks):
             continue
-        need = {rank: held(plan.for_rank(rank)) for rank in used}
+        need = {}
+        for rank in used:
+            rank_plan = plan.for_rank(rank)
+            need[rank] = rank_plan.num_new_slots * expert_bytes if rank_plan.changed_slots else 0
         if all(used[rank] + n <= budget_bytes for rank, n in need.items()):
             for rank, n in need.items():
                 used[rank] += n

@@ -93,8 +93,6 @@ __all__ = [
     "execute_layer",
     "materialize",
     "op_batches",
-    "receive_layer",
-    "stage_layer",
 ]
 
 
@@ -201,87 +199,6 @@ def execute_layer(
                    migration_batching=migration_batching)
     _local_phase(rp, old, new, num_tensors, reload_fn, layer)
     return _stats(rp, old, new, started)
-
-
-def receive_layer(
-    plan: LayerPlan,
-    my_group_rank: int,
-    old_weights: Sequence[torch.Tensor] | None,
-    changed: Sequence[torch.Tensor] | None,
-    *,
-    group: dist.ProcessGroup | None = None,
-    timeout: timedelta | float = 60.0,
-    max_ops_per_batch: int = 64,
-    layer: int | None = None,
-    communicator: Communicator | None = None,
-    migration_batching: bool = False,
-) -> TransferStats:
-    """The network phase of :func:`execute_layer` alone, ahead of time: this rank's sends from
-    ``old_weights``, and its receives into ``changed``, a compact buffer with one row per changed
-    local slot (per weight tensor ``[len(rank_plan.changed_slots), ...]``, rows in the order of
-    ``changed_slots``): a received expert lands in the row of its first destination slot.
-    :func:`stage_layer` then fills the other rows. Same protocol, ordering and deadline as
-    :func:`execute_layer`, so the ranks of a group may mix the two for one layer."""
-    started = time.monotonic()
-    limit = _seconds(timeout)
-    rp = _rank_plan(plan, my_group_rank, group, max_ops_per_batch)
-    old = _tensors(old_weights)
-    rows = _tensors(changed)
-    row_of = {slot: row for row, slot in enumerate(rp.changed_slots)}
-    if rp.recvs and (not rows or any(t.shape[0] != len(row_of) for t in rows)):
-        raise ValueError(f"rank {rp.group_rank} changes {len(row_of)} slots: the buffer needs that many rows, "
-                         f"has {[tuple(t.shape) for t in rows]}")
-    if rp.sends and (not old or any(t.shape[0] != rp.num_old_slots for t in old)):
-        raise ValueError(f"rank {rp.group_rank} sends but was given no old weights of {rp.num_old_slots} slots")
-    num_tensors = len(rows) if rp.recvs else len(old)
-    _network_phase(rp, old, num_tensors, lambda k, t, w: rows[w][row_of[t.dst_slots[0]]], group=group,
-                   started=started, limit=limit, max_ops_per_batch=max_ops_per_batch, layer=layer,
-                   communicator=communicator, migration_batching=migration_batching)
-    return TransferStats(bytes_sent=len(rp.sends) * _expert_bytes(old), bytes_received=len(rp.recvs) * _expert_bytes(rows),
-                         num_sends=len(rp.sends), num_recvs=len(rp.recvs), seconds=time.monotonic() - started)
-
-
-def stage_layer(
-    rank_plan: RankPlan,
-    changed: Sequence[torch.Tensor],
-    old_weights: Sequence[torch.Tensor] | None,
-    reload_fn: Callable[[int], Sequence[torch.Tensor]] | None = None,
-    layer: int | None = None,
-) -> TransferStats:
-    """The local phase of a layer :func:`receive_layer` received into ``changed`` (one row per
-    changed slot, in ``changed_slots`` order): received experts fanned out to their other rows,
-    local copies from ``old_weights``, reloads. ``changed`` then holds the new contents of every
-    changed slot, which ``weights[layer].index_copy_(0, changed_slots, changed)`` installs. Nothing
-    crosses the network, and ``old_weights`` are only read."""
-    started = time.monotonic()
-    rows = _tensors(changed)
-    old = _tensors(old_weights)
-    row_of = {slot: row for row, slot in enumerate(rank_plan.changed_slots)}
-    if any(t.shape[0] != len(row_of) for t in rows):
-        raise ValueError(f"rank {rank_plan.group_rank} changes {len(row_of)} slots, the rows are {[tuple(t.shape) for t in rows]}")
-    if rank_plan.local_copies and not old:
-        raise ValueError(f"rank {rank_plan.group_rank} copies locally but was given no old weights")
-    if rank_plan.reloads and reload_fn is None:
-        raise ValueError(f"rank {rank_plan.group_rank} must reload experts but no reload_fn was given")
-    for t in rank_plan.recvs:
-        first = row_of[t.dst_slots[0]]
-        for row in rows:
-            for j in t.dst_slots[1:]:
-                row[row_of[j]].copy_(row[first])
-    for i, j in rank_plan.local_copies:
-        for row, source in zip(rows, old):
-            row[row_of[j]].copy_(source[i])
-    for r in rank_plan.reloads:
-        try:
-            loaded = list(reload_fn(r.expert))  # type: ignore[misc]
-        except Exception as exc:
-            raise TransferError(f"reloading expert {r.expert} failed", layer=layer, rank=rank_plan.group_rank,
-                                cause=f"{type(exc).__name__}: {exc}") from exc
-        for row, value in zip(rows, loaded):
-            for j in r.slots:
-                row[row_of[j]].copy_(value)
-    return TransferStats(num_local_copies=len(rank_plan.local_copies), num_reloads=len(rank_plan.reloads),
-                         seconds=time.monotonic() - started)
 
 
 def _rank_plan(plan: RankPlan | LayerPlan, my_group_rank: int | None, group: dist.ProcessGroup | None,

@@ -84,11 +84,9 @@ class ScalingConfig(BaseModel):
     prepare: bool = Field(True, description="form the next group as a standby group and pre-transfer experts in "
                           "draining, so the pause only switches; false: everything happens in the pause (as before)")
     prestage_max_bytes: ByteSize = Field(ByteSize(512 * 2**20), ge=0, description="spare memory a surviving rank may "
-                                         "hold ahead of the pause for the layers it changes: each whole new layer (gloo, "
-                                         "NCCL: swapped in at the switch) or, with NIXL, the changed slots' new contents "
-                                         "and room for their undo copy (bytes, or with a unit: '1GiB'); layers that do "
-                                         "not fit move in the pause. A joining rank receives into its fresh weights and "
-                                         "needs none")
+                                         "hold ahead of the pause: each layer it changes, whole, swapped in at the switch "
+                                         "(bytes, or with a unit: '1GiB'); layers that do not fit move in the pause. A "
+                                         "joining rank receives into its fresh weights and needs none")
     prestage_share: float = Field(0.1, gt=0, le=1.0, description="the most of the wall time the pre-transfer may take "
                                   "from decoding (a layer starts only while every rank's share is below it); past half the "
                                   "draining deadline the remaining layers go back to back, so a slow link cannot make the "

@@ -370,8 +370,8 @@ def estimate_worker_memory(config: DeploymentConfig) -> MemoryEstimate | None:
     The reference model holds no KV cache; the load window (``[window, layers, experts]`` int64 on
     every rank) is the part that grows with traffic history instead. A rescale writes through
     the same one-layer staging buffer. With ``scaling.prepare``, a surviving rank holds the layers
-    it changes until the switch (whole, or with NIXL the changed slots and room for their undo
-    copy): at most ``scaling.prestage_max_bytes``, and never more than twice its own slots.
+    it changes, whole, until the switch: at most ``scaling.prestage_max_bytes``, and never more
+    than its own weights.
     """
     from eplb.model import ModelShape  # torch: loaded already by the config's model
 
@@ -392,8 +392,8 @@ def estimate_worker_memory(config: DeploymentConfig) -> MemoryEstimate | None:
         "runtime": RUNTIME_BYTES,
     }
     if config.scaling.prepare:
-        # a survivor stages at most every slot it holds (whole layers), or with NIXL every slot with room for its undo copy
-        parts["pre-transfer"] = min(int(config.scaling.prestage_max_bytes), 2 * parts["weights"])
+        # a survivor stages at most every layer it holds, whole
+        parts["pre-transfer"] = min(int(config.scaling.prestage_max_bytes), parts["weights"])
     redundant = config.eplb.num_redundant_experts
     knobs = {
         "weights": "eplb.num_redundant_experts" if redundant > shape.num_experts else "model",

@@ -7,10 +7,9 @@ model serves. So the new placement and every layer's plan are computed once, the
 formed as a standby group, and the network part of the plan moves while the old group decodes:
 
 - a joining rank receives its experts straight into its fresh weights;
-- a surviving rank stages the layers it changes in spare memory (:class:`StagedLayer`: the
-  whole new layer, swapped in at the switch, or with NIXL the new contents of the changed slots
-  and room for their undo copy, copied in place), at most ``prestage_max_bytes``; layers that do
-  not fit move in the pause;
+- a surviving rank stages each layer it changes whole in spare memory (a copy of its serving
+  tensors with the changed slots filled in), at most ``prestage_max_bytes``, and the switch swaps
+  it in; layers that do not fit move in the pause;
 - a scale up moves over the standby group (the joining ranks are in no other group); a scale
   down over the old group (the leaving ranks are in no other).
 
@@ -18,8 +17,9 @@ Old ranks move one layer per decode step, at agreed steps: the step-boundary all
 two words (:meth:`Preparation.words`): *hold* (some rank has spent more than its share of the
 wall time on the pre-transfer, and the pacing window has not run out) and *failed* (some rank's layer failed: every rank drops the
 preparation at the same step and the old group keeps serving). The joining ranks wait for each
-layer in turn. The pause is then the switch: install the standby group, copy the pre-transferred
-slots in place (with the undo log), move what was left, a barrier, adopt.
+layer in turn. The pause is then the switch: install the standby group, swap the staged layers in (the
+serving tensors stay untouched until adoption, so there is nothing to undo), move what was
+left, a barrier, adopt.
 """
 
 from __future__ import annotations
@@ -45,41 +45,6 @@ def over_share(spent_s: float, elapsed_s: float, share: float) -> bool:
 
 
 @dataclass
-class StagedLayer:
-    """A surviving rank's layer, ready for the switch, in one of two forms.
-
-    - *Whole layer* (``layer``: the new tensors of the layer, every slot): the switch swaps them
-      in for the serving ones, which stay untouched until adoption (so nothing to undo and
-      nothing to copy). For communicators whose peers do not address the weight tensors (gloo,
-      NCCL).
-    - *Rows* (``new_rows``: the new contents of the changed local ``slots``, one ``[len(slots),
-      ...]`` tensor per weight tensor, and ``undo_rows``, as much room for the undo copy): the
-      switch copies them in place, two vectorized copies per weight tensor. For NIXL, whose peers
-      read the registered weight tensors: they must stay the same tensors.
-    """
-
-    slots: torch.Tensor  # int64 local slot indices that change
-    new_rows: list[torch.Tensor] = field(default_factory=list)
-    undo_rows: list[torch.Tensor] = field(default_factory=list)
-    layer: list[torch.Tensor] | None = None
-
-    @property
-    def nbytes(self) -> int:
-        """What the switch copies in place (the new rows; the undo copy is as large); 0 for a whole layer."""
-        return sum(t.numel() * t.element_size() for t in self.new_rows)
-
-    @property
-    def held_bytes(self) -> int:
-        """Spare memory this layer holds until the switch."""
-        tensors = self.layer if self.layer is not None else [*self.new_rows, *self.undo_rows]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    def install(self, weights: list[torch.Tensor]) -> None:
-        for tensor, rows in zip(weights, self.new_rows):
-            tensor.index_copy_(0, self.slots, rows)
-
-
-@dataclass
 class Preparation:
     """Everything one rank holds for a prepared scale, from its Prepare to the switch."""
 
@@ -96,7 +61,8 @@ class Preparation:
     started: float  # time.perf_counter() at the Prepare
     group_seconds: float = 0.0
     placement_seconds: float = 0.0
-    received: dict[int, StagedLayer] = field(default_factory=dict)  # a survivor's staged layers
+    #: a survivor's staged layers: per layer, its whole new tensors (swapped in at the switch)
+    received: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     next_index: int = 0  # into ``layers``
     spent: float = 0.0  # seconds in pre-transfer layers
     bytes_received: int = 0
@@ -111,7 +77,7 @@ class Preparation:
     @property
     def prestage_bytes(self) -> int:
         """Spare memory held for the pause (a survivor's staged layers)."""
-        return sum(staged.held_bytes for staged in self.received.values())
+        return sum(t.numel() * t.element_size() for staged in self.received.values() for t in staged)
 
     def words(self, now: float) -> list[int]:
         """This rank's vote at the next step boundary: [hold, failed]."""

@@ -42,7 +42,7 @@ from elastic.worker.groups import (
     shutdown_detached,
 )
 from elastic.worker.injector import FaultInjector
-from elastic.worker.prepare import PREPARE_WORDS, Preparation, StagedLayer
+from elastic.worker.prepare import PREPARE_WORDS, Preparation
 from eplb.communicator import make_communicator
 from eplb.config import EPLBConfig
 from eplb.model import ModelShape
@@ -52,7 +52,7 @@ from eplb.placement import Placement
 from eplb.plan import LayerPlan, holders_from_mapping, plan_layer, prestage_layers
 from eplb.state import CONTROL_WORDS, EPLBState, LoadWindow, TransferHooks, placement_for
 from eplb.trace import PhasedTrace, TraceConfig
-from eplb.transfer import commit_layer, execute_layer, materialize, receive_layer, stage_layer
+from eplb.transfer import commit_layer, execute_layer, materialize
 
 log = logging.getLogger("elastic.worker.process")
 
@@ -110,13 +110,6 @@ class UndoLog:
         if slots:
             index = torch.tensor(list(slots), dtype=torch.int64)
             self._saved.append((layer, index, [t.index_select(0, index) for t in weights]))
-
-    def save_into(self, layer: int, index: torch.Tensor, weights: list[torch.Tensor], rows: list[torch.Tensor]) -> None:
-        """:meth:`save` into rows allocated (and faulted in) ahead, so the pause allocates nothing."""
-        if index.numel():
-            for t, row in zip(weights, rows):
-                torch.index_select(t, 0, index, out=row)
-            self._saved.append((layer, index, rows))
 
     def replay(self, weights: list[list[torch.Tensor]]) -> None:
         """Put back everything saved (newest first) and forget it."""
@@ -176,6 +169,7 @@ class Worker:
         self._prepare_failed = False  # this rank's Prepare failed: vote "failed" at the next step boundary
         self._detached: list[Any] = []  # the old generation's groups after a switch, shut down at Resume
         self._released: list[Any] = []  # weight tensors a switch swapped out, freed at Resume
+        self._exchange_again = False  # a prepared switch swapped weight tensors: the communicator exchanges anew
 
     @property
     def eplb(self) -> EPLBState:
@@ -506,34 +500,22 @@ class Worker:
             plan = prep.plans[layer]
             weights = self.model.expert_weights()[layer]
             rank_plan = plan.for_rank(prep.executing_rank)
-            timeout = min(self.spec.eplb.transfer_timeout_s, self.spec.collective_timeout_s / 2)
-            if prep.new_rank >= 0 and rank_plan.changed_slots and not self.comm.addresses_weights:
-                # the whole new layer: a copy of the serving one with the changed slots filled in
-                # (kept slots copied now, not in the pause); the switch swaps it in
-                layer_tensors = [t.clone() for t in weights]
-                stats = execute_layer(plan, prep.executing_rank, weights, layer_tensors, group=prep.group, timeout=timeout,
-                                      max_ops_per_batch=self.spec.eplb.max_ops_per_batch, layer=layer,
-                                      reload_fn=functools.partial(self._canonical, layer), communicator=self.comm,
-                                      migration_batching=self.spec.eplb.enable_migration_batching)
-                index = torch.tensor(rank_plan.changed_slots, dtype=torch.int64)
-                prep.received[layer] = StagedLayer(index, layer=layer_tensors)
-                prep.bytes_received += stats.bytes_received
-                prep.next_index += 1
-                return
-            rows = None
-            if prep.new_rank >= 0 and rank_plan.changed_slots:
-                rows = [torch.empty((len(rank_plan.changed_slots), *t.shape[1:]), dtype=t.dtype) for t in weights]
-                self.comm.add_buffer(rows, transient=True)  # registered until the switch adopts (NIXL)
             # within half a collective timeout: a rank whose peer gave up on this layer must come
             # back to the step-boundary all-reduce before its peers there time out (which would
             # break the serving group for a scale that only had to fail)
-            stats = receive_layer(plan, prep.executing_rank, weights, rows, group=prep.group, timeout=timeout,
-                                  max_ops_per_batch=self.spec.eplb.max_ops_per_batch, layer=layer, communicator=self.comm,
+            timeout = min(self.spec.eplb.transfer_timeout_s, self.spec.collective_timeout_s / 2)
+            staged = None
+            if prep.new_rank >= 0 and rank_plan.changed_slots:
+                # the whole new layer: a copy of the serving one with the changed slots filled in
+                # (kept slots copied now, not in the pause); the switch swaps it in
+                staged = [t.clone() for t in weights]
+                self.comm.add_buffer(staged, transient=True)  # received into (NIXL); it is the weights after the switch
+            stats = execute_layer(plan, prep.executing_rank, weights, staged, group=prep.group, timeout=timeout,
+                                  max_ops_per_batch=self.spec.eplb.max_ops_per_batch, layer=layer,
+                                  reload_fn=functools.partial(self._canonical, layer), communicator=self.comm,
                                   migration_batching=self.spec.eplb.enable_migration_batching)
-            if rows is not None:  # a survivor: the new contents of its changed slots, ready to copy in place
-                stage_layer(rank_plan, rows, weights, reload_fn=functools.partial(self._canonical, layer), layer=layer)
-                index = torch.tensor(rank_plan.changed_slots, dtype=torch.int64)
-                prep.received[layer] = StagedLayer(index, rows, [torch.zeros_like(r) for r in rows])  # undo room, faulted in
+            if staged is not None:
+                prep.received[layer] = staged
             prep.bytes_received += stats.bytes_received
             prep.next_index += 1
         except Exception as exc:  # noqa: BLE001 - the scale fails; the old group goes on serving
@@ -570,8 +552,7 @@ class Worker:
             bounded = self.spec_survivors(command)
         else:
             bounded = [old for old, n in enumerate(command.mapping) if n >= 0]
-        layers = prestage_layers(plans, self.sizes.expert_bytes, command.prestage_max_bytes, bounded,
-                                 whole_layers=not self.comm.addresses_weights)
+        layers = prestage_layers(plans, self.sizes.expert_bytes, command.prestage_max_bytes, bounded)
         return Preparation(command=command, executing_rank=executing_rank, new_rank=new_rank, standby=standby,
                            base=base, placement=placement, plans=plans, layers=layers,
                            group=standby.pg if command.execute_on == "new" and standby is not None else None,
@@ -598,8 +579,7 @@ class Worker:
         if prep.standby is not None:
             self._abandoned_groups.append(prep.standby.discard())
         for staged in prep.received.values():
-            if staged.new_rows:
-                self.comm.remove_buffer(staged.new_rows)  # deregistered before it is freed
+            self.comm.remove_buffer(staged)  # deregistered before it is freed
         prep.received.clear()
 
     def _take_preparation(self, cmd: p.Rescale) -> Preparation | None:
@@ -648,8 +628,8 @@ class Worker:
         started = time.perf_counter()
         with self._busy(p.WorkerMode.RESUMING):  # the EPLB group and memory registration: not silence
             shutdown_detached(self._detached)  # the old generation's groups, after the pause
-            self._released.clear()  # and the weight tensors the switch swapped out
             self._resume_eplb()
+            self._released.clear()  # the weight tensors the switch swapped out (deregistered by now)
         self.mode = p.WorkerMode.DECODING
         self._done(command, p.ResumeDone(seconds=time.perf_counter() - started, threads=_thread_names()))
 
@@ -1010,7 +990,7 @@ class Worker:
         matches the weights. A fresh rank allocates its weights. ``plans`` are the layer plans
         when already computed (:meth:`_layer_plans`). The layers of ``prestaged`` crossed the
         network before the pause: a survivor makes their staging from its received rows
-        (:class:`StagedLayer`), a joining rank already holds them, a leaving rank sent them.
+        (the whole new layer, swapped in), a joining rank already holds them, a leaving rank sent them.
         """
         per_rank = held.shape[1] // len(cmd.mapping)
         plans = self._layer_plans(cmd, held, new_placement) if plans is None else plans
@@ -1055,12 +1035,7 @@ class Worker:
                     staged = rows.get(layer)
                     if in_place and staged is not None:
                         assert weights is not None
-                        if staged.layer is not None:  # swapped in at adoption: the serving tensors stay as they are
-                            weights[layer] = staged.layer
-                        else:
-                            undo.save_into(layer, staged.slots, weights[layer], staged.undo_rows)
-                            staged.install(weights[layer])
-                            copied += 2 * staged.nbytes
+                        weights[layer] = staged  # swapped in at adoption: the serving tensors stay as they are
                     continue
                 else:
                     target = staging if in_place else ([] if weights is None else weights[layer])
@@ -1089,8 +1064,16 @@ class Worker:
 
     def _attach_comm(self, generation: int) -> None:
         """The communicator follows the group generation: NIXL forgets the peers of the previous
-        one and exchanges metadata through this one's store at its first transfer."""
-        self.comm.bind(generation, dist.PrefixStore(f"elastic/gen{generation}/", self.store))
+        one and exchanges metadata through this one's store at its first transfer. After a
+        prepared switch, which swapped staged layers in for weight tensors its peers may have
+        learned at the pre-transfer's exchange, every rank of the generation exchanges again,
+        under keys of its own (the earlier exchange's keys are still in the store)."""
+        prefix = f"elastic/gen{generation}/"
+        if self._exchange_again:
+            self._exchange_again = False
+            self.comm.bind(-1)  # forget this generation's peers and exchange
+            prefix += "after-switch/"
+        self.comm.bind(generation, dist.PrefixStore(prefix, self.store))
         self.comm.set_weights(self.model.expert_weights())  # registrations follow the tensors
 
     def _comm_for_rescale(self, cmd: p.Rescale, incoming, staging) -> None:
@@ -1160,6 +1143,7 @@ class Worker:
         # work that would lengthen the pause
         self._released.append(self.model.expert_weights())
         self.model.replace_weights(weights)
+        self._exchange_again = cmd.prepared  # the same on every rank of the generation
         if self.decoder is not None:
             self.decoder.state = None  # a joining rank has no KV cache: every rank starts the next batch
             # router counts a failed forward left behind (a survivor's) would enter this rank's load
