@@ -228,3 +228,86 @@ def test_a_surviving_rank_killed_during_the_pre_transfer_breaks_the_group_and_re
         assert c.snapshot()["ep_size"] == 2  # ranks 0 and 2 of the old group
         c.wait_for_step(c.snapshot()["step"] + 10)
         assert_consistent(c, 2)
+
+
+@pytest.mark.parametrize("value, message", [
+    (-1, "expected a number of bytes >= 0, got -1"),
+    (True, "expected a number of bytes (or with a unit: '1GiB'), got True"),
+    ("lots", "could not parse value and unit"),
+])
+def test_a_bad_prestage_budget_is_refused_naming_the_field(value, message):
+    from pydantic import ValidationError
+
+    from elastic.deployment import DeploymentConfig
+
+    with pytest.raises(ValidationError, match="scaling.prestage_max_bytes") as info:
+        DeploymentConfig(scaling={"prestage_max_bytes": value})
+    assert message in str(info.value)
+    with pytest.raises(ValidationError, match="scaling.prestage_share"):
+        DeploymentConfig(scaling={"prestage_share": 0})
+
+
+def test_retiring_standby_ranks_never_raises_when_one_is_already_gone():
+    """A standby rank that died on its own between the liveness check and the kill (a killed
+    joining rank reaped by the forkserver) once made the operation's error handler raise, so the
+    operation held the machine for good and recover() was refused."""
+    from types import SimpleNamespace
+
+    from elastic.control.coordinator import Coordinator, WorkerRecord
+
+    class Gone:
+        def kill(self) -> None:
+            raise ProcessLookupError(3, "No such process")
+
+    class Alive:
+        killed = False
+
+        def kill(self) -> None:
+            self.killed = True
+
+    alive = Alive()
+    records = [WorkerRecord(Gone(), 2, 1, standby=True), WorkerRecord(alive, 3, 1, standby=True)]
+    Coordinator._retire_standby(SimpleNamespace(), records)  # type: ignore[arg-type]
+    assert alive.killed and all(w.expected_exit for w in records)
+
+
+def _fds(pid: int) -> int:
+    import os
+
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_failed_preparations_leave_the_serving_ranks_no_groups_sockets_or_threads_behind():
+    config = small_config(model=dict(num_layers=4, num_experts=8), auto_recover=True, max_auto_recoveries=10,
+                          scaling=dict(prestage_share=0.5), eplb=dict(communicator="gloo"),
+                          timeouts=dict(collective=4, heartbeat=5))
+    kill = KillRank(rank=2, in_phase="draining", after_layers=1)  # every attempt's joining rank dies receiving
+    with running(config, faults=[kill]) as c:
+        c.wait_for_step(15)
+        counts = []
+        for _ in range(3):
+            op = c.scale(3, timeout=120)
+            assert op.status.value == "failed", op.error
+            wait_for_state(c, "running", timeout=90)
+            c.wait_for_step(c.snapshot()["step"] + 5)
+            counts.append({w.rank: _fds(w.handle.pid) for w in c.live_workers()})
+        # each failed attempt's standby group is shut down: the count stays where the first left it
+        assert counts[1] == counts[0] == counts[2], counts
+        assert_consistent(c, 2)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_slow_link_makes_the_pre_transfer_slower_but_not_overrun_the_draining_deadline():
+    # 1.5 s per layer on rank 0, 4 layers, an 8 s draining deadline: pacing at the default share would
+    # need about 60 s; the layers go back to back once holding would not let them end in time
+    config = small_config(model=dict(num_layers=4, num_experts=8), eplb=dict(communicator="gloo", step_interval=100000),
+                          timeouts=dict(draining=8, collective=4, heartbeat=5))
+    with running(config, faults=[DelayTransfer(rank=0, seconds=1.5, generation=0)]) as c:
+        c.wait_for_step(10)
+        op = c.scale(3, timeout=60)
+        assert op.status.value == "succeeded", op.error
+        assert op.prepare["layers"] == op.prepare["layers_total"] == 4 and op.prepare["seconds"] >= 4 * 1.5
+        assert_consistent(c, 3)

@@ -950,10 +950,11 @@ class Coordinator:
         """The prepare sub-phase of draining goes to the old group and to the joining ranks (standing by)."""
         scaling = self.config.scaling
         members = list(run.old) + list(run.joining)
-        # pace the pre-transfer for at most half of what is left of the draining deadline: past it the
-        # layers go back to back, so a slow link makes the scale slower to prepare, not fail
+        # the pre-transfer holds a layer only while the rest, back to back, would still end within 80%
+        # of what is left of the draining deadline: a slow link makes the prepare cost throughput for
+        # less of it, and does not make the scale overrun
         in_draining = time.monotonic() - run.op.phases[Phase.DRAINING.value]["started"]
-        paced_for = max(0.0, self.config.timeouts.draining / 2 - in_draining)
+        paced_for = max(0.0, 0.8 * (self.config.timeouts.draining - in_draining))
         command = functools.partial(p.Prepare, operation_id=run.op.id, generation=run.generation, paced_for_s=paced_for,
                                     new_size=run.mapping.new_size, mapping=tuple(run.mapping.old_to_new),
                                     execute_on=self._execute_on(run), prestage_max_bytes=int(scaling.prestage_max_bytes),
@@ -1055,11 +1056,16 @@ class Coordinator:
             return self._last_generation
 
     def _retire_standby(self, joining: list[WorkerRecord]) -> None:
-        """The scale failed before these ranks were sent their Rescale: they never joined anything."""
+        """The scale failed before these ranks were sent their Rescale: they never joined anything.
+        Never raises: the caller goes on to fail the operation (a raise here once left an operation
+        holding the machine for good)."""
         for w in joining:
             if w.standby:
                 w.expected_exit = True
-                w.handle.kill()
+                try:
+                    w.handle.kill()
+                except Exception:  # noqa: BLE001 - a worker gone on its own is retired all the same
+                    log.exception("retiring standby rank %d", w.rank)
 
     def _fail(self, op: Operation, reason: str) -> None:
         """The operation failed: the machine goes to ``failed``. If the group was not being

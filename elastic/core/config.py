@@ -87,7 +87,17 @@ class ScalingConfig(BaseModel):
                                          "hold ahead of the pause: each layer it changes, whole, swapped in at the switch "
                                          "(bytes, or with a unit: '1GiB'); layers that do not fit move in the pause. A "
                                          "joining rank receives into its fresh weights and needs none")
+    @field_validator("prestage_max_bytes", mode="before")
+    @classmethod
+    def _bytes(cls, value: object) -> object:
+        # pydantic's ByteSize reads True as 1 byte and reports -1 as a string it cannot parse
+        if isinstance(value, bool):
+            raise ValueError(f"expected a number of bytes (or with a unit: '1GiB'), got {value!r}")
+        if isinstance(value, (int, float)) and value < 0:
+            raise ValueError(f"expected a number of bytes >= 0, got {value!r}")
+        return value
+
     prestage_share: float = Field(0.1, gt=0, le=1.0, description="the most of the wall time the pre-transfer may take "
-                                  "from decoding (a layer starts only while every rank's share is below it); past half the "
-                                  "draining deadline the remaining layers go back to back, so a slow link cannot make the "
-                                  "scale overrun it")
+                                  "from decoding (a layer starts only while every rank's share is below it); layers go back "
+                                  "to back once holding would no longer let the rest end within 80% of the draining "
+                                  "deadline, so a slow link costs throughput, not the scale")

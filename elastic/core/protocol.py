@@ -68,8 +68,9 @@ class Prepare(Command):
     execute_on: Literal["old", "new"] = "new"
     prestage_max_bytes: int = 0
     prestage_share: float = 0.1
-    #: after this long the pre-transfer no longer holds (a slow link would otherwise take it past
-    #: the draining deadline): the remaining layers go back to back
+    #: a rank holds the next layer only while the layers left, back to back at its pace so far,
+    #: would end within this many seconds of the Prepare (a slow link would otherwise take the
+    #: pre-transfer past the draining deadline)
     paced_for_s: float = 30.0
 
 

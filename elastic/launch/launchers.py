@@ -99,7 +99,10 @@ class LocalWorker:
 
     def kill(self) -> None:
         if self.process.is_alive():
-            os.kill(self.pid, signal.SIGKILL)
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:  # it died (and was reaped by the forkserver) since is_alive()
+                pass
             self.process.join(5)
 
     def stall(self) -> None:

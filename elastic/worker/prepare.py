@@ -15,7 +15,8 @@ formed as a standby group, and the network part of the plan moves while the old 
 
 Old ranks move one layer per decode step, at agreed steps: the step-boundary all-reduce carries
 two words (:meth:`Preparation.words`): *hold* (some rank has spent more than its share of the
-wall time on the pre-transfer, and the pacing window has not run out) and *failed* (some rank's layer failed: every rank drops the
+wall time on the pre-transfer, and the layers left, back to back at its pace so far, would still
+end within the pacing window) and *failed* (some rank's layer failed: every rank drops the
 preparation at the same step and the old group keeps serving). The joining ranks wait for each
 layer in turn. The pause is then the switch: install the standby group, swap the staged layers in (the
 serving tensors stay untouched until adoption, so there is nothing to undo), move what was
@@ -82,9 +83,14 @@ class Preparation:
     def words(self, now: float) -> list[int]:
         """This rank's vote at the next step boundary: [hold, failed]."""
         elapsed = now - self.started
-        hold = (not self.complete and elapsed < self.command.paced_for_s
-                and over_share(self.spent, elapsed, self.command.prestage_share))
+        hold = (not self.complete and over_share(self.spent, elapsed, self.command.prestage_share)
+                and elapsed + self.remaining_estimate() < self.command.paced_for_s)
         return [int(hold), int(self.failed is not None)]
+
+    def remaining_estimate(self) -> float:
+        """Seconds the layers left would take back to back, at this rank's mean so far."""
+        done = max(1, self.next_index)
+        return self.spent / done * (len(self.layers) - self.next_index)
 
     def matches(self, rescale: p.Rescale) -> bool:
         """Whether ``rescale`` is the scale this preparation was made for."""

@@ -416,7 +416,7 @@ class Worker:
                                                  placement, plans, started_at, started)
         except BaseException:
             if standby is not None and self.preparation is None:
-                self._abandoned_groups.append(standby.discard())
+                self._drop_standby(standby)
             raise
         self.preparation.placement_seconds, self.preparation.group_seconds = placement_seconds, group_seconds
         self._comm_for_prepare(command)
@@ -577,10 +577,21 @@ class Worker:
         if prep is None:
             return
         if prep.standby is not None:
-            self._abandoned_groups.append(prep.standby.discard())
+            self._drop_standby(prep.standby)
         for staged in prep.received.values():
             self.comm.remove_buffer(staged)  # deregistered before it is freed
         prep.received.clear()
+
+    def _drop_standby(self, standby: StandbyGroup) -> None:
+        """A standby group of a scale that failed: unregistered, then shut down (its gloo pairs,
+        threads and sockets would otherwise stay for the life of the process, one set per failed
+        scale). The serving group is another group: nothing of it waits on this one."""
+        pg = standby.discard()
+        mark = time.perf_counter()
+        with self._busy(self.mode):  # a teardown that waits on a dead peer's failed work: busy, not silent
+            shutdown_detached([pg])
+        log.info("rank %d: standby group of generation %d shut down in %.3fs", self.rank, standby.generation,
+                 time.perf_counter() - mark)
 
     def _take_preparation(self, cmd: p.Rescale) -> Preparation | None:
         """The preparation a prepared rescale switches with; any other rescale drops it first."""
