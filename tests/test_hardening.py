@@ -449,7 +449,10 @@ def test_survivors_too_few_to_hold_the_model_recover_with_fresh_workers():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_rebalance_started_in_the_same_step_as_a_drain_is_drained_not_left_in_flight():
-    config = small_config(eplb=dict(step_interval=100000, window_size=4), step_delay_s=0.02)
+    # the scales move everything in the pause (prepare off): the 1 s per layer link below would
+    # otherwise also pace six pre-transfers, and this test is about the drain
+    config = small_config(eplb=dict(step_interval=100000, window_size=4), step_delay_s=0.02,
+                          scaling=dict(prepare=False))
     with running(config, faults=[DelayTransfer(rank=0, seconds=1.0)]) as c:
         c.wait_for_step(8)
         for size in (3, 2, 3, 2, 3, 2):
