@@ -172,6 +172,11 @@ class LayerPlan:
         return len(self.transfers)
 
     @property
+    def changes_anything(self) -> bool:
+        """Some rank sends, receives, copies or reloads an expert in this layer."""
+        return not all(part.is_idle for part in self._ranks.values())
+
+    @property
     def group_ranks(self) -> tuple[int, ...]:
         """Every group rank with a part in the plan (old or new holder), ascending."""
         return tuple(sorted(self._ranks))
@@ -501,7 +506,7 @@ def prestage_layers(plans: Sequence[LayerPlan], expert_bytes: int, budget_bytes:
     used = {rank: 0 for rank in bounded}
     chosen: list[int] = []
     for index, plan in enumerate(plans):
-        if all(plan.for_rank(rank).is_idle for rank in plan.group_ranks):
+        if not plan.changes_anything:
             continue
         need = {}
         for rank in used:

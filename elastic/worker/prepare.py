@@ -98,9 +98,10 @@ class Preparation:
         return (rescale.prepared and not rescale.lost and (c.generation, c.new_size, c.mapping, c.execute_on)
                 == (rescale.generation, rescale.new_size, rescale.mapping, rescale.execute_on))
 
-    def done(self, now_at: float, now: float, layers_total: int) -> p.PrepareDone:
+    def done(self, now_at: float, now: float) -> p.PrepareDone:
         return p.PrepareDone(
             seconds=now - self.started, group_seconds=self.group_seconds, placement_seconds=self.placement_seconds,
-            layers=len(self.layers), layers_total=layers_total, bytes_received=self.bytes_received,
+            layers=len(self.layers), layers_total=sum(1 for plan in self.plans if plan.changes_anything),
+            bytes_received=self.bytes_received,
             prestage_bytes=self.prestage_bytes, steps=self.steps, transfer_seconds=self.spent,
             started_at=self.started_at, ended_at=now_at)

@@ -467,7 +467,7 @@ class Worker:
                 prep.next_index = index + 1
             self.progress = None
         self.preparation = prep
-        self._done(command, prep.done(time.monotonic(), time.perf_counter(), self._layers_changed(plans)))
+        self._done(command, prep.done(time.monotonic(), time.perf_counter()))
 
     def _advance_preparation(self, words: list[int]) -> None:
         """One decode step of an old rank's pre-transfer: the next layer, unless a rank holds
@@ -486,7 +486,7 @@ class Worker:
             self._prestage_next(prep)
         if prep.complete and prep.failed is None and not prep.reported:
             prep.reported = True
-            self._done(prep.command, prep.done(time.monotonic(), time.perf_counter(), self._layers_changed(prep.plans)))
+            self._done(prep.command, prep.done(time.monotonic(), time.perf_counter()))
 
     def _prestage_next(self, prep: Preparation) -> None:
         """Move the next pre-transferred layer: sends from the serving weights; a survivor
@@ -557,10 +557,6 @@ class Worker:
                            base=base, placement=placement, plans=plans, layers=layers,
                            group=standby.pg if command.execute_on == "new" and standby is not None else None,
                            started_at=started_at, started=started)
-
-    @staticmethod
-    def _layers_changed(plans: list[LayerPlan]) -> int:
-        return sum(1 for plan in plans if plan.num_transfers)
 
     def _comm_for_prepare(self, command: p.Prepare) -> None:
         """The pre-transfer of a scale up moves over the standby generation: bind the communicator to it."""
