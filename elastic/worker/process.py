@@ -409,7 +409,7 @@ class Worker:
                 payload: list[Any] = [{"base": base.physical_to_logical, "placement": placement.physical_to_logical}]
                 source = self._plan_source(command)
                 dist.broadcast_object_list(payload, group=standby.pg, group_src=source)
-                if self.decoder is not None and command.new_size > len(self.spec_survivors(command)):
+                if self.decoder is not None and command.new_size > len(self._survivors(command)):
                     self.model.sync_non_expert(src=source, group=standby.pg, timeout=self.spec.collective_timeout_s)
             group_seconds = time.perf_counter() - mark
             self.preparation = self._preparation(command, new_rank if scale_up else self.rank, new_rank, standby, base,
@@ -531,13 +531,14 @@ class Worker:
                          mapping=command.mapping, execute_on=command.execute_on)
 
     @staticmethod
-    def spec_survivors(command: p.Prepare | p.Rescale) -> list[int]:
-        """The new ranks of the old ranks that stay."""
-        return [n for n in command.mapping if n >= 0]
+    def _survivors(command: p.Prepare | p.Rescale) -> list[int]:
+        """The new ranks of the old ranks that stay (a rescale's lost ranks do not)."""
+        lost = command.lost if isinstance(command, p.Rescale) else ()
+        return [n for old, n in enumerate(command.mapping) if n >= 0 and old not in lost]
 
     def _plan_source(self, command: p.Prepare) -> int:
         """The lowest surviving rank (in the new group): it sends the maps to the joining ranks."""
-        return min(self.spec_survivors(command))
+        return min(self._survivors(command))
 
     def _form_standby(self, command: p.Prepare, new_rank: int) -> StandbyGroup:
         return StandbyGroup.form(self.store, command.generation, new_rank, command.new_size, backend=self.spec.backend,
@@ -549,7 +550,7 @@ class Worker:
         """The preparation record, with the layers that move ahead (the same on every rank): the
         ranks that keep serving receive into spare memory, within the budget."""
         if command.execute_on == "new":
-            bounded = self.spec_survivors(command)
+            bounded = self._survivors(command)
         else:
             bounded = [old for old, n in enumerate(command.mapping) if n >= 0]
         layers = prestage_layers(plans, self.sizes.expert_bytes, command.prestage_max_bytes, bounded)
@@ -886,7 +887,7 @@ class Worker:
         survivor holds is reloaded). A survivor's own placement stays untouched until it adopts
         the new one, so a failed attempt leaves its maps matching its weights.
         """
-        survivors = [n for old, n in enumerate(cmd.mapping) if n >= 0 and old not in cmd.lost]
+        survivors = self._survivors(cmd)
         source = min(survivors)
         payload: list[Any] = [None]
         if new_rank == source:
