@@ -412,6 +412,9 @@ class NixlCommunicator(Communicator):
         self._agent: Any = None
         self._api: Any = None
         self._lock = threading.RLock()
+        # stats() reads the peers, the generation and the exchange counts together under this
+        # one (never held across a wait): a status read during an exchange sees it before or after
+        self._view = threading.Lock()
         self._generation: int | None = None
         self._aborted: str | None = None  # why waits give up at once (abort), until the next generation
         self._store: Any = None
@@ -496,7 +499,8 @@ class NixlCommunicator(Communicator):
             self._aborted = None
             self._forget_peers()
             self._drop_transient()
-            self._generation = generation
+            with self._view:
+                self._generation = generation
             self._store = None if store is None else dist.PrefixStore("nixl/", store)
             self._exchanged = False
 
@@ -507,7 +511,8 @@ class NixlCommunicator(Communicator):
             except Exception as exc:  # noqa: BLE001 - a peer already gone is forgotten anyway
                 log.debug("forgetting NIXL peer %s: %s", peer.agent, exc)
             self.peers_forgotten += 1
-        self._peers = {}
+        with self._view:
+            self._peers = {}
 
     def _drop_transient(self) -> None:
         for region in self._buffers:
@@ -612,15 +617,23 @@ class NixlCommunicator(Communicator):
                     cause=str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__,
                 ) from exc
         self._forget_peers()
-        for r in others:
-            peer_info = pickle.loads(self._store.get(f"md/{r}"))
-            agent.add_remote_agent(peer_info["md"])
-            self._peers[r] = _Peer(peer_info["agent"], peer_info["weights"], peer_info["incoming"])
-            self.peers_learned += 1
+        learned: dict[int, _Peer] = {}
+        try:
+            for r in others:
+                peer_info = pickle.loads(self._store.get(f"md/{r}"))
+                agent.add_remote_agent(peer_info["md"])
+                learned[r] = _Peer(peer_info["agent"], peer_info["weights"], peer_info["incoming"])
+        except BaseException:
+            with self._view:
+                self._peers = learned  # what was added is forgotten the usual way, at the next bind
+            raise
         self._exchanged = True
         gen = -1 if self._generation is None else self._generation
-        self.exchanges_by_generation[gen] = self.exchanges_by_generation.get(gen, 0) + 1
-        self.exchange_seconds += time.monotonic() - started
+        with self._view:
+            self._peers = learned
+            self.peers_learned += len(learned)
+            self.exchanges_by_generation[gen] = self.exchanges_by_generation.get(gen, 0) + 1
+            self.exchange_seconds += time.monotonic() - started
 
     # -- one layer ----------------------------------------------------------------------------
     def _check_sends(self, x: LayerExchange) -> str:
@@ -809,15 +822,16 @@ class NixlCommunicator(Communicator):
                                     rank=x.rank, peers=failed_ranks, timeout=x.timeout)
 
     def stats(self) -> dict[str, Any]:
-        # no lock: a layer in flight holds it for up to its deadline, and these are plain reads
+        # not the transfer lock: a layer in flight holds it for up to its deadline
         held = [r for r in (self._weights, self._incoming, *self._buffers) if r is not None]
         regions = [r for r in held if r.registered]
+        with self._view:
+            view = {"generation": self._generation, "exchanges": sum(self.exchanges_by_generation.values()),
+                    "exchanges_by_generation": dict(self.exchanges_by_generation),
+                    "peers": sorted(self._peers), "peers_learned": self.peers_learned,
+                    "peers_forgotten": self.peers_forgotten}
         return {
-            "name": self.name, "agent": self.agent_name, "generation": self._generation,
-            "exchanges": sum(self.exchanges_by_generation.values()),
-            "exchanges_by_generation": dict(self.exchanges_by_generation),
-            "peers": sorted(list(self._peers)), "peers_learned": self.peers_learned,
-            "peers_forgotten": self.peers_forgotten,
+            "name": self.name, "agent": self.agent_name, **view,
             "registered_regions": len(regions), "registered_bytes": sum(r.nbytes for r in regions),
             # named but not registered yet (registration waits for the next transfer)
             "pending_bytes": sum(r.nbytes for r in held if not r.registered),

@@ -299,6 +299,17 @@ def _wait_for_commits(c, more_than: int, timeout: float = 30.0) -> None:
         time.sleep(0.1)
 
 
+def _wait_for_exchanges(c, generation: int, count: int, timeout: float = 30.0) -> None:
+    """Until every rank's NIXL communicator exchanged metadata ``count`` times in ``generation``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        seen = {rank: v["communicator"]["exchanges_by_generation"].get(generation) for rank, v in c.verify().items()}
+        if all(n == count for n in seen.values()):
+            return
+        assert time.monotonic() < deadline, f"exchanges of generation {generation} by rank: {seen}, wanted {count}"
+        time.sleep(0.2)
+
+
 def _nixl_verdict(c, size: int, generation: int) -> dict:
     """Every slot exact; every rank's communicator is NIXL, knows exactly its current peers, has
     exchanged metadata at most once per generation (twice for one a prepared scale formed: at the
@@ -345,6 +356,8 @@ def test_nixl_async_eplb_and_scale_cycle_2_4_2():
             # experts crossed the network, ahead of the pause (prepare, the default) or in it
             assert op.bytes_moved + op.prepare.get("bytes_received", 0) > 0
             _wait_for_commits(c, before)
+            if size == 4:  # the async EPLB thread exchanges after the switch at its first layer: let it finish
+                _wait_for_exchanges(c, generation, 2)
             verdict = _nixl_verdict(c, size, generation)
             exchanges = [v["communicator"]["exchanges_by_generation"].get(generation) for v in verdict.values()]
             if size == 4:
