@@ -116,6 +116,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from eplb import _compiled
 from eplb.placement import Placement, PlacementError, build_logical_to_physical, validate_physical_to_logical
 
 logger = logging.getLogger(__name__)
@@ -635,46 +636,7 @@ def _fill_pack(load: np.ndarray, counts: np.ndarray, num_gpus: int) -> tuple[np.
     both ``[B, G, S]``. Two replicas of one expert may share a GPU (valid; the swaps never add one).
     """
     item_load, item_expert = _sorted_items(load, counts)
-    b, p = item_load.shape
-    g = num_gpus
-    s = p // g
-    slot_load = np.empty((b, g, s))
-    slot_expert = np.empty((b, g, s), dtype=np.int64)
-    slot_load[:, :, 0] = item_load[:, :g]
-    slot_expert[:, :, 0] = item_expert[:, :g]
-    loads = item_load[:, :g].copy()
-    filled = np.ones((b, g), dtype=np.int64)
-    rr = np.arange(b)[:, None]
-    off = rr * g
-    k_all = np.arange(s)
-    zero_from = p - (item_load[:, ::-1] == 0).argmin(axis=1)  # [B]: items from here on weigh 0
-    zero_from[(item_load == 0).all(axis=1)] = 0
-    flat_load, flat_expert = slot_load.reshape(-1), slot_expert.reshape(-1)  # views: index (layer, GPU, slot) flat
-    inv_g = 1.0 / g
-    for start in range(g, p, g):
-        if (zero_from <= start).all():
-            # only zero-load replicas left (sparse loads): any free slot will do
-            free = np.arange(s) >= filled[:, :, None]
-            slot_expert[free] = item_expert[:, start:].ravel()
-            slot_load[free] = 0.0
-            break
-        w = item_load[:, start : start + g]
-        # a positive step, so a GPU's k-th free slot always ranks after its (k-1)-th
-        step = np.maximum(np.add.reduce(w, axis=1) * inv_g, 1e-9 * (np.maximum.reduce(loads, axis=1) + 1.0))
-        # a GPU takes at most _FILL_MAX_PER_ROUND of a round while the others have room for the rest
-        k = k_all[:_FILL_MAX_PER_ROUND] if (np.minimum(s - filled, _FILL_MAX_PER_ROUND).sum(axis=1) >= g).all() else k_all
-        key = np.where(filled[:, :, None] + k < s, k * step[:, None, None], np.inf)
-        key += loads[:, :, None]
-        pick = np.argsort(key.reshape(b, -1), axis=1)[:, :g]  # the G lowest, ascending (one sort beats partition + sort)
-        gpu, kth = np.divmod(pick, k.size)
-        flat = gpu + off  # [B, G] (layer, GPU)
-        at = flat * s + np.take(filled, flat) + kth
-        flat_load[at] = w
-        flat_expert[at] = item_expert[:, start : start + g]
-        flat = flat.ravel()
-        loads += np.bincount(flat, weights=w.ravel(), minlength=b * g).reshape(b, g)
-        filled += np.bincount(flat, minlength=b * g).reshape(b, g)
-    return slot_load, slot_expert
+    return _compiled.fill_pack(item_load, item_expert, num_gpus, _FILL_MAX_PER_ROUND)
 
 
 def _moved_counts(
@@ -766,7 +728,9 @@ def _anchor_counts(
     return counts, ok
 
 
-def _recount(load: np.ndarray, counts: np.ndarray, slot_load: np.ndarray, slot_expert: np.ndarray, num_gpus: int) -> None:
+def _recount(
+    load: np.ndarray, counts: np.ndarray, slot_load: np.ndarray, slot_expert: np.ndarray, num_gpus: int, max_swaps: int = 1
+) -> None:
     """Try other replica counts where the packing shows the counts are wrong; ``slot_*`` in place.
 
     The counts come from the loads alone (:func:`_replica_counts`, :func:`_pack_aware_counts`);
@@ -811,11 +775,17 @@ def _recount(load: np.ndarray, counts: np.ndarray, slot_load: np.ndarray, slot_e
     if rows.size == 0:
         return
     cand_load, cand_expert = _fill_pack(load[rows], np.concatenate(counts_list), g)
-    _refine_swaps(cand_load, cand_expert, pair_iters=1, max_iters=2, width=4, stop_at=0.995)
-    peak = cand_load.sum(axis=2).max(axis=1)
+    if max_swaps:
+        peak = _compiled.swap_refine(cand_load, cand_expert, min(max_swaps, _RECOUNT_SWAP_STEPS), np.full(rows.size, _RECOUNT_SWAP_STOP))
+    else:
+        peak = cand_load.sum(axis=2).max(axis=1)
     order = np.lexsort((peak, rows))  # by layer, then peak: the first of each layer is its best
     first = order[np.r_[True, rows[order][1:] != rows[order][:-1]]]
     win = first[peak[first] < best[rows[first]] * (1 - 1e-12)]
+    if win.size and max_swaps > _RECOUNT_SWAP_STEPS:  # the winners swap on, as far as the first pass
+        cl, ce = cand_load[win], cand_expert[win]
+        _compiled.swap_refine(cl, ce, max_swaps, np.full(win.size, _SWAP_STOP))
+        cand_load[win], cand_expert[win] = cl, ce
     slot_load[rows[win]] = cand_load[win]
     slot_expert[rows[win]] = cand_expert[win]
 
@@ -1020,15 +990,15 @@ def _pack_aware_counts(load: np.ndarray, num_replicas: int, num_gpus: int) -> tu
     return counts, ok
 
 
-def _balanced(
-    load: np.ndarray,
-    num_replicas: int,
-    num_gpus: int,
-    pair_iters: int = 2,
-    max_swaps: int = 4,
-    swap_width: int = 4,
-    recount: bool = True,
-) -> np.ndarray:
+_SWAP_STEPS = 64  # swaps per layer (eplb._compiled.swap_refine), the default of the max_swaps option
+_SWAP_STOP = 0.999  # ... a layer stops swapping at this balancedness
+_RECOUNT_SWAP_STEPS = 16  # swaps per recount candidate before it is judged
+_RECOUNT_SWAP_STOP = 0.995  # ... stopping at this balancedness
+_BFD_BELOW = 0.99  # layers with idle experts below this balancedness try best-fit-decreasing packings
+_BFD_IDLE = 0.5  # ... and at least this many idle experts per GPU
+_BFD_CAPS = np.array([1.01, 1.02])  # ... under these peak caps (multiples of the mean GPU load)
+
+def _balanced(load: np.ndarray, num_replicas: int, num_gpus: int, max_swaps: int = _SWAP_STEPS, recount: bool = True) -> np.ndarray:
     b, n = load.shape
     g = num_gpus
     # 1. replicate: counts [B, L] minimizing the largest load per replica (at most one per GPU
@@ -1043,22 +1013,24 @@ def _balanced(
         counts[crowded[ok]] = fit[ok]
     # 3. pack: descending load, the lightest GPUs filled first
     slot_load, slot_expert = _fill_pack(load, counts, g)
-    # 4. improve by swaps: all GPUs in heavy/light pairs, then the heaviest GPU alone
-    _refine_swaps(slot_load, slot_expert, pair_iters=pair_iters, max_iters=max_swaps, width=swap_width)
+    # 4. improve by swaps: the heaviest GPU's best swap with any GPU, while one lowers the peak
+    if max_swaps:
+        _compiled.swap_refine(slot_load, slot_expert, max_swaps, np.full(b, _SWAP_STOP))
     # 5. layers still more than 2% above the mean (sparse: 3%): try other replica counts
     if recount:
         rows = np.nonzero(slot_load.sum(axis=2).max(axis=1) * _RECOUNT_BELOW > mean)[0]
         if rows.size:
             sl, se = slot_load[rows], slot_expert[rows]
-            _recount(load[rows], counts[rows], sl, se, g)
+            _recount(load[rows], counts[rows], sl, se, g, max_swaps)
             slot_load[rows], slot_expert[rows] = sl, se
-    # 6. layers still more than 0.7% above the mean get a second pass of swaps, twice as wide
-    if max_swaps:
-        rows = np.nonzero(slot_load.sum(axis=2).max(axis=1) * 0.993 > mean)[0]
+        # 6. layers with idle experts still below _BFD_BELOW: best-fit-decreasing packings
+        peak = slot_load.sum(axis=2).max(axis=1)
+        rows = np.nonzero((peak * _BFD_BELOW > mean) & ((load == 0).sum(axis=1) >= _BFD_IDLE * g))[0]
         if rows.size:
-            sl, se = slot_load[rows], slot_expert[rows]
-            _refine_swaps(sl, se, pair_iters=min(pair_iters, 1), max_iters=max_swaps, width=2 * swap_width, stop_at=0.997)
-            slot_load[rows], slot_expert[rows] = sl, se
+            cand_load, cand_expert, cand_peak = _compiled.bfd_pack(load[rows], g, num_replicas // g, _BFD_CAPS, max_swaps, _SWAP_STOP)
+            win = cand_peak < peak[rows] * (1 - 1e-12)
+            slot_load[rows[win]] = cand_load[win]
+            slot_expert[rows[win]] = cand_expert[win]
     p2l = slot_expert.reshape(b, -1)
     # 7. never worse than the static placement (it can win on tiny shapes)
     static = np.arange(num_replicas) % n
@@ -1083,14 +1055,13 @@ _RECOUNT_GPU_ABOVE = 1.03  # ... the 2nd to 5th only while this far above the me
 
 
 @register_policy("default")
-def _default_policy(
-    problem: Problem, *, pair_iters: int = 2, max_swaps: int = 4, swap_width: int = 4, recount: bool = True
-) -> np.ndarray:
+def _default_policy(problem: Problem, *, max_swaps: int = _SWAP_STEPS, recount: bool = True) -> np.ndarray:
     """Global balancing over all GPUs (groups and nodes ignored); ``previous`` is ignored."""
-    _check_swap_options(pair_iters, max_swaps, swap_width)
+    if isinstance(max_swaps, bool) or not isinstance(max_swaps, (int, np.integer)) or max_swaps < 0:
+        raise InvalidOptionError(f"max_swaps must be an int >= 0, got {max_swaps!r}")
     if not isinstance(recount, (bool, np.bool_)):
         raise InvalidOptionError(f"recount must be a bool, got {recount!r}")
-    return _balanced(problem.load, problem.num_replicas, problem.num_gpus, pair_iters, max_swaps, swap_width, bool(recount))
+    return _balanced(problem.load, problem.num_replicas, problem.num_gpus, int(max_swaps), bool(recount))
 
 
 def _check_swap_options(pair_iters: int, max_swaps: int, swap_width: int) -> None:
@@ -1150,7 +1121,8 @@ def _hierarchical_spill_policy(problem: Problem, *, pair_iters: int = 2, max_swa
     anywhere. Falls back to ``default`` where the reference falls back (groups % nodes != 0)."""
     load, p, g, nn = problem.load, problem.num_replicas, problem.num_gpus, problem.num_nodes
     if problem.num_groups % nn or nn == 1:
-        return _balanced(load, p, g, pair_iters, max_swaps, swap_width)
+        _check_swap_options(pair_iters, max_swaps, swap_width)
+        return _balanced(load, p, g)
     b, n = load.shape
     s = p // g
     gpus_per_node = g // nn
@@ -1425,6 +1397,16 @@ def _migration_aware_policy(
     cur = _improve(cur, load, g, target_peak, allowed - _copies_vs(carried, cur, g, n))
     # 5. a layer the moves could not even lift to the trigger level takes default's placement,
     #    its GPUs matched to keep the most experts in place, when that is better and fits the budget
+    short = move & ~refit & (_balancedness(cur, load, g) < expected - tolerance)
+    if short.any():
+        # where the moves got stuck, swaps (any pair of GPUs, the heaviest first) from there,
+        # stopping at the aim: kept when they reach the trigger level within the budget
+        rows = np.nonzero(short)[0]
+        swapped = _swapped(cur[rows], load[rows], g, aim[rows])
+        ok = (_balancedness(swapped, load[rows], g) >= expected[rows] - tolerance) & (
+            _copies_vs(carried[rows], swapped, g, n) <= allowed[rows]
+        )
+        cur[rows[ok]] = swapped[ok]
     short = refit | (move & (_balancedness(cur, load, g) < expected - tolerance))
     if short.any():
         rows = np.nonzero(short)[0]
@@ -1434,6 +1416,17 @@ def _migration_aware_policy(
         )
         cur[rows[better]] = matched[better]
     return cur
+
+
+def _swapped(p2l: np.ndarray, load: np.ndarray, num_gpus: int, aim: np.ndarray) -> np.ndarray:
+    """``p2l [R, P]`` after :func:`eplb._compiled.swap_refine` (each layer stops at balancedness
+    ``aim [R]``); a new array."""
+    b, p = p2l.shape
+    counts = _counts_of(p2l, load.shape[1])
+    slot_load = np.take_along_axis(load / np.maximum(counts, 1), p2l, axis=1).reshape(b, num_gpus, -1)
+    slot_expert = p2l.reshape(b, num_gpus, -1).copy()
+    _compiled.swap_refine(slot_load, slot_expert, _SWAP_STEPS, np.asarray(aim, dtype=np.float64))
+    return slot_expert.reshape(b, p)
 
 
 def _balancedness(p2l: np.ndarray, load: np.ndarray, num_gpus: int) -> np.ndarray:

@@ -1,0 +1,346 @@
+"""Compiled kernels of :mod:`eplb.algorithm` (numba): the sequential parts, one layer at a time.
+
+Every function here is ``@numba.njit(cache=True)``: compiled on first use and cached on disk
+(next to this file in ``__pycache__``, or under ``NUMBA_CACHE_DIR``), so a later process loads the
+machine code instead of compiling. Inputs are plain numpy arrays; nothing here allocates per
+step beyond small scratch arrays.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+
+@numba.njit(cache=True)
+def _bfd_one(w, order, g, s, cap, slot_load, slot_expert):  # pragma: no cover - compiled
+    """Best-fit-decreasing packing of one layer under a peak ``cap``; fills ``slot_* [G, S]``,
+    returns the peak. See :func:`bfd_pack`."""
+    n = w.shape[0]
+    p = g * s
+    gl = np.zeros(g)
+    used = np.zeros(g, np.int64)
+    counts = np.zeros(n, np.int64)
+    pick = np.empty(g, np.int64)
+    # the GPUs with a free slot, ascending by load (all empty: any order)
+    srt = np.arange(g)
+    pos = np.arange(g)
+    m = g
+    free_total = p
+    for idx in range(n):
+        e = order[idx]
+        we = w[e]
+        left_after = n - idx - 1
+        kk = min(m, free_total - left_after)
+        if we <= 0.0:
+            # zero load (the rest are too): the heaviest GPU with room (the light ones keep
+            # theirs for the replicas added below)
+            pick[0] = srt[m - 1]
+            placed = 1
+        elif gl[srt[0]] + we <= cap:
+            # one replica: the fullest GPU it fits under the cap (best fit): binary search
+            a, b = 0, m  # srt[:a] fits, srt[b:] does not
+            while a < b:
+                mid = (a + b) // 2
+                if gl[srt[mid]] + we <= cap:
+                    a = mid + 1
+                else:
+                    b = mid
+            pick[0] = srt[a - 1]
+            placed = 1
+        else:
+            # k equal replicas fit iff the k-th lightest GPU with room takes one: the fewest such
+            # k, each replica to the fullest GPU it fits (best fit again); if no k fits, the k
+            # lightest GPUs, the k with the lowest peak (k = 1 included)
+            placed = 0
+            best_k = 1
+            best_peak = gl[srt[0]] + we
+            for k in range(2, kk + 1):
+                pk = gl[srt[k - 1]] + we / k
+                if pk <= cap:
+                    placed = k
+                    break
+                if pk < best_peak:
+                    best_peak = pk
+                    best_k = k
+            if placed:
+                piece = we / placed
+                top = placed
+                while top < m and gl[srt[top]] + piece <= cap:
+                    top += 1
+                for j in range(placed):
+                    pick[j] = srt[top - 1 - j]
+            else:
+                placed = best_k
+                for j in range(placed):
+                    pick[j] = srt[j]
+        piece = we / placed
+        for j in range(placed):
+            h = pick[j]
+            slot_load[h, used[h]] = piece
+            slot_expert[h, used[h]] = e
+            used[h] += 1
+            gl[h] += piece
+        # keep srt sorted: each GPU that took a replica moves right past the lighter ones (its
+        # load only grew); a full one leaves (moved to the end first)
+        for j in range(placed):
+            h = pick[j]
+            z = pos[h]
+            full = used[h] >= s
+            while z + 1 < m and (full or gl[srt[z + 1]] < gl[h]):
+                srt[z] = srt[z + 1]
+                pos[srt[z]] = z
+                z += 1
+            srt[z] = h
+            pos[h] = z
+            if full:
+                m -= 1
+        counts[e] = placed
+        free_total -= placed
+    # slots left: a replica of the largest replica's expert on the heaviest GPU, on the lightest
+    # GPU with room that lacks it, while that lowers the peak; else a replica of the lightest expert
+    while free_total > 0:
+        h = 0
+        for x in range(1, g):
+            if gl[x] > gl[h]:
+                h = x
+        done = False
+        # largest replica on h
+        bi = -1
+        for j in range(used[h]):
+            if bi < 0 or slot_load[h, j] > slot_load[h, bi]:
+                bi = j
+        if bi >= 0:
+            e = slot_expert[h, bi]
+            c = counts[e]
+            newp = w[e] / (c + 1)
+            t = -1
+            for x in range(g):
+                if used[x] < s and (t < 0 or gl[x] < gl[t]):
+                    has = False
+                    for j in range(used[x]):
+                        if slot_expert[x, j] == e:
+                            has = True
+                            break
+                    if not has:
+                        t = x
+            if t >= 0 and gl[t] + newp < gl[h]:
+                old = w[e] / c
+                for x in range(g):
+                    for j in range(used[x]):
+                        if slot_expert[x, j] == e:
+                            slot_load[x, j] = newp
+                            gl[x] += newp - old
+                slot_load[t, used[t]] = newp
+                slot_expert[t, used[t]] = e
+                used[t] += 1
+                gl[t] += newp
+                counts[e] = c + 1
+                free_total -= 1
+                done = True
+        if not done:
+            # the lightest expert per replica, on the lightest GPU with room
+            t = -1
+            for x in range(g):
+                if used[x] < s and (t < 0 or gl[x] < gl[t]):
+                    t = x
+            e = 0
+            for x in range(1, n):
+                if w[x] * counts[e] < w[e] * counts[x]:
+                    e = x
+            c = counts[e]
+            newp = w[e] / (c + 1)
+            old = w[e] / c
+            for x in range(g):
+                for j in range(used[x]):
+                    if slot_expert[x, j] == e:
+                        slot_load[x, j] = newp
+                        gl[x] += newp - old
+            slot_load[t, used[t]] = newp
+            slot_expert[t, used[t]] = e
+            used[t] += 1
+            gl[t] += newp
+            counts[e] = c + 1
+            free_total -= 1
+    return gl.max()
+
+
+@numba.njit(cache=True)
+def bfd_pack(load, g, s, caps, swap_steps, stop_at):  # pragma: no cover - compiled
+    """Best-fit-decreasing packings, the best of several caps per layer.
+
+    ``load [R, L]`` float64, ``caps [K]`` peak caps as multiples of the mean GPU load. For each cap
+    ``C``: experts in descending load, each to the GPU with a free slot that it fills closest to
+    ``C`` without passing it (best fit); an expert that fits nowhere is split into the fewest
+    equal replicas (on distinct GPUs) that fit, as far as the slots allow (every expert still to
+    come keeps a slot); if none fits, the split among the lightest GPUs with the lowest peak.
+    Slots left at the end take replicas of the heaviest GPU's largest replica while that lowers
+    the peak (else of the lightest expert). Returns ``(slot_load [R, G, S], slot_expert [R, G, S],
+    peak [R])`` of the best cap per layer."""
+    r, n = load.shape
+    out_load = np.zeros((r, g, s))
+    out_expert = np.zeros((r, g, s), np.int64)
+    peaks = np.full(r, np.inf)
+    sl = np.zeros((g, s))
+    se = np.zeros((g, s), np.int64)
+    for i in range(r):
+        w = load[i]
+        order = np.argsort(-w, kind="mergesort")
+        mean = w.sum() / g
+        for k in range(caps.shape[0]):
+            pk = _bfd_one(w, order, g, s, caps[k] * mean, sl, se)
+            if swap_steps > 0:
+                pk = _swap_one(sl, se, swap_steps, mean / stop_at)
+            if pk < peaks[i]:
+                peaks[i] = pk
+                out_load[i] = sl
+                out_expert[i] = se
+    return out_load, out_expert, peaks
+
+
+@numba.njit(cache=True)
+def _swap_one(slot_load, slot_expert, max_steps, stop_below):  # pragma: no cover - compiled
+    """Swaps for one layer (``slot_* [G, S]`` in place) until the peak is at most ``stop_below``,
+    no swap lowers it, or ``max_steps``: each step the heaviest GPU makes its best swap with any
+    other GPU (the lowest resulting peak of the pair), never putting an expert twice on a GPU.
+    Returns the peak."""
+    g, s = slot_load.shape
+    gl = np.zeros(g)
+    for x in range(g):
+        for j in range(s):
+            gl[x] += slot_load[x, j]
+    order = np.argsort(gl, kind="mergesort")  # ascending load, kept sorted below
+    for _ in range(max_steps):
+        h = order[g - 1]
+        peak = gl[h]
+        if peak <= stop_below:
+            break
+        best = peak * (1.0 - 1e-12)
+        bx, bi, bj = -1, -1, -1
+        # lightest GPUs first: a swap with x leaves the pair at least at (peak + load_x) / 2, so
+        # once that reaches the best swap found, no heavier GPU can beat it
+        for xi in range(g - 1):
+            x = order[xi]
+            if 0.5 * (peak + gl[x]) >= best:
+                break
+            gap = peak - gl[x]
+            for i in range(s):
+                li = slot_load[h, i]
+                if li <= 0.0:
+                    continue
+                ei = slot_expert[h, i]
+                for j in range(s):
+                    d = li - slot_load[x, j]
+                    if d <= 0.0 or d >= gap:
+                        continue
+                    new = peak - d if peak - d > gl[x] + d else gl[x] + d
+                    if new >= best:
+                        continue
+                    ej = slot_expert[x, j]
+                    ok = True
+                    for t in range(s):
+                        if (t != j and slot_expert[x, t] == ei) or (t != i and slot_expert[h, t] == ej):
+                            ok = False
+                            break
+                    if ok:
+                        best = new
+                        bx, bi, bj = x, i, j
+        if bx < 0:
+            break
+        li, lj = slot_load[h, bi], slot_load[bx, bj]
+        ei, ej = slot_expert[h, bi], slot_expert[bx, bj]
+        slot_load[h, bi], slot_load[bx, bj] = lj, li
+        slot_expert[h, bi], slot_expert[bx, bj] = ej, ei
+        gl[h] += lj - li
+        gl[bx] += li - lj
+        # re-sort: h got lighter (moves left), bx heavier (moves right)
+        for y in (h, bx):
+            z = 0
+            while order[z] != y:
+                z += 1
+            while z > 0 and gl[order[z - 1]] > gl[y]:
+                order[z] = order[z - 1]
+                z -= 1
+            while z + 1 < g and gl[order[z + 1]] < gl[y]:
+                order[z] = order[z + 1]
+                z += 1
+            order[z] = y
+    return gl.max()
+
+
+@numba.njit(cache=True)
+def swap_refine(slot_load, slot_expert, max_steps, stop_at):  # pragma: no cover - compiled
+    """:func:`_swap_one` on every layer of ``slot_* [R, G, S]`` (in place); layer ``i`` stops at
+    balancedness ``stop_at[i]``. Returns the peaks ``[R]``."""
+    r, g, _ = slot_load.shape
+    peaks = np.empty(r)
+    for i in range(r):
+        mean = slot_load[i].sum() / g
+        peaks[i] = _swap_one(slot_load[i], slot_expert[i], max_steps, mean / stop_at[i])
+    return peaks
+
+
+@numba.njit(cache=True)
+def fill_pack(item_load, item_expert, g, max_per_round):  # pragma: no cover - compiled
+    """The packing of :func:`eplb.algorithm._fill_pack`: replicas ``item_* [B, P]`` in descending
+    load onto ``G`` GPUs with ``S = P / G`` slots each. The first ``G`` one per GPU; then rounds of
+    ``G``: a GPU's ``k``-th free slot of the round counts as its load plus ``k`` mean replicas of
+    the round, and the round's replicas go, heaviest first, to the ``G`` lowest such slots (a GPU
+    takes at most ``max_per_round`` of a round while the others have room for the rest). Once
+    only zero loads are left, they fill the free slots in order. Returns ``(slot_load,
+    slot_expert)`` ``[B, G, S]``."""
+    b, p = item_load.shape
+    s = p // g
+    slot_load = np.zeros((b, g, s))
+    slot_expert = np.zeros((b, g, s), np.int64)
+    loads = np.empty(g)
+    filled = np.empty(g, np.int64)
+    key = np.empty(g * s)
+    key_gpu = np.empty(g * s, np.int64)
+    for r in range(b):
+        for h in range(g):
+            slot_load[r, h, 0] = item_load[r, h]
+            slot_expert[r, h, 0] = item_expert[r, h]
+            loads[h] = item_load[r, h]
+            filled[h] = 1
+        for start in range(g, p, g):
+            if item_load[r, start] <= 0.0:
+                # only zero loads left: any free slot will do
+                q = start
+                for h in range(g):
+                    for j in range(filled[h], s):
+                        slot_load[r, h, j] = 0.0
+                        slot_expert[r, h, j] = item_expert[r, q]
+                        q += 1
+                break
+            tot = 0.0
+            top = 0.0
+            for j in range(start, start + g):
+                tot += item_load[r, j]
+            for h in range(g):
+                if loads[h] > top:
+                    top = loads[h]
+            step = max(tot / g, 1e-9 * (top + 1.0))
+            room = 0
+            for h in range(g):
+                room += min(s - filled[h], max_per_round)
+            kmax = max_per_round if room >= g else s
+            # the keys: GPUs by load (stable), then k * step for their k-th free slot: merge
+            order = np.argsort(loads, kind="mergesort")
+            m = 0
+            for k in range(kmax):
+                for x in range(g):
+                    h = order[x]
+                    if filled[h] + k < s:
+                        key[m] = loads[h] + k * step
+                        key_gpu[m] = h
+                        m += 1
+            pick = np.argsort(key[:m], kind="mergesort")
+            for i in range(g):
+                h = key_gpu[pick[i]]
+                j = filled[h]
+                slot_load[r, h, j] = item_load[r, start + i]
+                slot_expert[r, h, j] = item_expert[r, start + i]
+                filled[h] = j + 1
+                loads[h] += item_load[r, start + i]
+    return slot_load, slot_expert
