@@ -295,8 +295,9 @@ def fill_pack(item_load, item_expert, g, max_per_round):  # pragma: no cover - c
     slot_expert = np.zeros((b, g, s), np.int64)
     loads = np.empty(g)
     filled = np.empty(g, np.int64)
-    key = np.empty(g * s)
-    key_gpu = np.empty(g * s, np.int64)
+    head = np.zeros(s, np.int64)
+    added = np.zeros(g)
+    took = np.zeros(g, np.int64)
     for r in range(b):
         for h in range(g):
             slot_load[r, h, 0] = item_load[r, h]
@@ -325,22 +326,32 @@ def fill_pack(item_load, item_expert, g, max_per_round):  # pragma: no cover - c
             for h in range(g):
                 room += min(s - filled[h], max_per_round)
             kmax = max_per_round if room >= g else s
-            # the keys: GPUs by load (stable), then k * step for their k-th free slot: merge
+            # the G lowest keys: with the GPUs by load (stable), the keys of each k are in that
+            # order, so merge the kmax runs (ties: the lower k first); loads change after the round
             order = np.argsort(loads, kind="mergesort")
-            m = 0
             for k in range(kmax):
-                for x in range(g):
-                    h = order[x]
-                    if filled[h] + k < s:
-                        key[m] = loads[h] + k * step
-                        key_gpu[m] = h
-                        m += 1
-            pick = np.argsort(key[:m], kind="mergesort")
+                head[k] = 0
             for i in range(g):
-                h = key_gpu[pick[i]]
-                j = filled[h]
+                bk = -1
+                bkey = np.inf
+                for k in range(kmax):
+                    x = head[k]
+                    while x < g and filled[order[x]] + k >= s:
+                        x += 1
+                    head[k] = x
+                    if x < g and loads[order[x]] + k * step < bkey:
+                        bkey = loads[order[x]] + k * step
+                        bk = k
+                h = order[head[bk]]
+                head[bk] += 1
+                j = filled[h] + bk
                 slot_load[r, h, j] = item_load[r, start + i]
                 slot_expert[r, h, j] = item_expert[r, start + i]
-                filled[h] = j + 1
-                loads[h] += item_load[r, start + i]
+                added[h] += item_load[r, start + i]
+                took[h] += 1
+            for h in range(g):
+                loads[h] += added[h]
+                filled[h] += took[h]
+                added[h] = 0.0
+                took[h] = 0
     return slot_load, slot_expert

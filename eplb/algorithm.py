@@ -136,6 +136,7 @@ __all__ = [
     "compute_placement",
     "cross_gpu_copies",
     "home_node_share",
+    "warm_up",
 ]
 
 
@@ -318,6 +319,19 @@ def compute_placement(
         load, num_physical, num_groups, num_nodes, num_gpus, policy=policy, previous=previous, **opts
     )
     return Placement(p2l, l2p, counts)
+
+
+@functools.cache
+def warm_up() -> None:
+    """Compile (or load from numba's on-disk cache) the compiled kernels of ``default`` with a tiny
+    call through each, so that the first real rebalance does not pay for it (about 0.3 s with the
+    cache, several seconds without). Idempotent; safe to run in a background thread (numba
+    compiles under its own lock: a concurrent first call waits for it)."""
+    load = np.array([[4.0, 2.0, 1.0, 0.0, 0.0, 0.0]])
+    counts = np.array([[2, 2, 1, 1, 1, 1]])
+    slot_load, slot_expert = _fill_pack(load, counts, 2)
+    _compiled.swap_refine(slot_load, slot_expert, 1, np.ones(1))
+    _compiled.bfd_pack(load, 2, 4, np.ones(1), 1, 1.0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1018,14 +1032,15 @@ def _balanced(load: np.ndarray, num_replicas: int, num_gpus: int, max_swaps: int
         _compiled.swap_refine(slot_load, slot_expert, max_swaps, np.full(b, _SWAP_STOP))
     # 5. layers still more than 2% above the mean (sparse: 3%): try other replica counts
     if recount:
-        rows = np.nonzero(slot_load.sum(axis=2).max(axis=1) * _RECOUNT_BELOW > mean)[0]
+        idle = (load == 0).sum(axis=1) >= _BFD_IDLE * g
+        rows = np.nonzero((slot_load.sum(axis=2).max(axis=1) * _RECOUNT_BELOW > mean) & ~idle)[0]
         if rows.size:
             sl, se = slot_load[rows], slot_expert[rows]
             _recount(load[rows], counts[rows], sl, se, g, max_swaps)
             slot_load[rows], slot_expert[rows] = sl, se
         # 6. layers with idle experts still below _BFD_BELOW: best-fit-decreasing packings
         peak = slot_load.sum(axis=2).max(axis=1)
-        rows = np.nonzero((peak * _BFD_BELOW > mean) & ((load == 0).sum(axis=1) >= _BFD_IDLE * g))[0]
+        rows = np.nonzero((peak * _BFD_BELOW > mean) & idle)[0]
         if rows.size:
             cand_load, cand_expert, cand_peak = _compiled.bfd_pack(load[rows], g, num_replicas // g, _BFD_CAPS, max_swaps, _SWAP_STOP)
             win = cand_peak < peak[rows] * (1 - 1e-12)

@@ -655,3 +655,115 @@ def test_lower_bound_is_below_every_placement_and_the_optimum(seed):
         assert alg._gpu_loads(p2l, load, g).max() >= lb * (1 - 1e-9)
     best, bound, optimal = optimal_peak(load[0], g * s, g, time_limit=10)
     assert optimal and lb <= best * (1 + 1e-9) and bound <= best * (1 + 1e-9)
+
+
+# --------------------------------------------------------------------------------------------
+# compiled kernels (eplb._compiled): best-fit-decreasing packing, swaps, fill packing
+# --------------------------------------------------------------------------------------------
+
+
+def _sparse_load(layers: int, experts: int, seed: int, idle: float = 0.5, total: int = 32768) -> np.ndarray:
+    """Zipf loads (s in [0.8, 1.2]) with a share ``idle`` of the experts at zero (the bench's sparse family)."""
+    rng = np.random.default_rng(seed)
+    out = np.zeros((layers, experts))
+    for i in range(layers):
+        w = np.arange(1, experts + 1, dtype=np.float64) ** -rng.uniform(0.8, 1.2)
+        w = rng.permutation(w)
+        w[rng.random(experts) < idle] = 0.0
+        w[w.argmax()] = max(w.max(), 1.0)
+        out[i] = np.round(w / w.sum() * total)
+    return out
+
+
+def _check_packing(load: np.ndarray, slot_load: np.ndarray, slot_expert: np.ndarray) -> None:
+    """Every expert held, every slot filled, each slot's load its expert's share."""
+    b, g, s = slot_expert.shape
+    n = load.shape[1]
+    p2l = slot_expert.reshape(b, -1)
+    assert p2l.min() >= 0 and p2l.max() < n
+    counts = alg._counts_of(p2l, n)
+    assert (counts >= 1).all() and (counts.sum(axis=1) == g * s).all()
+    assert np.allclose(np.take_along_axis(load / counts, p2l, axis=1).reshape(b, g, s), slot_load)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 8), st.integers(1, 5), st.floats(0.0, 0.9))
+def test_bfd_pack_places_every_expert_and_reports_its_peak(seed, gpus, per_gpu, idle):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, gpus * per_gpu + 1))
+    load = np.where(rng.random((3, n)) < idle, 0.0, rng.pareto(1.2, size=(3, n)) * 100)
+    slot_load, slot_expert, peak = alg._compiled.bfd_pack(load, gpus, per_gpu, np.array([1.0, 1.05]), 8, 0.999)
+    assert slot_expert.shape == (3, gpus, per_gpu)
+    _check_packing(load, slot_load, slot_expert)
+    assert np.allclose(peak, slot_load.sum(axis=2).max(axis=1))
+
+
+def test_bfd_pack_balances_sparse_layers_near_the_mean():
+    # 64 GPUs x 5 slots, half the experts idle (about two loaded replicas per GPU): BFD under a
+    # cap 1-2% above the mean lands near it
+    load = _sparse_load(8, 256, seed=7)
+    slot_load, slot_expert, peak = alg._compiled.bfd_pack(load, 64, 5, np.array([1.01, 1.02]), 64, 0.999)
+    _check_packing(load, slot_load, slot_expert)
+    bal = load.sum(axis=1) / 64 / peak
+    assert bal.min() > 0.95 and bal.mean() > 0.98
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 8), st.integers(1, 5))
+def test_swap_refine_never_raises_the_peak_nor_doubles_an_expert(seed, gpus, per_gpu):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, gpus * per_gpu + 1))
+    load = np.where(rng.random((3, n)) < 0.3, 0.0, rng.pareto(1.2, size=(3, n)) * 100)
+    counts = alg._replica_counts(load, gpus * per_gpu, gpus)
+    slot_load, slot_expert = alg._fill_pack(load, counts, gpus)
+    before_peak = slot_load.sum(axis=2).max(axis=1)
+    before_dups = [(np.sort(slot_expert[i], axis=1)[:, 1:] == np.sort(slot_expert[i], axis=1)[:, :-1]).sum() for i in range(3)]
+    peak = alg._compiled.swap_refine(slot_load, slot_expert, 32, np.full(3, 0.999))
+    _check_packing(load, slot_load, slot_expert)
+    assert np.array_equal(alg._counts_of(slot_expert.reshape(3, -1), n), counts)  # swaps move, never recount
+    assert np.allclose(peak, slot_load.sum(axis=2).max(axis=1))
+    assert (peak <= before_peak * (1 + 1e-12)).all()
+    after_dups = [(np.sort(slot_expert[i], axis=1)[:, 1:] == np.sort(slot_expert[i], axis=1)[:, :-1]).sum() for i in range(3)]
+    assert all(a <= b for a, b in zip(after_dups, before_dups))  # a swap may undo a double, never make one
+
+
+def test_swap_refine_stops_at_the_requested_balance():
+    w = _zipf_load(4, 64, seed=2).numpy().astype(np.float64)
+    counts = alg._replica_counts(w, 80, 8)
+    slot_load, slot_expert = alg._fill_pack(w, counts, 8)
+    mean = w.sum(axis=1) / 8
+    peak = alg._compiled.swap_refine(slot_load, slot_expert, 1000, np.array([0.5, 0.999, 0.999, 0.999]))
+    assert peak[0] == pytest.approx(slot_load[0].sum(axis=1).max())  # already above 0.5: untouched
+    assert (mean[1:] / peak[1:] > 0.99).all()
+
+
+def test_default_with_swaps_and_bfd_never_worse_than_without():
+    # the swaps and the BFD candidate only replace a packing by one with a lower peak
+    for load in (torch.from_numpy(_sparse_load(8, 256, seed=11)), _zipf_load(8, 256, seed=12, lo=1.0, hi=1.8)):
+        full = _balance(rebalance_experts(load, 320, 1, 1, 64)[0], load, 64)
+        no_swaps = _balance(rebalance_experts(load, 320, 1, 1, 64, max_swaps=0)[0], load, 64)
+        assert (full >= no_swaps - 1e-12).all() and full.mean() > no_swaps.mean() + 0.005
+
+
+def test_default_bfd_lifts_sparse_layers(monkeypatch):
+    load = torch.from_numpy(_sparse_load(12, 256, seed=13))
+    with_bfd = _balance(rebalance_experts(load, 320, 1, 1, 64)[0], load, 64)
+    monkeypatch.setattr(alg, "_BFD_BELOW", 0.0)
+    without = _balance(rebalance_experts(load, 320, 1, 1, 64)[0], load, 64)
+    assert (with_bfd >= without - 1e-12).all()
+    assert with_bfd.mean() > without.mean() + 0.005
+
+
+@pytest.mark.parametrize("shape", [(320, 64), (288, 32)])
+def test_default_output_is_the_same_for_every_input_dtype(shape):
+    slots, gpus = shape
+    counts = torch.from_numpy(_sparse_load(6, 256, seed=21)).to(torch.int64)
+    counts = torch.cat([counts, _zipf_load(6, 256, seed=22, total=4096 * 8).to(torch.int64)])
+    ref = rebalance_experts(counts, slots, 8, 4, gpus)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        x = counts.to(dtype)
+        if not torch.equal(x.to(torch.int64), counts):  # bfloat16 rounds counts above 256
+            continue
+        out = rebalance_experts(x, slots, 8, 4, gpus)
+        for a, b in zip(ref, out):
+            assert torch.equal(a, b), dtype
