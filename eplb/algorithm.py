@@ -32,22 +32,29 @@ Policies (registry :data:`POLICIES`, chosen by name, extended with :func:`regist
     GPU, then ``G`` per round to the lightest GPUs, a light GPU taking several of a round
     (:func:`_fill_pack`), so a GPU whose first replica nearly fills it ends with the smallest
     replicas (round-robin packing, one replica of every round per GPU, overloads those when
-    ``S`` is small and the load heavy-tailed); (3) improve by swaps: GPUs paired heaviest with
-    lightest, each pair making its best swap, then the heaviest GPU against the lightest few,
-    while a swap lowers the pair's peak (a swap never puts an expert twice on a GPU); (4) layers
-    still more than 2% above the mean (sparse ones: 3%) try other replica counts: read off the
-    packing (the expert of the largest replica on each of the heaviest five GPUs gains a
-    replica, the experts that lose least by it give one; on sparse layers, loaded replicas cut
-    to two per GPU, the rest going to idle experts), and, on layers further off, anchor-and-filler
-    counts (the fewest replicas of at most 0.95 of the mean GPU load each, so large replicas
-    nearly fill a GPU, the spare slots splitting the experts whose replicas are at most half of
-    it into the smaller replicas that complete such GPUs; :func:`_anchor_counts`); every
-    candidate is repacked and swapped briefly at once, and kept where the peak is lower
-    (:func:`_recount`); (5) layers still more than 0.7% above the mean get a second pass of
-    swaps, twice as wide; (6) a layer where the static placement is better (tiny shapes) keeps the
-    static one. Stateless, like the reference: ``previous`` is ignored. Options: ``pair_iters``,
-    ``max_swaps``, ``swap_width`` (the swaps), ``recount`` (step 4, default on). Two replicas of
-    one expert may share a GPU (valid: that GPU serves two shares of its tokens).
+    ``S`` is small and the load heavy-tailed); (3) improve by swaps: each step the heaviest GPU
+    makes its best swap with any other GPU (the lowest peak of the pair), up to ``max_swaps``
+    steps per layer, until the layer is within 0.1% of the mean or no swap lowers the peak (a
+    swap never puts an expert twice on a GPU); (4) layers still more than 2% above the mean try
+    other replica counts: read off the packing (the expert of the largest replica on each of the
+    heaviest five GPUs gains a replica, the experts that lose least by it give one; on layers
+    with idle experts and two to three loaded replicas per GPU, loaded replicas cut to two per
+    GPU, the rest going to idle experts), and, on layers further off, anchor-and-filler counts
+    (the fewest replicas of at most 0.95 of the mean GPU load each, so large replicas nearly fill
+    a GPU, the spare slots splitting the experts whose replicas are at most half of it into the
+    smaller replicas that complete such GPUs; :func:`_anchor_counts`); every candidate is
+    repacked and swapped briefly, kept where the peak is lower, and swapped on (:func:`_recount`);
+    (5) sparse layers (at least half an idle expert per GPU) still more than 1% above the mean
+    skip step 4 and try best-fit-decreasing packings instead: experts in descending load, each to
+    the fullest GPU it fits under a cap 1% or 2% above the mean, split into the fewest equal
+    replicas that fit only when it fits nowhere whole; each swapped as in step 3, kept where the
+    peak is lower (:func:`eplb._compiled.bfd_pack`); (6) a layer where the static placement is
+    better (tiny shapes) keeps the static one. Stateless, like the reference: ``previous`` is
+    ignored. Options: ``max_swaps`` (swap steps per layer, default 64; 0: no swaps),
+    ``recount`` (steps 4 and 5, default on). Two replicas of one expert may share a GPU (valid:
+    that GPU serves two shares of its tokens). The sequential parts (packing, swaps, BFD) are
+    compiled with numba (:mod:`eplb._compiled`, cached on disk); :func:`warm_up` loads them
+    ahead of the first call.
 ``hierarchical``
     The reference behaviour (DeepSeek ``rebalance_experts``): when ``num_groups % num_nodes == 0``
     expert groups are packed to nodes (equal group counts, greedy by group load), replicas are
@@ -58,7 +65,7 @@ Policies (registry :data:`POLICIES`, chosen by name, extended with :func:`regist
     sits on one node, so group-limited routing never leaves the node. What it costs: a node's
     load is fixed by the groups it got and its redundant slots can only relieve its own experts,
     so balance is capped by the node loads; on DeepSeek-V3 with 8 groups on 8 nodes (one group
-    per node) a skewed load leaves it near 0.55 (the bench), against 0.98 for ``default``.
+    per node) a skewed load leaves it near 0.55 (the bench), against 0.99 for ``default``.
 ``hierarchical_spill``
     Keeps the useful half of the node constraint: groups are packed to nodes as in
     ``hierarchical`` and each expert's first replica stays on its group's node (a full copy of
@@ -75,8 +82,10 @@ Policies (registry :data:`POLICIES`, chosen by name, extended with :func:`regist
     (and of ``default``'s on this window, without noise): each step one copy (a slot of a light GPU whose expert has other replicas takes an
     expert of the heaviest GPU) or two (a swap), the largest drop of the peak per copy first; a
     move is kept only if every GPU it touched ends below the old peak, so the result is never less
-    balanced than ``previous``. If that falls short, ``default``'s placement with its GPUs matched
-    to the old ones (a GPU permutation keeps the balance) is taken when better. After a scale
+    balanced than ``previous``. If that falls short, swaps from there (as ``default``'s step 3,
+    stopping at the aim) are kept when they reach the trigger level within the budget; failing
+    that, ``default``'s placement with its GPUs matched to the old ones (a GPU permutation keeps
+    the balance) is taken when better. After a scale
     (``previous`` has another slot count; the same slots per GPU, or ``previous_num_gpus``),
     experts stay on the GPUs that still exist (GPU ``g`` stays ``g`` unless ``rank_mapping``, a
     list or dict old -> new with ``-1`` for gone, says otherwise); lost experts and empty new slots
@@ -86,12 +95,12 @@ Policies (registry :data:`POLICIES`, chosen by name, extended with :func:`regist
     ``noise`` (``"auto"``, ``"counts"``, ``"none"``), ``previous_num_gpus``, ``rank_mapping``.
 
 Measured by ``python -m bench.bench_algorithm`` on eight load families and held-out seeds
-(figures in ``docs/design.md``): on DeepSeek-V3 shapes ``default`` reaches 0.993-0.999 (32 GPUs)
-and 0.967-0.997 (64 GPUs) by family, the weakest on sparse loads with 5 slots per GPU (worst
-layer 0.90), in 4-11 ms for 58 layers on one core of a loaded 2-core machine (load average
-4-6), whatever the input dtype; ``migration_aware`` copies 0.1-1.4% of the slots per rebalance on
-stationary loads and 0.14x / 0.21x ``default``'s copies on drifting ones; its next-window
-balance is within 0.01 of ``default``'s except on fast drift (-0.013 / -0.013).
+(figures in ``docs/design.md``): on DeepSeek-V3 shapes ``default`` reaches 0.997-0.999 (32 GPUs)
+and 0.992-0.999 (64 GPUs) by family, worst layer 0.957 (EP32 ``zipf``), in 2.4-8.3 ms for 58
+layers on one core (load average about 1), whatever the input dtype; ``migration_aware`` copies
+0.2-1.1% of the slots per rebalance on stationary loads and 0.13x / 0.22x ``default``'s copies on
+drifting ones; its next-window balance is within 0.01 of ``default``'s except on fast drift
+(-0.016 / -0.013).
 
 Errors are :class:`AlgorithmError` (a ``ValueError``) subclasses with messages naming what is
 wrong. Groups and nodes that do not nest (a group count that does not divide the experts, a node
