@@ -1344,6 +1344,15 @@ def _holds_mask(p2l: np.ndarray, num_gpus: int, n: int) -> np.ndarray:
     return out
 
 
+# migration_aware's replace moves: among the moves that lower the peak, one whose copied expert has
+# fewer replicas than default's counts give it, or whose evicted expert more, ranks as if its peak
+# estimate were this share of the peak lower (each), so the counts drift towards default's (which
+# fit the current hot set); tune seeds, next window against default's on drift: EP32 -0.019 ->
+# -0.010, EP64 -0.011 -> -0.009 (copies 12.9% -> 12.7% and 21.1% -> 21.0% of the slots); on
+# burst -0.003 -> -0.006 (EP32), -0.003 -> -0.005 (EP64): its spikes do not last
+_PREFER_COUNTS = 0.2
+
+
 @register_policy("migration_aware")
 def _migration_aware_policy(
     problem: Problem,
@@ -1418,7 +1427,7 @@ def _migration_aware_policy(
     refit = move & (prev == static).all(axis=1) if prev_gpus == g else np.zeros(b, dtype=bool)
     target_peak = np.where(move & ~refit, mean / np.maximum(aim, 1e-9), np.inf)
     allowed = np.full(b, np.iinfo(np.int64).max // 2 if max_copies is None else int(max_copies), dtype=np.int64)
-    cur = _improve(cur, load, g, target_peak, allowed - _copies_vs(carried, cur, g, n))
+    cur = _improve(cur, load, g, target_peak, allowed - _copies_vs(carried, cur, g, n), prefer=_counts_of(fresh, n))
     # 5. a layer the moves could not even lift to the trigger level takes default's placement,
     #    its GPUs matched to keep the most experts in place, when that is better and fits the budget
     short = move & ~refit & (_balancedness(cur, load, g) < expected - tolerance)
@@ -1488,6 +1497,7 @@ def _improve(
     budget: np.ndarray,
     max_steps: int | None = None,
     width: int = 8,
+    prefer: np.ndarray | None = None,
 ) -> np.ndarray:
     """Greedy moves from ``p2l`` (in place) until each layer's peak is at most ``target_peak``.
 
@@ -1499,6 +1509,9 @@ def _improve(
     The move with the largest drop of the peak per copy wins, on a conservative estimate of the
     touched GPUs' new loads. It is kept only if, recomputed exactly, every GPU whose load changed
     ends below the old peak (so the peak, or the number of GPUs at it, falls); else the layer stops.
+    With ``prefer [B, L]`` (replica counts to steer towards: ``default``'s), a replace move that
+    copies an expert with fewer replicas than preferred or evicts one with more ranks as if its
+    estimate were ``_PREFER_COUNTS`` of the peak lower, each (among the moves that lower the peak).
     """
     b, p = p2l.shape
     n = load.shape[1]
@@ -1549,7 +1562,13 @@ def _improve(
         e_there = holds[act3, gq[:, None, :], eh[:, :, None]] > 0  # [A, S, Q] e already on q's GPU
         est_r[e_there] = np.inf
         est_r = est_r.reshape(a, -1)
-        best_r = est_r.argmin(axis=1)
+        if prefer is not None:
+            tc = prefer[active]
+            pen = (ce >= tc[r2, eh])[:, :, None].astype(np.float64) + (cf <= tc[r2, f])[:, None, :]
+            adj = np.where(est_r < peak[:, None] * (1 - 1e-12), est_r + _PREFER_COUNTS * peak[:, None] * pen.reshape(a, -1), np.inf)
+            best_r = np.where(np.isfinite(adj).any(axis=1), adj.argmin(axis=1), est_r.argmin(axis=1))
+        else:
+            best_r = est_r.argmin(axis=1)
         gain_r = peak - est_r[ra, best_r]
         # swap e (on h) with f (in slot q)
         d = slot_load.reshape(a, g, s)[ra, h][:, :, None] - lq[:, None, :]  # [A, S, Q]

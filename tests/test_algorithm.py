@@ -767,3 +767,28 @@ def test_default_output_is_the_same_for_every_input_dtype(shape):
         out = rebalance_experts(x, slots, 8, 4, gpus)
         for a, b in zip(ref, out):
             assert torch.equal(a, b), dtype
+
+
+def test_migration_aware_steers_replica_counts_towards_defaults(monkeypatch):
+    # a drifting hot set: the moves that lower the peak prefer copying experts default gives more
+    # replicas and evicting those it gives fewer, so the counts end closer to default's (which
+    # fit the new hot set), for a few more copies at most (on this small shape; none more on the bench's drift)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((16, 64))
+    loads = []
+    for _ in range(2):
+        loads.append(torch.from_numpy(np.round(np.exp(1.3 * x) * 100)).to(torch.int64))
+        x = 0.8 * x + 0.6 * rng.standard_normal(x.shape)
+    prev = rebalance_experts(loads[0], 80, 1, 1, 8)[0]
+    fresh_counts = rebalance_experts(loads[1], 80, 1, 1, 8)[2]
+
+    def run():
+        p2l, _, counts = rebalance_experts(loads[1], 80, 1, 1, 8, policy="migration_aware", previous=prev)
+        return (counts - fresh_counts).abs().sum().item(), cross_gpu_copies(prev, p2l, 8).sum().item(), _balance(p2l, loads[1], 8)
+
+    steered, steered_copies, steered_bal = run()
+    monkeypatch.setattr(alg, "_PREFER_COUNTS", 0.0)
+    plain, plain_copies, plain_bal = run()
+    assert steered < plain
+    assert steered_copies <= plain_copies * 1.25
+    assert steered_bal.mean() >= plain_bal.mean() - 0.01
