@@ -80,7 +80,8 @@ Policies (registry :data:`POLICIES`, chosen by name, extended with :func:`regist
     with the spread of two windows' difference, so window-to-window noise moves nothing. A layer
     that moves makes the fewest copies that bring it within ``tolerance`` of that expected balance
     (and of ``default``'s on this window, without noise): each step one copy (a slot of a light GPU whose expert has other replicas takes an
-    expert of the heaviest GPU) or two (a swap), the largest drop of the peak per copy first; a
+    expert of the heaviest GPU; preferably one to which ``default``'s counts give more replicas,
+    evicting one they give fewer) or two (a swap), the largest drop of the peak per copy first; a
     move is kept only if every GPU it touched ends below the old peak, so the result is never less
     balanced than ``previous``. If that falls short, swaps from there (as ``default``'s step 3,
     stopping at the aim) are kept when they reach the trigger level within the budget; failing
@@ -96,11 +97,11 @@ Policies (registry :data:`POLICIES`, chosen by name, extended with :func:`regist
 
 Measured by ``python -m bench.bench_algorithm`` on eight load families and held-out seeds
 (figures in ``docs/design.md``): on DeepSeek-V3 shapes ``default`` reaches 0.997-0.999 (32 GPUs)
-and 0.992-0.999 (64 GPUs) by family, worst layer 0.957 (EP32 ``zipf``), in 2.4-8.3 ms for 58
-layers on one core (load average about 1), whatever the input dtype; ``migration_aware`` copies
-0.2-1.1% of the slots per rebalance on stationary loads and 0.13x / 0.22x ``default``'s copies on
-drifting ones; its next-window balance is within 0.01 of ``default``'s except on fast drift
-(-0.016 / -0.013).
+and 0.991-0.999 (64 GPUs) by family, worst layer 0.957 (EP32 ``zipf``), in 2.5-7.3 ms for 58
+layers on one core (load average about 0.9), whatever the input dtype; ``migration_aware``
+copies 0.2-1.1% of the slots per rebalance on stationary loads and 0.13x / 0.22x ``default``'s
+copies on drifting ones; its next-window balance is within 0.01 of ``default``'s except on fast
+drift (-0.012 / -0.013).
 
 Errors are :class:`AlgorithmError` (a ``ValueError``) subclasses with messages naming what is
 wrong. Groups and nodes that do not nest (a group count that does not divide the experts, a node
