@@ -1022,6 +1022,7 @@ _BFD_BELOW = 0.99  # layers with idle experts below this balancedness try best-f
 _BFD_IDLE = 0.5  # ... and at least this many idle experts per GPU
 _BFD_CAPS = np.array([1.01, 1.02])  # ... under these peak caps (multiples of the mean GPU load)
 
+
 def _balanced(load: np.ndarray, num_replicas: int, num_gpus: int, max_swaps: int = _SWAP_STEPS, recount: bool = True) -> np.ndarray:
     b, n = load.shape
     g = num_gpus
