@@ -53,6 +53,7 @@ from elastic.launch.launchers import Launcher, WorkerHandle, plan_mapping
 from elastic.serving.engine import Completion, RequestEngine
 from elastic.worker.groups import abort_generation, open_store
 from elastic.worker.process import WorkerSpec
+from eplb.algorithm import warm_up
 from eplb.models.config import HFModelConfig
 from eplb.placement_file import placement_document
 
@@ -265,6 +266,10 @@ class Coordinator:
         if initial is not None:
             log.info("starting from the placement in %s, %s", self.config.eplb.initial_placement, initial[1])
         self._store = open_store(self.config.store_bind_host, self.config.launcher.store_port)
+        # the placement kernels are compiled once, here, into numba's on-disk cache: local workers
+        # then load them (0.3 s) instead of each compiling them (about 10 s of CPU on a machine's
+        # first start, in the thread beside their heartbeats)
+        warm_up()
         for rank in range(self.size):
             self._launch(rank, self.size, generation=0)
         self._threads = [threading.Thread(target=self._read_reports, name="coordinator-reports", daemon=True),
