@@ -1414,9 +1414,9 @@ def _migration_aware_policy(
     #    plus the tolerance, what moving can really buy; those the load left far behind (hot
     #    experts moved: more than 5 tolerances short) aim halfway from that expected balance to
     #    default's on this window less the tolerance (aiming all the way there, as fitted to
-    #    this window as default is, cost 30% more copies on drifting loads for 0.004 of
-    #    next-window balance); right after a scale (another GPU count), all the way. Never past
-    #    the latter.
+    #    this window as default is, copied 1.4x as much on drifting loads and lost next-window
+    #    balance: the hot set moves on); right after a scale (another GPU count), all the way.
+    #    Never past the latter.
     far = bal_cur < expected - 5.0 * tolerance
     ceiling = bal_default - tolerance
     far_aim = ceiling if prev_gpus != g else (expected + ceiling) / 2
