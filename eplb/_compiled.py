@@ -13,6 +13,25 @@ import numpy as np
 
 
 @numba.njit(cache=True)
+def _add_replica(w, e, t, counts, slot_load, slot_expert, used, gl):  # pragma: no cover - compiled
+    """One more replica of expert ``e``, in GPU ``t``'s next free slot: every replica of ``e``
+    carries ``w[e] / (counts[e] + 1)`` from now on, and the GPUs holding one follow."""
+    c = counts[e]
+    newp = w[e] / (c + 1)
+    old = w[e] / c
+    for x in range(gl.shape[0]):
+        for j in range(used[x]):
+            if slot_expert[x, j] == e:
+                slot_load[x, j] = newp
+                gl[x] += newp - old
+    slot_load[t, used[t]] = newp
+    slot_expert[t, used[t]] = e
+    used[t] += 1
+    gl[t] += newp
+    counts[e] = c + 1
+
+
+@numba.njit(cache=True)
 def _bfd_one(w, order, g, s, cap, slot_load, slot_expert):  # pragma: no cover - compiled
     """Best-fit-decreasing packing of one layer under a peak ``cap``; fills ``slot_* [G, S]``,
     returns the peak. See :func:`bfd_pack`."""
@@ -125,17 +144,7 @@ def _bfd_one(w, order, g, s, cap, slot_load, slot_expert):  # pragma: no cover -
                     if not has:
                         t = x
             if t >= 0 and gl[t] + newp < gl[h]:
-                old = w[e] / c
-                for x in range(g):
-                    for j in range(used[x]):
-                        if slot_expert[x, j] == e:
-                            slot_load[x, j] = newp
-                            gl[x] += newp - old
-                slot_load[t, used[t]] = newp
-                slot_expert[t, used[t]] = e
-                used[t] += 1
-                gl[t] += newp
-                counts[e] = c + 1
+                _add_replica(w, e, t, counts, slot_load, slot_expert, used, gl)
                 free_total -= 1
                 done = True
         if not done:
@@ -148,19 +157,7 @@ def _bfd_one(w, order, g, s, cap, slot_load, slot_expert):  # pragma: no cover -
             for x in range(1, n):
                 if w[x] * counts[e] < w[e] * counts[x]:
                     e = x
-            c = counts[e]
-            newp = w[e] / (c + 1)
-            old = w[e] / c
-            for x in range(g):
-                for j in range(used[x]):
-                    if slot_expert[x, j] == e:
-                        slot_load[x, j] = newp
-                        gl[x] += newp - old
-            slot_load[t, used[t]] = newp
-            slot_expert[t, used[t]] = e
-            used[t] += 1
-            gl[t] += newp
-            counts[e] = c + 1
+            _add_replica(w, e, t, counts, slot_load, slot_expert, used, gl)
             free_total -= 1
     return gl.max()
 
