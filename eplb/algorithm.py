@@ -146,6 +146,7 @@ __all__ = [
     "compute_placement",
     "cross_gpu_copies",
     "home_node_share",
+    "policy_option_names",
     "warm_up",
 ]
 
@@ -234,15 +235,21 @@ def _get_policy(name: str) -> Policy:
         raise UnknownPolicyError(f"unknown policy {name!r}; known policies: {', '.join(sorted(POLICIES))}") from None
 
 
-def _check_options(name: str, fn: Policy, options: Mapping[str, Any]) -> None:
-    params = inspect.signature(fn).parameters
+def policy_option_names(name: str) -> set[str] | None:
+    """The options the registered policy ``name`` takes (its keyword-only parameters); ``None``
+    when it takes any (``**kwargs``). A config is checked with this before any worker starts."""
+    params = inspect.signature(POLICIES[name]).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return
-    accepted = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
-    unknown = sorted(set(options) - set(accepted))
+        return None
+    return {n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def _check_options(name: str, options: Mapping[str, Any]) -> None:
+    accepted = policy_option_names(name)
+    unknown = [] if accepted is None else sorted(set(options) - accepted)
     if unknown:
         raise InvalidOptionError(
-            f"policy {name!r} takes no option(s) {', '.join(unknown)}; it takes: {', '.join(accepted) or 'none'}"
+            f"policy {name!r} takes no option(s) {', '.join(unknown)}; it takes: {', '.join(sorted(accepted or ())) or 'none'}"
         )
 
 
@@ -280,7 +287,7 @@ def rebalance_experts(
         (``-1`` padded), ``replica_count [layers, L]``, all int64 CPU tensors.
     """
     fn = _get_policy(policy)
-    _check_options(policy, fn, policy_options)
+    _check_options(policy, policy_options)
     problem = _make_problem(weight, num_replicas, num_groups, num_nodes, num_gpus, previous)
     p2l_np = np.ascontiguousarray(fn(problem, **policy_options), dtype=np.int64)
     return _outputs(p2l_np, problem.num_logical, problem.num_replicas - problem.num_logical + 1)

@@ -499,13 +499,21 @@ def memory_problems(config: DeploymentConfig, *, rename: Callable[[str], str] = 
 
 
 def policy_problems(config: DeploymentConfig, path: str = "eplb.policy") -> list[InputProblem]:
-    """``EPLBConfig.policy`` takes any name; a name the workers cannot find fails every rebalance."""
-    from eplb.algorithm import POLICIES  # torch: imported only when a deployment is checked
+    """``EPLBConfig.policy`` takes any name and ``policy_options`` any keys; a name the workers
+    cannot find, or an option the policy does not take, fails every rebalance."""
+    from eplb.algorithm import POLICIES, policy_option_names  # torch: imported only when a deployment is checked
 
-    if config.eplb.policy in POLICIES:
-        return []
-    return [InputProblem(path, f"expected one of {', '.join(repr(p) for p in sorted(POLICIES))}, "
-                         f"got {config.eplb.policy!r}")]
+    policy = config.eplb.policy
+    if policy not in POLICIES:
+        return [InputProblem(path, f"expected one of {', '.join(repr(p) for p in sorted(POLICIES))}, got {policy!r}")]
+    accepted = policy_option_names(policy)
+    if accepted is None:
+        return []  # the policy takes any option (**kwargs)
+    accepted |= {"num_groups", "num_nodes"}  # the hierarchy, passed to every policy (eplb.state.placement_for)
+    options_path = path.removesuffix("policy") + "policy_options"
+    return [InputProblem(f"{options_path}.{name}", f"policy {policy!r} takes no option {name!r}; it takes: "
+                         f"{', '.join(sorted(accepted))}")
+            for name in sorted(set(config.eplb.policy_options) - accepted)]
 
 
 # ---------------------------------------------------------------------------------------------
