@@ -460,25 +460,28 @@ def test_checkpoint_directories_are_checked_before_a_worker_opens_them(tmp_path)
                         "the index names model-2.safetensors, which is missing (incomplete download?)"]
 
 
-def test_an_option_the_eplb_policy_does_not_take_is_refused_before_the_workers_start(tmp_path):
-    # pair_iters was an option of default's old swaps (see the README's migration note)
+def _serve_config_problems(tmp_path: Path, text: str) -> list:
+    """The problems ``load_serve_config`` names in a serve config of ``text``."""
     path = tmp_path / "serve.yaml"
-    path.write_text("ep_size: 2\neplb: {policy: default, policy_options: {pair_iters: 2, num_groups: 1, max_swaps: 8}}\n")
+    path.write_text(text)
     with pytest.raises(InputError) as info:
         load_serve_config(path)
-    (problem,) = info.value.problems
+    return info.value.problems
+
+
+def test_an_option_the_eplb_policy_does_not_take_is_refused_before_the_workers_start(tmp_path):
+    # pair_iters was an option of default's old swaps (see the README's migration note)
+    (problem,) = _serve_config_problems(
+        tmp_path, "ep_size: 2\neplb: {policy: default, policy_options: {pair_iters: 2, num_groups: 1, max_swaps: 8}}\n")
     assert problem.path == "eplb.policy_options.pair_iters"
     assert problem.message == ("policy 'default' takes no option 'pair_iters'; it takes: max_swaps, num_groups, "
                                "num_nodes, recount")
+    path = tmp_path / "serve.yaml"
     path.write_text("ep_size: 2\neplb: {policy: hierarchical_spill, policy_options: {pair_iters: 2, num_groups: 1}}\n")
     assert load_serve_config(path).deployment.eplb.policy_options == {"pair_iters": 2, "num_groups": 1}
 
 
 def test_an_unknown_eplb_policy_is_refused_before_the_workers_start(tmp_path):
-    path = tmp_path / "serve.yaml"
-    path.write_text("ep_size: 2\neplb: {policy: fastest}\n")
-    with pytest.raises(InputError) as info:
-        load_serve_config(path)
-    (problem,) = info.value.problems
+    (problem,) = _serve_config_problems(tmp_path, "ep_size: 2\neplb: {policy: fastest}\n")
     assert problem.path == "eplb.policy" and "expected one of 'default', " in problem.message
     assert problem.message.endswith("got 'fastest'")
