@@ -72,7 +72,13 @@ def plan_recovery(live: Sequence[LiveWorker], attempts: Mapping[int, Attempt], g
     chosen = max(members, key=lambda g: (len(members[g]), -g))
     survivors = sorted(members[chosen], key=lambda w: w.rank)
     if not survivors:
-        raise InvalidScaleRequest("ep_size", "cannot recover: no worker of the last consistent generation is alive")
+        # what was weighed, so that an operator (and a failed test) sees why no side had a worker
+        seen = ", ".join(f"rank {w.rank} pid {w.pid} on generation {w.generation}" for w in live) or "none"
+        tried = ", ".join(f"generation {g} ({a.size} ranks, adopted by pids {sorted(a.adopted)})"
+                          for g, a in sorted(attempts.items())) or "none"
+        raise InvalidScaleRequest("ep_size", "cannot recover: no worker of the last consistent generation "
+                                  f"({generation}) is alive, nor one that adopted a later attempt; living workers: "
+                                  f"{seen}; attempts: {tried}")
     alive = {w.rank for w in survivors}
     keep = {w.pid for w in survivors}
     return RecoveryPlan(generation=chosen, base_size=sizes[chosen], survivors=tuple(w.pid for w in survivors),
