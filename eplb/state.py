@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from eplb.algorithm import compute_placement, warm_up
+from eplb.algorithm import compute_placement
 from eplb.config import EPLBConfig
 from eplb.placement import Placement, align_slots
 from eplb.plan import plan_layer
@@ -470,9 +470,6 @@ class EPLBState:
         self.hooks = hooks
         self.model = model
         self.placement = placement
-        # the placement algorithm's compiled kernels load (or compile) beside the start-up, not
-        # in the first rebalance
-        threading.Thread(target=warm_up, name="eplb-warm-up", daemon=True).start()
         self.rank = rank
         self.num_ranks = num_ranks
         self.group = group

@@ -43,6 +43,7 @@ from elastic.worker.groups import (
 )
 from elastic.worker.injector import FaultInjector
 from elastic.worker.prepare import PREPARE_WORDS, Preparation
+from eplb.algorithm import warm_up
 from eplb.communicator import make_communicator
 from eplb.config import EPLBConfig
 from eplb.model import ModelShape
@@ -242,6 +243,9 @@ class Worker:
                                      timeout=spec.collective_timeout_s)
             self._start_decoder()
             self.progress = ("starting the EPLB", 0, 1)  # memory registration (NIXL) can take a while
+            # once per process: the placement algorithm's compiled kernels load beside the start-up,
+            # not in the first rebalance (every later EPLBState, one per rescale, finds them loaded)
+            threading.Thread(target=warm_up, name="eplb-warm-up", daemon=True).start()
             self.eplb = EPLBState(spec.eplb, self.model, placement, self.rank, self.size, on_event=self._eplb_event,
                                   hooks=self._hooks(), communicator=self.comm)
             self._resume_eplb()
