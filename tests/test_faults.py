@@ -31,6 +31,24 @@ def test_rank_killed_while_running_auto_recovers_to_a_smaller_verified_group():
 
 
 @pytest.mark.timeout(120)
+def test_survivors_waiting_out_a_stalled_peer_stay_alive_though_the_wait_outlasts_the_heartbeat_margin():
+    """The survivors block in the step's all-reduce for the whole collective timeout (3 s) before
+    they can report the failure; with the heartbeat deadline only 50 ms beyond it, they are still
+    never silent (the step watch reports while a step waits): only the stalled rank is lost, and
+    recovery goes on with the other two."""
+    config = small_config(ep_size=3, model=dict(num_layers=3, num_experts=8), eplb=dict(num_redundant_experts=4),
+                          auto_recover=True, timeouts=dict(collective=3, heartbeat=3.05))
+    with running(config, faults=[StallRank(rank=2, at_step=20, seconds=30, generation=0)]) as c:
+        wait_for_state(c, "running", timeout=60, generation=1)
+        failure = next(t for t in c.machine.history() if t.trigger == "fail")
+        lost = [w for w in c.workers.values() if w.lost_reason]
+        assert [w.rank for w in lost] == [2], (failure.reason, [(w.rank, w.lost_reason) for w in lost])
+        assert c.size == 2
+        c.wait_for_step(c.snapshot()["step"] + 5)
+        assert_consistent(c, 2)
+
+
+@pytest.mark.timeout(120)
 def test_rank_killed_mid_rescale_fails_with_reason_then_recover_restores_running():
     config = small_config(ep_size=2, model=dict(num_layers=3, num_experts=8), eplb=dict(num_redundant_experts=8),
                           timeouts=dict(collective=4, heartbeat=6))

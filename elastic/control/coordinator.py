@@ -539,6 +539,9 @@ class Coordinator:
             try:
                 self.machine.fail_if_overdue()
                 lost = self._find_lost()
+                for w in lost:  # logged in every state: one lost while failed is left out of the recovery
+                    log.warning("worker rank %d (pid %d, generation %d) lost in %s: %s", w.rank, w.handle.pid,
+                                w.generation, self.machine.state.value, w.lost_reason)
                 if lost and self.machine.state not in (Phase.FAILED,):
                     reason = "; ".join(f"rank {w.rank} (pid {w.handle.pid}) {w.lost_reason}" for w in lost)
                     try:

@@ -137,6 +137,18 @@ class GroupGeneration:
         log.debug("rank %d joined generation %d of size %d on hosts %s", rank, generation, size, hosts)
         return cls(generation, rank, size, backend, timeout_s, hosts=hosts)
 
+    def abandon(self) -> list[Any]:
+        """After a peer failed: take every group of this generation (the default one, the EPLB
+        subgroup) out of torch's registry without shutting any down, and return them. A gloo
+        group whose peer died can block in its teardown until its failed work times out, holding
+        the GIL; the caller keeps the returned groups until the process exits."""
+        world = distributed_c10d._world
+        groups = list(world.pg_map)
+        for pg in reversed(groups):  # subgroups first, the default one last
+            _unregister(pg)
+        self.eplb_group = None
+        return groups
+
     def build_eplb_group(self) -> Any:
         """A dedicated group over every rank for the EPLB's point-to-point traffic (collective call)."""
         self.eplb_group = dist.new_group(list(range(self.size)), timeout=timedelta(seconds=self.timeout_s),

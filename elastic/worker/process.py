@@ -42,6 +42,7 @@ from elastic.worker.groups import (
     shutdown_detached,
 )
 from elastic.worker.injector import FaultInjector
+from elastic.worker.liveness import StepWatch
 from elastic.worker.prepare import PREPARE_WORDS, Preparation
 from eplb.algorithm import warm_up
 from eplb.communicator import make_communicator
@@ -154,7 +155,10 @@ class Worker:
         self.decoder: DecodeBatches | None = None  # synthetic batches while no request runs (background load)
         self.requests: RequestBatch | None = None  # completion requests (elastic.serving)
         self.non_expert_sync: dict[str, float] | None = None  # bytes and seconds of the last peer copy (joining ranks)
-        self._abandoned_groups: list[Any] = []  # broken generations' EPLB subgroups, never torn down (see _enter_broken)
+        self._abandoned_groups: list[Any] = []  # broken generations' groups, never torn down (see _enter_broken)
+        self._rank_load = 0.0  # this rank's share of the last step's routed load (heartbeats)
+        # a step waiting on its peers keeps reporting, for at most one collective timeout and a margin
+        self.step_watch = StepWatch(self._waiting_heartbeat, spec.heartbeat_s, spec.collective_timeout_s + 1.0)
         self.store = connect_store(spec.store_host, spec.store_port, spec.join_timeout_s)
         self.comm = make_communicator(spec.eplb.communicator, spec.backend)  # moves expert weights
         self.group: GroupGeneration | None = None
@@ -1182,7 +1186,11 @@ class Worker:
         return control.tolist()
 
     def decode_step(self) -> None:
-        self.faults.at_step(self.step, steady=self.mode == p.WorkerMode.DECODING)
+        self.faults.at_step(self.step, steady=self.mode == p.WorkerMode.DECODING)  # a stall here is silence
+        with self.step_watch.step():
+            self._decode_step()
+
+    def _decode_step(self) -> None:
         reduced = self._sync()
         try:
             if not self._run_commands_up_to(reduced[0]) or self.stopping:
@@ -1278,19 +1286,26 @@ class Worker:
         if not force and now - self.last_heartbeat < self.spec.heartbeat_s:
             return
         self.last_heartbeat = now
-        rank_load = 0.0
         if physical is not None:
             per_rank = physical.shape[1] // self.size
-            rank_load = float(physical[:, self.rank * per_rank : (self.rank + 1) * per_rank].sum())
-        self.report(p.Heartbeat, step=self.step, step_seconds=step_seconds,
-                    balancedness=self._eplb.stats.last_balancedness if self._eplb else 1.0,
-                    tokens=self.tokens_since, state=p.WorkerMode.BROKEN if self.broken else self.mode,
-                    in_flight_layer=self._eplb.in_flight_layer if self._eplb else None,
-                    eplb=self._eplb.stats.as_dict() if self._eplb else {}, rank_load=rank_load,
-                    requests=len(self.requests) if self.requests is not None else 0,
-                    step_timings=tuple(self.step_timings))
+            self._rank_load = float(physical[:, self.rank * per_rank : (self.rank + 1) * per_rank].sum())
+        self.report(p.Heartbeat, step_seconds=step_seconds, tokens=self.tokens_since,
+                    step_timings=tuple(self.step_timings), **self._heartbeat_state())
         self.tokens_since = 0
         self.step_timings = []
+
+    def _waiting_heartbeat(self, waited_s: float) -> None:
+        """From :attr:`step_watch`'s thread: the step has waited ``waited_s`` on its peers so far
+        (its tokens and timings go out with the step's own heartbeat, once it ends)."""
+        self.report(p.Heartbeat, step_seconds=waited_s, **self._heartbeat_state())
+
+    def _heartbeat_state(self) -> dict[str, Any]:
+        eplb = self._eplb
+        return dict(step=self.step, state=p.WorkerMode.BROKEN if self.broken else self.mode,
+                    balancedness=eplb.stats.last_balancedness if eplb else 1.0,
+                    in_flight_layer=eplb.in_flight_layer if eplb else None,
+                    eplb=eplb.stats.as_dict() if eplb else {}, rank_load=self._rank_load,
+                    requests=len(self.requests) if self.requests is not None else 0)
 
     def broken_loop(self) -> None:
         """After a failed collective: execute commands as they arrive (recovery or shutdown)."""
@@ -1353,18 +1368,18 @@ class Worker:
                 stopped = self.eplb.stop_worker(timeout=self.spec.eplb.transfer_timeout_s + self.spec.collective_timeout_s)
             if not stopped:
                 raise RuntimeError("the async EPLB thread did not stop: the group cannot be destroyed safely")
-        if self._eplb is not None and self._eplb.group is not None:
-            # never torn down: destroying a gloo group whose peer failed can block until its failed
-            # work times out, holding the GIL, so no heartbeat gets out and the rank looks lost. It
-            # is kept (one per broken generation) until the process exits
-            self._abandoned_groups.append(self._eplb.group)
         if self.group is not None:
-            with self._busy(p.WorkerMode.BROKEN):
-                self.group.destroy()
+            # never torn down: destroying a gloo group whose peer failed can block until its failed
+            # work times out, holding the GIL, so no heartbeat gets out and the rank looks lost
+            # (torch's destroy_process_group() shuts down every registered group, the EPLB subgroup
+            # too). Its groups leave torch's registry, so the next generation can form, and are
+            # kept (one set per broken generation) until the process exits
+            self._abandoned_groups.extend(self.group.abandon())
         self.group = None
 
     def run(self) -> None:
         self.start()
+        self.step_watch.start()
         while not self.stopping:
             try:
                 self.decode_step()
