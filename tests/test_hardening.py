@@ -418,10 +418,7 @@ def test_a_scale_up_whose_joiner_loads_past_worker_start_fails_cleanly_and_retir
 def test_with_replace_lost_a_recovery_that_shrank_the_group_is_followed_by_a_scale_back():
     config = small_config(ep_size=3, max_ep_size=4, model=dict(num_layers=3, num_experts=8),
                           eplb=dict(num_redundant_experts=4), auto_recover=True, replace_lost=True,
-                          # the kill is found by the exit, not by silence: a survivor's decode step
-                          # blocks up to the collective timeout on the dead peer before it reports
-                          # again, so heartbeat has a wide margin over it (4 s once read as silence)
-                          timeouts=dict(collective=3, heartbeat=8))
+                          timeouts=dict(collective=3, heartbeat=4))
     with running(config) as c:
         c.wait_for_step(5)
         c.live_workers()[2].handle.kill()

@@ -1297,7 +1297,8 @@ class Worker:
     def _waiting_heartbeat(self, waited_s: float) -> None:
         """From :attr:`step_watch`'s thread: the step has waited ``waited_s`` on its peers so far
         (its tokens and timings go out with the step's own heartbeat, once it ends)."""
-        self.report(p.Heartbeat, step_seconds=waited_s, **self._heartbeat_state())
+        if not self.faults.drops_heartbeat(self.step):
+            self.report(p.Heartbeat, step_seconds=waited_s, **self._heartbeat_state())
 
     def _heartbeat_state(self) -> dict[str, Any]:
         eplb = self._eplb
