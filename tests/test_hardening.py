@@ -320,12 +320,14 @@ def test_a_sync_transfer_timeout_is_a_broken_group_and_no_rank_counts_as_lost():
 # -- 10. a worker never tears down a group its EPLB thread may still use -------------------------------
 
 def test_a_worker_whose_eplb_thread_does_not_stop_leaves_without_destroying_the_group():
+    from elastic.worker.liveness import StepWatch
     from elastic.worker.process import Worker
 
     destroyed = []
     worker = Worker.__new__(Worker)  # the teardown alone: no process group is needed to decide it
     worker.stopping, worker.rank, worker.spec = True, 0, SimpleNamespace(collective_timeout_s=0.1)
     worker.start = lambda: None
+    worker.step_watch = StepWatch(lambda waited: None, interval_s=0.1, bound_s=1.0)
     worker.eplb = SimpleNamespace(stop_worker=lambda timeout: False)
     worker.group = SimpleNamespace(destroy=lambda: destroyed.append("group"))
     worker.comm = SimpleNamespace(close=lambda: destroyed.append("comm"))

@@ -1286,6 +1286,7 @@ class Worker:
         if not force and now - self.last_heartbeat < self.spec.heartbeat_s:
             return
         self.last_heartbeat = now
+        self._rank_load = 0.0  # a step without routed load (a real model with nothing to decode)
         if physical is not None:
             per_rank = physical.shape[1] // self.size
             self._rank_load = float(physical[:, self.rank * per_rank : (self.rank + 1) * per_rank].sum())
@@ -1387,6 +1388,7 @@ class Worker:
             except BrokenGroup as exc:
                 self._enter_broken(exc)
                 self.broken_loop()
+        self.step_watch.stop()
         stopped = self._eplb is None or self._eplb.stop_worker(timeout=self.spec.collective_timeout_s)
         if not stopped:
             # its thread may still be inside a transfer on the group: tearing the group down under
