@@ -613,15 +613,21 @@ class Coordinator:
     def _forget_exited(self) -> None:
         """Drop the records (and launcher handles, inboxes) of workers that left as expected, and
         the store keys of generations no worker uses any more: a scale cycle leaves nothing behind."""
-        now = time.monotonic()
+        now, wall = time.monotonic(), time.time()
         gone = []
         with self._lock:
+            current = self._current if self._current is not None and not self._current.terminal else None
             for pid, record in list(self.workers.items()):
                 if not record.expected_exit or record.handle.is_alive():
                     continue
                 record.dead_since = record.dead_since or now
-                # kept a moment for its last reports (and for recovery to see it was lost)
-                if now - record.dead_since > max(2.0, 4 * EXIT_GRACE_S) and (self._current is None or self._current.terminal):
+                # kept a moment for its last reports; and while an operation runs, kept if it died
+                # during it (the operation may still wait on it). One that died before the running
+                # operation began goes: back-to-back scales (an autoscaler) never leave a gap, and
+                # waiting for one kept every retired worker's record, queue and pipes (4 fds and a
+                # feeder thread per scale cycle, measured over 50 cycles)
+                died_at = wall - (now - record.dead_since)
+                if now - record.dead_since > max(2.0, 4 * EXIT_GRACE_S) and (current is None or died_at < current.created_at):
                     gone.append(self.workers.pop(pid))
         for record in gone:
             forget = getattr(self.launcher, "forget", None)
