@@ -504,7 +504,8 @@ class EPLBState:
 
     @property
     def in_flight_layer(self) -> int | None:
-        return None if self.run is None else self.run.in_flight_layer
+        run = self.run  # one read: another thread (a heartbeat) may read this while stop_worker clears it
+        return None if run is None else run.in_flight_layer
 
     @property
     def staging(self) -> list[torch.Tensor]:

@@ -41,8 +41,8 @@ def test_survivors_waiting_out_a_stalled_peer_stay_alive_though_the_wait_outlast
     with running(config, faults=[StallRank(rank=2, at_step=20, seconds=30, generation=0)]) as c:
         wait_for_state(c, "running", timeout=60, generation=1)
         failure = next(t for t in c.machine.history() if t.trigger == "fail")
-        lost = [w for w in c.workers.values() if w.lost_reason]
-        assert [w.rank for w in lost] == [2], (failure.reason, [(w.rank, w.lost_reason) for w in lost])
+        assert "rank 2 " in failure.reason and "rank 0 " not in failure.reason and "rank 1 " not in failure.reason, \
+            failure.reason
         assert c.size == 2
         c.wait_for_step(c.snapshot()["step"] + 5)
         assert_consistent(c, 2)

@@ -232,6 +232,24 @@ def test_scale_cycles_leave_no_records_queues_store_keys_or_fds_behind():
         assert _open_fds() <= before[0] + 4 * 3 + 2, f"fds {before[0]} -> {_open_fds()}"
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_a_step_watch_heartbeat_refreshes_liveness_and_nothing_else():
+    """The step watch's heartbeat says only "alive": it must not replace what the worker last
+    reported (a busy phase's state, which recovery waits out; the counters metrics read)."""
+    with running(small_config()) as c:
+        c.wait_for_step(3)
+        w = c.live_workers()[0]
+        kept = w.heartbeat
+        w.last_report = time.monotonic() - 3.0
+        c._file(p.Heartbeat(rank=w.rank, generation=w.generation + 7, pid=w.handle.pid, at=time.time(), step=0,
+                            state=p.WorkerMode.RESCALING, waiting=True))
+        assert time.monotonic() - w.last_report < 1.0  # alive
+        assert w.generation == 0  # what the worker said before stands
+        assert w.heartbeat is kept or (w.heartbeat is not None and not w.heartbeat.waiting), w.heartbeat
+        assert w.heartbeat is None or w.heartbeat.state != p.WorkerMode.RESCALING
+
+
 # -- 7. error attribution uses sequence numbers, never another host's clock ------------------------
 
 @pytest.mark.multiprocess

@@ -53,6 +53,23 @@ def test_the_thread_reports_a_waiting_step_and_stops_at_the_bound():
     assert not any(t.name == "step-watch" and t.is_alive() for t in threading.enumerate())
 
 
+def test_a_report_that_fails_does_not_end_the_watch():
+    calls: list[float] = []
+
+    def beat(waited: float) -> None:
+        calls.append(waited)
+        if len(calls) == 1:
+            raise RuntimeError("the outbox is closed")
+
+    watch = StepWatch(beat, interval_s=0.02, bound_s=1.0).start()
+    try:
+        with watch.step():
+            time.sleep(0.2)
+    finally:
+        watch.stop()
+    assert len(calls) >= 3, calls  # it went on reporting after the first one failed
+
+
 def test_a_watch_needs_a_positive_interval_and_bound():
     with pytest.raises(ValueError, match="interval_s and bound_s"):
         StepWatch(lambda waited: None, interval_s=0, bound_s=1)

@@ -52,6 +52,7 @@ from elastic.launch.factory import make_launcher
 from elastic.launch.launchers import Launcher, WorkerHandle, plan_mapping
 from elastic.serving.engine import Completion, RequestEngine
 from elastic.worker.groups import abort_generation, open_store
+from elastic.worker.liveness import WATCH_MARGIN_S
 from elastic.worker.process import WorkerSpec
 from eplb.algorithm import warm_up
 from eplb.models.config import HFModelConfig
@@ -83,6 +84,7 @@ class Operation:
     status: OperationStatus = OperationStatus.PENDING
     phase: str = "pending"
     created_at: float = field(default_factory=time.time)
+    started_monotonic: float = field(default_factory=time.monotonic)  # not reported: for this process's bookkeeping
     finished_at: float | None = None
     phases: dict[str, dict[str, float]] = field(default_factory=dict)
     error: str | None = None
@@ -380,6 +382,14 @@ class Coordinator:
         if isinstance(report, (p.TokensOut, p.RequestsHeld)):
             self._file_serving(report)
             return
+        if isinstance(report, p.Heartbeat) and report.waiting:
+            # the step watch's: liveness only. Its state would hide a busy phase's ("rescaling",
+            # which recovery waits out), and its empty counters would read as a stalled rank
+            with self._reports:
+                record = self.workers.get(report.pid)
+                if record is not None:
+                    record.last_report = time.monotonic()
+            return
         with self._reports:
             record = self.workers.get(report.pid)
             if record is not None:
@@ -511,7 +521,8 @@ class Coordinator:
                 self._broken_group = (time.monotonic(), report)
 
     def _fail_if_group_broken(self) -> None:
-        """A worker's group broke while no operation runs and, one heartbeat deadline later, no
+        """A worker's group broke while no operation runs and, one heartbeat deadline (plus the step
+        watch's margin and 0.5 s) later, no
         worker is lost or silent (a collective failed, nobody died or hung): the deployment no
         longer decodes, so it is ``failed``; broken ranks keep beating, so silence never comes.
         The wait lets a dead or stuck peer be found first, so the reason names the culprit and
@@ -525,8 +536,10 @@ class Coordinator:
                     or self.machine.state == Phase.FAILED):
                 self._broken_group = None  # superseded: retired, recovered, or already failed
                 return
+            # a culprit stuck inside its step is reported for by its step watch up to WATCH_MARGIN_S
+            # past the collective timeout its victims waited out: it falls silent that much later
             if (self._current is not None and not self._current.terminal) \
-                    or time.monotonic() - since < self.config.timeouts.heartbeat:
+                    or time.monotonic() - since < self.config.timeouts.heartbeat + WATCH_MARGIN_S + 0.5:
                 return
             self._broken_group = None
         try:
@@ -613,7 +626,7 @@ class Coordinator:
     def _forget_exited(self) -> None:
         """Drop the records (and launcher handles, inboxes) of workers that left as expected, and
         the store keys of generations no worker uses any more: a scale cycle leaves nothing behind."""
-        now, wall = time.monotonic(), time.time()
+        now = time.monotonic()
         gone = []
         with self._lock:
             current = self._current if self._current is not None and not self._current.terminal else None
@@ -626,8 +639,8 @@ class Coordinator:
                 # operation began goes: back-to-back scales (an autoscaler) never leave a gap, and
                 # waiting for one kept every retired worker's record, queue and pipes (4 fds and a
                 # feeder thread per scale cycle, measured over 50 cycles)
-                died_at = wall - (now - record.dead_since)
-                if now - record.dead_since > max(2.0, 4 * EXIT_GRACE_S) and (current is None or died_at < current.created_at):
+                if now - record.dead_since > max(2.0, 4 * EXIT_GRACE_S) and (
+                        current is None or record.dead_since < current.started_monotonic):
                     gone.append(self.workers.pop(pid))
         for record in gone:
             forget = getattr(self.launcher, "forget", None)

@@ -214,6 +214,9 @@ class Heartbeat(Report):
     # per decode step since the last heartbeat: (step, monotonic end time, wall and CPU seconds
     # the decode thread spent in EPLB control/after_sync/record, 1 if a rebalance was in flight)
     step_timings: tuple[tuple[int, float, float, float, int], ...] = ()
+    #: sent by the step watch while a step waits on its peers (elastic.worker.liveness): liveness
+    #: only; the coordinator refreshes the worker's last report and reads nothing else from it
+    waiting: bool = False
 
 
 @dataclass(frozen=True)

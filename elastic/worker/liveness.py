@@ -11,15 +11,25 @@ margin between the two timeouts that most fault scenarios use, and the coordinat
 reports for it, but only until the step has run ``bound_s`` (the collective timeout plus a
 margin: by then any collective of the step has returned or failed). A step stuck past that
 falls silent, and so does a frozen process (all its threads stop). What the heartbeat says is
-built by the worker (``beat``); the watch only decides when.
+built by the worker (``beat``); the watch only decides when. Its heartbeats say only "alive"
+(``Heartbeat.waiting``): the coordinator refreshes the worker's last report from them and
+nothing else, so they never hide a busy phase's state or read as a step without tokens.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+
+log = logging.getLogger("elastic.worker.liveness")
+
+#: how long past the collective timeout a step is still reported for; the coordinator waits this
+#: much longer before it calls a broken group one with no worker lost (a stuck culprit goes
+#: silent only then)
+WATCH_MARGIN_S = 1.0
 
 
 class StepWatch:
@@ -66,5 +76,9 @@ class StepWatch:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             waited = self.due()
-            if waited is not None:
+            if waited is None:
+                continue
+            try:
                 self._beat(waited)
+            except Exception:  # noqa: BLE001 - one failed report must not end the watch for good
+                log.exception("the step watch could not report")

@@ -42,7 +42,7 @@ from elastic.worker.groups import (
     shutdown_detached,
 )
 from elastic.worker.injector import FaultInjector
-from elastic.worker.liveness import StepWatch
+from elastic.worker.liveness import WATCH_MARGIN_S, StepWatch
 from elastic.worker.prepare import PREPARE_WORDS, Preparation
 from eplb.algorithm import warm_up
 from eplb.communicator import make_communicator
@@ -158,7 +158,7 @@ class Worker:
         self._abandoned_groups: list[Any] = []  # broken generations' groups, never torn down (see _enter_broken)
         self._rank_load = 0.0  # this rank's share of the last step's routed load (heartbeats)
         # a step waiting on its peers keeps reporting, for at most one collective timeout and a margin
-        self.step_watch = StepWatch(self._waiting_heartbeat, spec.heartbeat_s, spec.collective_timeout_s + 1.0)
+        self.step_watch = StepWatch(self._waiting_heartbeat, spec.heartbeat_s, spec.collective_timeout_s + WATCH_MARGIN_S)
         self.store = connect_store(spec.store_host, spec.store_port, spec.join_timeout_s)
         self.comm = make_communicator(spec.eplb.communicator, spec.backend)  # moves expert weights
         self.group: GroupGeneration | None = None
@@ -1299,7 +1299,7 @@ class Worker:
         """From :attr:`step_watch`'s thread: the step has waited ``waited_s`` on its peers so far
         (its tokens and timings go out with the step's own heartbeat, once it ends)."""
         if not self.faults.drops_heartbeat(self.step):
-            self.report(p.Heartbeat, step_seconds=waited_s, **self._heartbeat_state())
+            self.report(p.Heartbeat, step=self.step, step_seconds=waited_s, waiting=True)
 
     def _heartbeat_state(self) -> dict[str, Any]:
         eplb = self._eplb
