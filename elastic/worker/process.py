@@ -1107,8 +1107,7 @@ class Worker:
         """Tear down this generation's groups. On a healthy group the EPLB subgroup's last
         reference goes with them: its gloo teardown (closing pairs, joining threads, 20-40 ms)
         belongs to replacing the group, not to whatever later line drops the reference. A broken
-        group was destroyed when it broke, and its subgroup is released only at adoption
-        (see :meth:`_enter_broken`)."""
+        group was abandoned when it broke, never torn down (see :meth:`_enter_broken`)."""
         if self.group is not None:
             if self._eplb is not None:
                 self._eplb.release_group()
