@@ -491,3 +491,47 @@ def test_a_rebalance_started_in_the_same_step_as_a_drain_is_drained_not_left_in_
             asker.join(40)
             assert op.status == OperationStatus.SUCCEEDED, op.error
         assert_consistent(c, 2)
+
+
+# -- a dying worker cannot silence the others' reports ----------------------------------------------
+
+def _send_from_child(outbox, hold_lock: bool) -> None:  # a worker's reporting, in a child process
+    if hold_lock:
+        outbox._wlock.acquire()  # as a worker killed in the middle of a write leaves it
+        os._exit(17)
+    for i in range(3):
+        outbox.put(("report", i))
+    time.sleep(0.5)  # the feeder thread flushes before the process leaves
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_a_worker_that_dies_holding_its_report_queues_lock_does_not_stop_the_others_reports():
+    """Every local worker reports on a queue of its own: one that dies mid-write (holding the
+    queue's cross-process write lock) leaves the other workers' reports flowing. With one queue
+    shared by all, the coordinator heard nothing more from anyone and declared every worker lost."""
+    import multiprocessing as mp
+    import queue as queue_module
+
+    from elastic.launch.launchers import WorkerReports
+
+    ctx = mp.get_context("forkserver")
+    reports = WorkerReports()
+    dying, living = ctx.Queue(), ctx.Queue()
+    reports.add(dying)
+    reports.add(living)
+    killed = ctx.Process(target=_send_from_child, args=(dying, True))
+    killed.start()
+    killed.join(30)
+    sender = ctx.Process(target=_send_from_child, args=(living, False))
+    sender.start()
+    got = []
+    deadline = time.monotonic() + 20
+    while len(got) < 3 and time.monotonic() < deadline:
+        try:
+            got.append(reports.get(timeout=0.2))
+        except queue_module.Empty:
+            pass
+    sender.join(30)
+    reports.close()
+    assert got == [("report", 0), ("report", 1), ("report", 2)]

@@ -21,9 +21,11 @@ then counts the nodes itself (:func:`elastic.worker.groups.num_nodes_of`).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import queue
 import signal
@@ -83,6 +85,7 @@ class LocalWorker:
     inbox: Any
     process: mp.process.BaseProcess
     host: str = "localhost"
+    outbox: Any = None  # its reports' queue (read through WorkerReports)
 
     @property
     def pid(self) -> int:
@@ -110,6 +113,65 @@ class LocalWorker:
         os.kill(self.pid, signal.SIGSTOP)
 
 
+class WorkerReports:
+    """Every local worker's reports, each on a queue of its own, read as one.
+
+    One queue shared by every worker was a trap: ``multiprocessing.Queue`` writers share a lock
+    across processes, taken by each writer's feeder thread around every write. A worker killed
+    (SIGKILL, a fault's ``os._exit``) while its feeder held that lock never released it, and
+    every other worker's reports stopped for good: the coordinator declared all of them lost
+    together with the dead one (the "living workers: none" refusals of the fault tests, about
+    one full suite run in two). With a queue per worker, a dying worker can only break its own.
+    """
+
+    def __init__(self) -> None:
+        self._queues: dict[int, Any] = {}  # by the fd of the queue's read end
+        self._ready: collections.deque[Any] = collections.deque()
+        self._lock = threading.Lock()
+
+    def add(self, q: Any) -> None:
+        with self._lock:
+            self._queues[q._reader.fileno()] = q
+
+    def remove(self, q: Any) -> None:
+        with self._lock:
+            for fd, held in list(self._queues.items()):
+                if held is q:
+                    del self._queues[fd]
+        q.cancel_join_thread()
+        q.close()
+
+    def get(self, timeout: float) -> Any:
+        """The next report of any worker (``queue.Empty`` after ``timeout``). A queue whose
+        worker died mid-write (a torn message) is dropped: its worker is lost anyway."""
+        if self._ready:
+            return self._ready.popleft()
+        with self._lock:
+            queues = list(self._queues.values())
+        if not queues:
+            time.sleep(timeout)
+            raise queue.Empty
+        for reader in mp_connection.wait([q._reader for q in queues], timeout):
+            q = next(q for q in queues if q._reader is reader)
+            try:
+                self._ready.append(q.get_nowait())
+            except queue.Empty:
+                continue
+            except Exception:  # noqa: BLE001 - EOF or a torn message from a dead worker
+                with self._lock:
+                    self._queues = {fd: held for fd, held in self._queues.items() if held is not q}
+        if self._ready:
+            return self._ready.popleft()
+        raise queue.Empty
+
+    def close(self) -> None:
+        with self._lock:
+            queues, self._queues = list(self._queues.values()), {}
+        for q in queues:
+            q.cancel_join_thread()
+            q.close()
+
+
 class LocalLauncher:
     """Workers as processes on this machine."""
 
@@ -117,35 +179,37 @@ class LocalLauncher:
         self.capacity = capacity if capacity is not None else max(8, os.cpu_count() or 1)
         self._ctx = mp.get_context("forkserver")
         self._ctx.set_forkserver_preload(["torch", "elastic.worker.process"])
-        self._reports = self._ctx.Queue()
+        self._reports = WorkerReports()
         self._workers: list[LocalWorker] = []
 
     def reports(self) -> Any:
         return self._reports
 
     def launch(self, spec: WorkerSpec) -> LocalWorker:
-        inbox = self._ctx.Queue()
-        process = self._ctx.Process(target=worker_main, args=(spec, inbox, self._reports),
+        inbox, outbox = self._ctx.Queue(), self._ctx.Queue()
+        process = self._ctx.Process(target=worker_main, args=(spec, inbox, outbox),
                                     name=f"ep-worker-g{spec.generation}-r{spec.rank}", daemon=True)
         process.start()
-        worker = LocalWorker(spec.rank, inbox, process)
+        self._reports.add(outbox)
+        worker = LocalWorker(spec.rank, inbox, process, outbox=outbox)
         self._workers.append(worker)
         return worker
 
     def forget(self, handle: LocalWorker) -> None:
-        """The worker has exited and the coordinator is done with it: release its inbox (a
-        queue's feeder thread and pipe) and its handle."""
+        """The worker has exited and the coordinator is done with it: release its queues (each a
+        feeder thread and a pipe) and its handle."""
         if handle in self._workers:
             self._workers.remove(handle)
         handle.inbox.cancel_join_thread()  # nobody reads it any more: never block on its buffer
         handle.inbox.close()
+        if handle.outbox is not None:
+            self._reports.remove(handle.outbox)
         handle.process.close()
 
     def shutdown(self) -> None:
         for worker in self._workers:
             worker.kill()
         self._workers.clear()
-        self._reports.cancel_join_thread()
         self._reports.close()
 
 
