@@ -522,9 +522,11 @@ def test_a_worker_that_dies_holding_its_report_queues_lock_does_not_stop_the_oth
     reports.add(living)
     killed = ctx.Process(target=_send_from_child, args=(dying, True))
     killed.start()
+    dying._writer.close()  # as LocalLauncher.launch does: the child holds the write end
     killed.join(30)
     sender = ctx.Process(target=_send_from_child, args=(living, False))
     sender.start()
+    living._writer.close()
     got = []
     deadline = time.monotonic() + 20
     while len(got) < 3 and time.monotonic() < deadline:

@@ -125,29 +125,31 @@ class WorkerReports:
     """
 
     def __init__(self) -> None:
-        self._queues: dict[int, Any] = {}  # by the fd of the queue's read end
+        self._queues: list[Any] = []
+        self._closing: list[Any] = []  # removed; closed by the reading thread, never under its wait
         self._ready: collections.deque[Any] = collections.deque()
         self._lock = threading.Lock()
 
     def add(self, q: Any) -> None:
         with self._lock:
-            self._queues[q._reader.fileno()] = q
+            self._queues.append(q)
 
     def remove(self, q: Any) -> None:
         with self._lock:
-            for fd, held in list(self._queues.items()):
-                if held is q:
-                    del self._queues[fd]
-        q.cancel_join_thread()
-        q.close()
+            if q in self._queues:
+                self._queues.remove(q)
+                self._closing.append(q)
 
     def get(self, timeout: float) -> Any:
         """The next report of any worker (``queue.Empty`` after ``timeout``). A queue whose
-        worker died mid-write (a torn message) is dropped: its worker is lost anyway."""
+        worker died mid-write (a torn message) is dropped: its worker is lost anyway. Only one
+        thread reads (the coordinator's reader)."""
         if self._ready:
             return self._ready.popleft()
         with self._lock:
-            queues = list(self._queues.values())
+            queues, closing, self._closing = list(self._queues), self._closing, []
+        for q in closing:  # not in the wait below: closing a pipe under a wait on it is undefined
+            q._reader.close()
         if not queues:
             time.sleep(timeout)
             raise queue.Empty
@@ -158,18 +160,16 @@ class WorkerReports:
             except queue.Empty:
                 continue
             except Exception:  # noqa: BLE001 - EOF or a torn message from a dead worker
-                with self._lock:
-                    self._queues = {fd: held for fd, held in self._queues.items() if held is not q}
+                self.remove(q)
         if self._ready:
             return self._ready.popleft()
         raise queue.Empty
 
     def close(self) -> None:
         with self._lock:
-            queues, self._queues = list(self._queues.values()), {}
+            queues, self._queues, self._closing = self._queues + self._closing, [], []
         for q in queues:
-            q.cancel_join_thread()
-            q.close()
+            q._reader.close()
 
 
 class LocalLauncher:
@@ -190,6 +190,9 @@ class LocalLauncher:
         process = self._ctx.Process(target=worker_main, args=(spec, inbox, outbox),
                                     name=f"ep-worker-g{spec.generation}-r{spec.rank}", daemon=True)
         process.start()
+        # the worker holds the write end now: without this process's copy, a worker that dies
+        # mid-write gives its reader EOF instead of a read that waits for the rest forever
+        outbox._writer.close()  # type: ignore[attr-defined]  # multiprocessing.Queue keeps its ends private
         self._reports.add(outbox)
         worker = LocalWorker(spec.rank, inbox, process, outbox=outbox)
         self._workers.append(worker)
