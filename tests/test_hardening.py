@@ -214,7 +214,7 @@ def test_scale_cycles_leave_no_records_queues_store_keys_or_fds_behind():
         for _ in range(2):
             cycle()  # warm up: the forkserver, the store's first keys
         before = (_open_fds(), threading.active_count(), c._store.num_keys(), len(c.workers))
-        for _ in range(4):
+        for _ in range(3):
             cycle()
         after = (_open_fds(), threading.active_count(), c._store.num_keys(), len(c.workers))
         assert after[0] <= before[0] + 2, f"fds {before[0]} -> {after[0]}"
