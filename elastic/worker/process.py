@@ -156,7 +156,6 @@ class Worker:
         self.requests: RequestBatch | None = None  # completion requests (elastic.serving)
         self.non_expert_sync: dict[str, float] | None = None  # bytes and seconds of the last peer copy (joining ranks)
         self._abandoned_groups: list[Any] = []  # broken generations' groups, never torn down (see _enter_broken)
-        self._rank_load = 0.0  # this rank's share of the last step's routed load (heartbeats)
         # a step waiting on its peers keeps reporting, for at most one collective timeout and a margin
         self.step_watch = StepWatch(self._waiting_heartbeat, spec.heartbeat_s, spec.collective_timeout_s + WATCH_MARGIN_S)
         self.store = connect_store(spec.store_host, spec.store_port, spec.join_timeout_s)
@@ -1285,12 +1284,18 @@ class Worker:
         if not force and now - self.last_heartbeat < self.spec.heartbeat_s:
             return
         self.last_heartbeat = now
-        self._rank_load = 0.0  # a step without routed load (a real model with nothing to decode)
+        rank_load = 0.0
         if physical is not None:
             per_rank = physical.shape[1] // self.size
-            self._rank_load = float(physical[:, self.rank * per_rank : (self.rank + 1) * per_rank].sum())
-        self.report(p.Heartbeat, step_seconds=step_seconds, tokens=self.tokens_since,
-                    step_timings=tuple(self.step_timings), **self._heartbeat_state())
+            rank_load = float(physical[:, self.rank * per_rank : (self.rank + 1) * per_rank].sum())
+        eplb = self._eplb
+        self.report(p.Heartbeat, step=self.step, step_seconds=step_seconds,
+                    balancedness=eplb.stats.last_balancedness if eplb else 1.0,
+                    tokens=self.tokens_since, state=p.WorkerMode.BROKEN if self.broken else self.mode,
+                    in_flight_layer=eplb.in_flight_layer if eplb else None,
+                    eplb=eplb.stats.as_dict() if eplb else {}, rank_load=rank_load,
+                    requests=len(self.requests) if self.requests is not None else 0,
+                    step_timings=tuple(self.step_timings))
         self.tokens_since = 0
         self.step_timings = []
 
@@ -1299,14 +1304,6 @@ class Worker:
         (its tokens and timings go out with the step's own heartbeat, once it ends)."""
         if not self.faults.drops_heartbeat(self.step):
             self.report(p.Heartbeat, step=self.step, step_seconds=waited_s, waiting=True)
-
-    def _heartbeat_state(self) -> dict[str, Any]:
-        eplb = self._eplb
-        return dict(step=self.step, state=p.WorkerMode.BROKEN if self.broken else self.mode,
-                    balancedness=eplb.stats.last_balancedness if eplb else 1.0,
-                    in_flight_layer=eplb.in_flight_layer if eplb else None,
-                    eplb=eplb.stats.as_dict() if eplb else {}, rank_load=self._rank_load,
-                    requests=len(self.requests) if self.requests is not None else 0)
 
     def broken_loop(self) -> None:
         """After a failed collective: execute commands as they arrive (recovery or shutdown)."""
