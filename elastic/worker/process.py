@@ -228,6 +228,10 @@ class Worker:
     def start(self) -> None:
         spec = self.spec
         self.faults.hang_before_start()
+        # once per process: the placement algorithm's compiled kernels load beside the start-up (a
+        # joining rank's while it stands by), not in the first rebalance or rescale (every later
+        # EPLBState, one per rescale, finds them loaded)
+        threading.Thread(target=warm_up, name="eplb-warm-up", daemon=True).start()
         if spec.joining:  # a fresh rank: it joins through the rescale
             command = self._standby()
             if command is not None:
@@ -246,9 +250,6 @@ class Worker:
                                      timeout=spec.collective_timeout_s)
             self._start_decoder()
             self.progress = ("starting the EPLB", 0, 1)  # memory registration (NIXL) can take a while
-            # once per process: the placement algorithm's compiled kernels load beside the start-up,
-            # not in the first rebalance (every later EPLBState, one per rescale, finds them loaded)
-            threading.Thread(target=warm_up, name="eplb-warm-up", daemon=True).start()
             self.eplb = EPLBState(spec.eplb, self.model, placement, self.rank, self.size, on_event=self._eplb_event,
                                   hooks=self._hooks(), communicator=self.comm)
             self._resume_eplb()
