@@ -446,7 +446,7 @@ v1 = schemathesis.pytest.from_fixture("v1_schema")
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @v1.include(path_regex="^/v1/").parametrize()
-@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
 def test_the_completions_schema_fuzzed_finds_no_server_errors(case, live):
     from schemathesis.checks import positive_data_acceptance
 

@@ -211,7 +211,7 @@ class ControllerMachine(RuleBasedStateMachine):
 
 
 ControllerMachine.TestCase.settings = settings(
-    max_examples=10, stateful_step_count=12, deadline=None,  # 10 x 12 steps of real workers: under a minute on 2 cores
+    max_examples=7, stateful_step_count=12, deadline=None,  # 7 x 12 steps of real workers: about half a minute on 2 cores
     # timing decides some outcomes (a kill before or after a scale finished), so a replay may
     # take another path: report the failure as found instead of shrinking it
     phases=(Stage.explicit, Stage.reuse, Stage.generate),
