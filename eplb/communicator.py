@@ -104,6 +104,9 @@ class CommunicatorUnavailable(RuntimeError):
 # ---------------------------------------------------------------------------------------------
 # choosing
 
+#: the longest sleep of a wait at the start of a layer (``LayerExchange.start_together``): how late
+#: such a wait may notice an abort, or that its peers arrived
+_START_POLL_S = 0.005
 _NIXL_MODULES = ("nixl", "nixl_cu13", "nixl_cu12")  # the meta package first: it picks the CUDA build
 
 
@@ -435,6 +438,7 @@ class NixlCommunicator(Communicator):
         self.read_requests = 0  # posted read requests (one per peer per layer, or per peer per round)
         self.bytes_read = 0
         self.read_seconds = 0.0
+        self.start_wait_seconds = 0.0  # waiting for the group to enter a layer (start_together)
         self.agree_seconds = 0.0
         self.exchange_seconds = 0.0
 
@@ -779,6 +783,37 @@ class NixlCommunicator(Communicator):
                                   waiting="the end-of-layer all-reduce")
         return [r for r, v in enumerate(flags.cpu().tolist()) if v]
 
+    def _start_together(self, x: LayerExchange, size: int) -> None:
+        """Wait until every rank of the group has entered the layer (``x.start_together``), or
+        raise :class:`TransferTimeout` at the layer's deadline (:meth:`abort`: TransferError).
+
+        Nobody reads before this returns, so nothing needs UCX progress meanwhile, and the wait
+        polls coarsely: a joining rank of a scale waits here for most of its pre-transfer (its
+        layers come one decode step at a time, at the old group's pace), and a 1 ms poll would
+        take that CPU from the ranks that decode."""
+        flags = torch.zeros(1, dtype=torch.int32)
+        if str(dist.get_backend(x.group)).lower() == "nccl":
+            flags = flags.cuda()
+        others = [r for r in range(size) if r != x.rank]
+        try:
+            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=x.group, async_op=True)
+            pause = 0.0
+            while not work.is_completed():
+                self._check_aborted(x, others, "the other ranks to enter the layer")
+                if time.monotonic() >= x.deadline:
+                    raise TransferTimeout(f"the ranks did not all enter the layer within {x.timeout:g}s",
+                                          layer=x.layer, rank=x.rank, peers=others, timeout=x.timeout,
+                                          waiting="the start-of-layer all-reduce")
+                time.sleep(pause)
+                pause = min(_START_POLL_S, pause * 2 or 1e-4)
+            work.wait()
+        except TransferError:
+            raise  # aborted or timed out: already says why
+        except RuntimeError as exc:
+            raise TransferError("NIXL start-of-layer all-reduce failed", layer=x.layer, rank=x.rank, peers=others,
+                                timeout=x.timeout, waiting="the start-of-layer all-reduce",
+                                cause=str(exc).splitlines()[0][:300]) from exc
+
     def _wait_progressing(self, work: Any, x: LayerExchange) -> bool:
         """Wait for ``work`` until the layer's deadline while driving UCX progress (no progress
         thread): peers may still be reading from this rank, and UCX serves them only when
@@ -805,6 +840,10 @@ class NixlCommunicator(Communicator):
             if not self._exchanged:
                 self._exchange_metadata(x, size)
             started = time.monotonic()
+            if x.start_together and size > 1:
+                self._start_together(x, size)
+                self.start_wait_seconds += time.monotonic() - started
+                started = time.monotonic()
             failed = self._check_sends(x)
             if not failed:
                 failed = self._read(x)
@@ -839,5 +878,6 @@ class NixlCommunicator(Communicator):
             "layers": self.layers, "reads": self.reads, "read_requests": self.read_requests,
             "bytes_read": self.bytes_read,
             "read_seconds": self.read_seconds, "agree_seconds": self.agree_seconds,
+            "start_wait_seconds": self.start_wait_seconds,
             "exchange_seconds": self.exchange_seconds, "leaked_handles": len(self._leaked),
         }

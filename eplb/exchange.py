@@ -104,7 +104,11 @@ class LayerExchange:
     two-sided communicators post one batch (``TransferOp.batch``, of ``num_batches``) at a time.
     ``migration_batching``: the batches follow the plan's migration rounds (one peer per direction
     per rank and batch). ``deadline`` (``time.monotonic()``) bounds every wait; ``timeout``
-    is the layer's limit in seconds, for messages.
+    is the layer's limit in seconds, for messages. ``start_together``: no rank starts moving
+    bytes before every rank of the group has entered the layer (equal on every rank). A
+    two-sided communicator always does; a one-sided one (NIXL) otherwise reads as soon as the
+    reader enters, which a scale's pre-transfer must not allow: its old ranks time-box each
+    layer inside one decode step, and a read outside that step is decoding time no one counted.
     """
 
     layer: int | None
@@ -118,6 +122,7 @@ class LayerExchange:
     deadline: float
     num_batches: int = 0
     migration_batching: bool = False
+    start_together: bool = False
 
     @property
     def is_idle(self) -> bool:

@@ -175,6 +175,7 @@ def execute_layer(
     layer: int | None = None,
     communicator: Communicator | None = None,
     migration_batching: bool = False,
+    start_together: bool = False,
 ) -> TransferStats:
     """Fill ``staging`` with every slot this rank's part changes; return what was done.
 
@@ -185,7 +186,9 @@ def execute_layer(
     experts no live worker holds. ``communicator`` moves the bytes (default: the group's own
     ``torch.distributed`` backend, gloo or NCCL, with ``batch_isend_irecv``; see
     :mod:`eplb.communicator` for NIXL). ``migration_batching`` batches by the plan's migration
-    rounds (one peer per direction per rank per batch; equal on every rank). Raises :class:`TransferTimeout` / :class:`TransferError`
+    rounds (one peer per direction per rank per batch; equal on every rank). ``start_together``:
+    no byte moves before every rank of the group entered the layer (equal on every rank; see
+    :class:`~eplb.exchange.LayerExchange`). Raises :class:`TransferTimeout` / :class:`TransferError`
     on a stuck or broken peer, ``ValueError`` on buffers that do not fit the plan.
     """
     started = time.monotonic()
@@ -196,7 +199,7 @@ def execute_layer(
     num_tensors = _check_args(rp, old, new, reload_fn)
     _network_phase(rp, old, num_tensors, lambda k, t, w: new[w][t.dst_slots[0]], group=group, started=started,
                    limit=limit, max_ops_per_batch=max_ops_per_batch, layer=layer, communicator=communicator,
-                   migration_batching=migration_batching)
+                   migration_batching=migration_batching, start_together=start_together)
     _local_phase(rp, old, new, num_tensors, reload_fn, layer)
     return _stats(rp, old, new, started)
 
@@ -219,7 +222,8 @@ def _rank_plan(plan: RankPlan | LayerPlan, my_group_rank: int | None, group: dis
 def _network_phase(rp: RankPlan, old: list[torch.Tensor], num_tensors: int,
                    recv_target: Callable[[int, Any, int], torch.Tensor], *, group: dist.ProcessGroup | None,
                    started: float, limit: float, max_ops_per_batch: int, layer: int | None,
-                   communicator: Communicator | None, migration_batching: bool = False) -> None:
+                   communicator: Communicator | None, migration_batching: bool = False,
+                   start_together: bool = False) -> None:
     """Hand this rank's sends and receives (``recv_target(k, transfer, tensor)``: where receive
     ``k`` of weight tensor ``tensor`` lands) to the communicator, with the layer's deadline."""
     comm = communicator if communicator is not None else _default_communicator()
@@ -242,7 +246,7 @@ def _network_phase(rp: RankPlan, old: list[torch.Tensor], num_tensors: int,
             layer=layer, rank=rp.group_rank, group=group, sends=tuple(sorted(sends, key=lambda op: op.index)),
             recvs=tuple(sorted(recvs, key=lambda op: op.index)), num_ops=rp.num_transfers * max(num_tensors, 0),
             max_ops_per_batch=max_ops_per_batch, timeout=limit, deadline=started + limit,
-            num_batches=num_batches, migration_batching=migration_batching,
+            num_batches=num_batches, migration_batching=migration_batching, start_together=start_together,
         ))
 
 

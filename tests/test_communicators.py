@@ -285,6 +285,55 @@ def test_nixl_abort_ends_a_wait_on_a_frozen_peer_long_before_its_deadline():
         assert r["elapsed"] < 5.0, r  # 0.5 s to the abort, against a 20 s deadline
 
 
+def body_nixl_reader_enters_first(rank: int, world_size: int, start_together: bool) -> dict:
+    """Rank 1 reads expert 0 from rank 0. Rank 1 enters the layer first; rank 0 rewrites the
+    slot in place (the same registered memory) before it enters. A first layer, run together,
+    has exchanged the metadata already."""
+    store = _test_store(f"enters-first-{start_together}")
+    comm = NixlCommunicator()
+    comm.bind(0, store)
+    row, new_row = [0, 1, 2, 3], [0, 1, 0, 3]
+    old = [slot_weights(layer, row[2 * rank:2 * rank + 2]) for layer in (0, 1)]
+    staging = garbage(2)
+    comm.set_weights(old)
+    comm.add_buffer(staging)
+    plan = plan_layer(row, new_row, 2)
+    execute_layer(plan, rank, old[1], staging, timeout=20.0, layer=1, communicator=comm)  # metadata exchanged
+    if rank == 1:
+        store.set("reader-entering", "1")
+    else:
+        store.wait(["reader-entering"])
+        time.sleep(0.5)  # rank 1 is inside the layer by now
+        for w, t in enumerate(old[0]):
+            t[0].copy_(expert_weights(0, 7)[w])  # what rank 0 holds when it enters
+    execute_layer(plan, rank, old[0], staging, timeout=20.0, layer=0, communicator=comm,
+                  start_together=start_together)
+    out: dict = {"start_wait_seconds": comm.stats()["start_wait_seconds"]}
+    if rank == 1:
+        def holds(expert: int) -> bool:
+            return all(torch.equal(t[0], want) for t, want in zip(staging, expert_weights(0, expert)))
+
+        out["read"] = "rewritten" if holds(7) else "original" if holds(0) else "neither"
+    comm.close()
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+@needs_nixl
+@pytest.mark.parametrize("start_together", [True, False])
+def test_nixl_reader_that_enters_first_reads_only_once_the_sender_entered_when_told_to_start_together(start_together):
+    """A scale's pre-transfer runs each layer inside one decode step of the old ranks: a joining
+    rank's one-sided reads must happen in that step, not while they decode (issue 16)."""
+    results = run_distributed(body_nixl_reader_enters_first, 2, args=(start_together,), timeout=40)
+    if start_together:
+        assert results[1]["read"] == "rewritten"  # read after rank 0 entered: what it held then
+        assert results[1]["start_wait_seconds"] >= 0.4
+    else:
+        assert results[1]["read"] == "original"  # one-sided: read at once, before rank 0 rewrote the slot
+        assert results[1]["start_wait_seconds"] == 0.0
+
+
 # ---------------------------------------------------------------------------------------------
 # Real workers with NIXL selected: async EPLB and a 2 -> 4 -> 2 scale cycle
 # ---------------------------------------------------------------------------------------------

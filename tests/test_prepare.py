@@ -59,6 +59,24 @@ def test_a_rank_holds_the_next_layer_once_it_spent_its_share_of_the_wall_time():
     assert not over_share(spent_s=0.05, elapsed_s=0.6, share=0.1)
 
 
+def test_the_set_up_before_the_first_layer_counts_against_the_share_like_a_layer():
+    """Decoding waited while the rank planned and formed the standby group: with 0.3 s of set-up,
+    a rank holds its first layer until 3 s have passed at a 0.1 share, as after a 0.3 s layer."""
+    from elastic.core import protocol as p
+    from elastic.worker.prepare import Preparation
+
+    def prep(setup: float, spent: float) -> Preparation:
+        plans = _scale_down_plans(3)
+        return Preparation(command=p.Prepare(seq=1, prestage_share=0.1, paced_for_s=30.0), executing_rank=0, new_rank=0,
+                           standby=None, base=None, placement=None, plans=plans, layers=(0, 1, 2), group=None,  # type: ignore[arg-type]
+                           started_at=0.0, started=100.0, setup_seconds=setup, spent=spent)
+
+    assert prep(setup=0.3, spent=0.0).words(now=101.0) == [1, 0]  # 0.3 s of 1 s
+    assert prep(setup=0.3, spent=0.0).words(now=103.1) == [0, 0]  # 0.3 s of 3.1 s
+    assert prep(setup=0.0, spent=0.3).words(now=101.0) == [1, 0]
+    assert prep(setup=0.0, spent=0.0).words(now=101.0) == [0, 0]
+
+
 # -- the standby group, on real processes -------------------------------------------------------
 
 def _standby_peer(rank: int, port: int, joining: bool, out) -> None:  # pragma: no cover - runs in a child

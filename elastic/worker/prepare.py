@@ -15,7 +15,7 @@ formed as a standby group, and the network part of the plan moves while the old 
 
 Old ranks move one layer per decode step, at agreed steps: the step-boundary all-reduce carries
 two words (:meth:`Preparation.words`): *hold* (some rank has spent more than its share of the
-wall time on the pre-transfer, and the layers left, back to back at its pace so far, would still
+wall time on the prepare, its set-up included, and the layers left, back to back at its pace so far, would still
 end within the pacing window) and *failed* (some rank's layer failed: every rank drops the
 preparation at the same step and the old group keeps serving). The joining ranks wait for each
 layer in turn. The pause is then the switch: install the standby group, swap the staged layers in (the
@@ -66,6 +66,9 @@ class Preparation:
     received: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     next_index: int = 0  # into ``layers``
     spent: float = 0.0  # seconds in pre-transfer layers
+    #: seconds the decode thread spent setting up the scale before the first layer (stopping the
+    #: EPLB, the plan, the standby group): the pacing counts them, as decoding lost them too
+    setup_seconds: float = 0.0
     bytes_received: int = 0
     steps: int = 0  # decode steps since the Prepare
     failed: str | None = None
@@ -83,7 +86,7 @@ class Preparation:
     def words(self, now: float) -> list[int]:
         """This rank's vote at the next step boundary: [hold, failed]."""
         elapsed = now - self.started
-        hold = (not self.complete and over_share(self.spent, elapsed, self.command.prestage_share)
+        hold = (not self.complete and over_share(self.setup_seconds + self.spent, elapsed, self.command.prestage_share)
                 and elapsed + self.remaining_estimate() < self.command.paced_for_s)
         return [int(hold), int(self.failed is not None)]
 

@@ -386,6 +386,8 @@ class Worker:
                 raise TimeoutError("the async EPLB thread did not stop in time")
             try:
                 self._prepare_serving_rank(command, new_rank, scale_up, started_at, started)
+                if self.preparation is not None:  # decoding waited for all of this: the pacing counts it
+                    self.preparation.setup_seconds = time.perf_counter() - started
             except Exception as exc:  # noqa: BLE001 - the scale fails; the serving group must not break for it
                 self._prepare_failed = True  # voted at the next step boundary: every rank drops its preparation
                 self._discard_preparation()
@@ -460,6 +462,8 @@ class Worker:
             weights = self._prepared_weights
             assert weights is not None
             # the old group sends a layer when its share allows: wait for each as long as a standby rank waits
+            # (start_together: a one-sided reader waits for the old ranks to enter the layer, so its
+            # reads fall inside the decode step their pacing counts)
             wait_s = max(1.0, spec.standby_timeout_s)
             for index, layer in enumerate(prep.layers):
                 self.progress = ("pre-transfer", index, len(prep.layers))
@@ -469,7 +473,7 @@ class Worker:
                 stats = execute_layer(plans[layer], self.rank, None, weights[layer], group=standby.pg, timeout=wait_s,
                                       max_ops_per_batch=spec.eplb.max_ops_per_batch, layer=layer,
                                       reload_fn=functools.partial(self._canonical, layer), communicator=self.comm,
-                                      migration_batching=spec.eplb.enable_migration_batching)
+                                      migration_batching=spec.eplb.enable_migration_batching, start_together=True)
                 prep.spent += time.perf_counter() - mark
                 prep.bytes_received += stats.bytes_received
                 prep.next_index = index + 1
@@ -521,7 +525,10 @@ class Worker:
             stats = execute_layer(plan, prep.executing_rank, weights, staged, group=prep.group, timeout=timeout,
                                   max_ops_per_batch=self.spec.eplb.max_ops_per_batch, layer=layer,
                                   reload_fn=functools.partial(self._canonical, layer), communicator=self.comm,
-                                  migration_batching=self.spec.eplb.enable_migration_batching)
+                                  migration_batching=self.spec.eplb.enable_migration_batching,
+                                  # a one-sided reader (a joining rank) reads only inside this step,
+                                  # which the pacing counts, not while this rank decodes
+                                  start_together=True)
             if staged is not None:
                 prep.received[layer] = staged
             prep.bytes_received += stats.bytes_received
