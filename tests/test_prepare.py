@@ -210,6 +210,24 @@ def test_a_slow_channel_spreads_the_pre_transfer_and_decoding_goes_on_between_it
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("communicator", COMMUNICATORS)
+def test_joining_ranks_wait_out_holds_longer_than_the_collective_timeout(communicator):
+    """0.25 s per layer at a 0.1 share: the old ranks hold each next layer about 2.3 s, past the
+    1.5 s collective timeout of the standby group the joining ranks wait on."""
+    config = small_config(model=dict(num_layers=3, num_experts=8), eplb=dict(communicator=communicator),
+                          timeouts=dict(collective=1.5, heartbeat=2.5))
+    slow = [DelayTransfer(rank=r, seconds=0.25, generation=0) for r in range(2)]
+    with running(config, faults=slow) as c:
+        c.wait_for_step(10)
+        op = c.scale(4, timeout=120)
+        assert op.status.value == "succeeded", op.error
+        assert op.prepare["layers"] == op.prepare["layers_total"] == 3
+        assert op.prepare["seconds"] >= 2 * 0.25 / 0.1  # two holds of about 2.3 s each
+        assert_consistent(c, 4)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("communicator", COMMUNICATORS)
 def test_a_joining_rank_killed_during_the_pre_transfer_fails_the_scale_before_any_pause(communicator):
     config = small_config(model=dict(num_layers=4, num_experts=8), scaling=dict(prestage_share=0.5),
                           eplb=dict(communicator=communicator), timeouts=dict(collective=4, heartbeat=5))

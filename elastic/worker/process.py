@@ -36,6 +36,7 @@ from elastic.serving.batch import RequestBatch
 from elastic.worker.groups import (
     ABORT_KEY,
     GroupGeneration,
+    RendezvousAborted,
     StandbyGroup,
     connect_store,
     num_nodes_of,
@@ -54,12 +55,14 @@ from eplb.placement import Placement
 from eplb.plan import LayerPlan, holders_from_mapping, plan_layer, prestage_layers
 from eplb.state import CONTROL_WORDS, EPLBState, LoadWindow, TransferHooks, placement_for
 from eplb.trace import PhasedTrace, TraceConfig
-from eplb.transfer import commit_layer, execute_layer, materialize
+from eplb.transfer import TransferTimeout, commit_layer, execute_layer, materialize
 
 log = logging.getLogger("elastic.worker.process")
 
 #: set by the lowest survivor of a prepared scale down once the switch is over (the leaving ranks wait for it)
 SWITCHED_KEY = "elastic-switched"
+#: set (with the layer's index) by the old ranks of a prepared scale up as they start a pre-transfer layer
+PRESTAGE_LAYER_KEY = "elastic-prestage-layer"
 
 
 @dataclass(frozen=True)
@@ -462,11 +465,10 @@ class Worker:
             weights = self._prepared_weights
             assert weights is not None
             # the old group sends a layer when its share allows: wait for each as long as a standby rank waits
-            # (start_together: a one-sided reader waits for the old ranks to enter the layer, so its
-            # reads fall inside the decode step their pacing counts)
             wait_s = max(1.0, spec.standby_timeout_s)
             for index, layer in enumerate(prep.layers):
                 self.progress = ("pre-transfer", index, len(prep.layers))
+                self._wait_for_layer_start(command.generation, index, wait_s)
                 self.faults.mid_prestage(index)
                 self.faults.before_layer(layer)
                 mark = time.perf_counter()
@@ -480,6 +482,32 @@ class Worker:
             self.progress = None
         self.preparation = prep
         self._done(command, prep.done(time.monotonic(), time.perf_counter()))
+
+    def _wait_for_layer_start(self, generation: int, index: int, wait_s: float) -> None:
+        """A joining rank waits here, not in a collective, until the old ranks start pre-transfer
+        layer ``index`` (:meth:`_announce_layer_start`). The old ranks hold each layer for up to
+        ``1 / prestage_share`` times its transfer time, longer than the standby group's collective
+        timeout on a slow link; a collective waited in for that long would break the group. The
+        start all-reduce (``start_together``) then meets the old ranks at the same agreed step."""
+        prefix = dist.PrefixStore(f"elastic/gen{generation}/", self.store)
+        key = f"{PRESTAGE_LAYER_KEY}{index}"
+        deadline = time.monotonic() + wait_s
+        pause = 1e-3
+        while not prefix.check([key]):
+            if prefix.check([ABORT_KEY]):
+                raise RendezvousAborted(f"generation {generation}: {prefix.get(ABORT_KEY).decode()}")
+            if time.monotonic() >= deadline:
+                raise TransferTimeout(f"the old group did not start pre-transfer layer {index} within {wait_s:g}s",
+                                      rank=self.rank, timeout=wait_s, waiting=f"the start of pre-transfer layer {index}")
+            time.sleep(pause)
+            pause = min(0.02, pause * 2)
+
+    def _announce_layer_start(self, prep: Preparation) -> None:
+        """An old rank of a scale up tells the joining ranks it starts the next pre-transfer layer
+        (every old rank sets the same key; they start it at the same agreed step)."""
+        if prep.command.execute_on == "new":
+            dist.PrefixStore(f"elastic/gen{prep.command.generation}/", self.store).set(
+                f"{PRESTAGE_LAYER_KEY}{prep.next_index}", "1")
 
     def _advance_preparation(self, words: list[int]) -> None:
         """One decode step of an old rank's pre-transfer: the next layer, unless a rank holds
@@ -507,6 +535,7 @@ class Worker:
         layer = prep.layers[prep.next_index]
         mark = time.perf_counter()
         try:
+            self._announce_layer_start(prep)
             self.faults.mid_prestage(prep.next_index)
             self.faults.before_layer(layer)
             plan = prep.plans[layer]
