@@ -214,7 +214,7 @@ def test_joining_ranks_wait_out_holds_longer_than_the_collective_timeout(communi
     """0.25 s per layer at a 0.1 share: the old ranks hold each next layer about 2.3 s, past the
     1.5 s collective timeout of the standby group the joining ranks wait on."""
     config = small_config(model=dict(num_layers=3, num_experts=8), eplb=dict(communicator=communicator),
-                          timeouts=dict(collective=1.5, heartbeat=2.5))
+                          scaling=dict(prestage_share=0.1), timeouts=dict(collective=1.5, heartbeat=2.5))
     slow = [DelayTransfer(rank=r, seconds=0.25, generation=0) for r in range(2)]
     with running(config, faults=slow) as c:
         c.wait_for_step(10)
@@ -340,7 +340,7 @@ def test_a_slow_link_makes_the_pre_transfer_slower_but_not_overrun_the_draining_
     # 1.5 s per layer on rank 0, 4 layers, an 8 s draining deadline: pacing at the default share would
     # need about 60 s; the layers go back to back once holding would not let them end in time
     config = small_config(model=dict(num_layers=4, num_experts=8), eplb=dict(communicator="gloo", step_interval=100000),
-                          timeouts=dict(draining=8, collective=4, heartbeat=5))
+                          scaling=dict(prestage_share=0.1), timeouts=dict(draining=8, collective=4, heartbeat=5))
     with running(config, faults=[DelayTransfer(rank=0, seconds=1.5, generation=0)]) as c:
         c.wait_for_step(10)
         op = c.scale(3, timeout=60)

@@ -212,13 +212,19 @@ EVENT_ACTIONS = ("scale", "kill", "stall", "drop_heartbeats", "recover", "rebala
 FAULT_EVENTS = (KillEvent, StallEvent, DropHeartbeatsEvent)
 #: a replay's deadlines unless the scenario overrides them: a dead peer is noticed in seconds
 REPLAY_TIMEOUTS: dict[str, float] = {"collective": 10.0, "heartbeat": 15.0, "worker_start": 60.0}
-#: a replay paces steps by 10 ms and samples every worker every 10 ms, so events land near their step
-REPLAY_DEPLOYMENT: dict[str, Any] = {"step_delay_s": 0.01, "heartbeat_s": 0.01}
+#: a replay paces steps by 10 ms and samples every worker every 10 ms, so events land near their step;
+#: a prepared scale paces its pre-transfer at half the wall time (the deployment default is 0.1), as a
+#: scenario's scale on a tiny model is mostly its set-up, and 1 / 0.1 times that is 100-200 steps with
+#: the EPLB off, which would crowd the timeline (a scenario about the pacing sets its own)
+REPLAY_DEPLOYMENT: dict[str, Any] = {"step_delay_s": 0.01, "heartbeat_s": 0.01, "scaling": {"prestage_share": 0.5}}
 
 
 def _replay_defaults(deployment: dict[str, Any]) -> dict[str, Any]:
     """A scenario's deployment over the replay's defaults (pacing, sampling, short deadlines)."""
     out = {**REPLAY_DEPLOYMENT, **deployment}
+    scaling = deployment.get("scaling", {})
+    if isinstance(scaling, dict):  # anything else is left for the schema to name
+        out["scaling"] = {**REPLAY_DEPLOYMENT["scaling"], **scaling}
     timeouts = deployment.get("timeouts", {})
     if isinstance(timeouts, dict):  # anything else is left for the schema to name
         out["timeouts"] = {**REPLAY_TIMEOUTS, **timeouts}
@@ -281,7 +287,8 @@ class Scenario(_Strict):
     deployment: DeploymentConfig = Field(
         default_factory=lambda: DeploymentConfig.model_validate(_replay_defaults({})),
         description="the deployment replayed (elastic.deployment.DeploymentConfig, its names and defaults; a replay "
-                    "defaults step_delay_s and heartbeat_s to 0.01 s and uses short timeouts); its load is the "
+                    "defaults step_delay_s and heartbeat_s to 0.01 s and scaling.prestage_share to 0.5, and uses short "
+                    "timeouts); its load is the "
                     "scenario's trace")
     trace: list[TraceSpec] = Field(default_factory=lambda: [TraceSpec()], min_length=1)
     steps: int = Field(ge=1, description="decode steps to run")
