@@ -10,6 +10,11 @@ import pytest
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
+#: half the wall time, not the deployment default's tenth: a tiny model's prepared scale is mostly its
+#: set-up, and ten times that per scale up adds up over the suite (tests of the pacing set their own)
+TEST_SCALING = {"prestage_share": 0.5}
+
+
 def small_config(**overrides):
     """A tiny deployment that starts in about two seconds on two cores."""
     from elastic.core.config import TimeoutsConfig
@@ -25,9 +30,7 @@ def small_config(**overrides):
     trace = overrides.pop("trace", dict(kind="zipf", tokens_per_step=32, zipf_exponent=(1.0, 1.4)))
     timeouts = dict(draining=30, suppressed=20, rescaling=60, resuming=30, worker_start=60, collective=20, heartbeat=25)
     timeouts.update(overrides.pop("timeouts", {}))
-    # half the wall time, not the default tenth: a tiny model's prepared scale is mostly its set-up,
-    # and ten times that per scale up adds up over the suite (tests of the pacing set their own)
-    scaling = dict(prestage_share=0.5)
+    scaling = dict(TEST_SCALING)
     scaling.update(overrides.pop("scaling", {}))
     base = dict(scaling=scaling, model=ModelShape(**model), eplb=EPLBConfig(**eplb), trace=[TracePhase(trace=TraceConfig(**trace))],
                 ep_size=2, max_ep_size=4, timeouts=TimeoutsConfig(**timeouts), heartbeat_s=0.05)

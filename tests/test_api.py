@@ -29,6 +29,7 @@ from elastic.service.hooks import ScaleHooks
 from eplb.config import EPLBConfig
 from eplb.model import ModelShape
 from eplb.trace import TraceConfig
+from tests.conftest import TEST_SCALING
 
 ORDER = ["before_hooks", "draining", "suppressed", "rescaling", "resuming", "succeeded"]
 
@@ -39,7 +40,7 @@ def tiny_deployment(**overrides) -> DeploymentConfig:
         model=ModelShape(num_layers=2, num_experts=8, hidden_size=16, intermediate_size=32),
         eplb=EPLBConfig(num_redundant_experts=4, window_size=10, step_interval=10, use_async=True),
         trace=[TracePhase(trace=TraceConfig(kind="zipf", tokens_per_step=32))],
-        ep_size=2, max_ep_size=4, step_delay_s=0.005,
+        ep_size=2, max_ep_size=4, step_delay_s=0.005, scaling=TEST_SCALING,
         timeouts=TimeoutsConfig(draining=30, suppressed=30, rescaling=60, resuming=30, worker_start=60,
                                 collective=10, heartbeat=15),
     )

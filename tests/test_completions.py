@@ -25,6 +25,7 @@ from elastic.deployment import DeploymentConfig
 from elastic.service.api import BackgroundServer, create_app
 from elastic.serving.engine import RequestEngine
 from eplb.models.hf import unsharded
+from tests.conftest import TEST_SCALING
 
 MODEL = {"kind": "hf", "architecture": "qwen3_moe", "seed": 0}
 
@@ -34,7 +35,7 @@ def deployment(**serving) -> DeploymentConfig:
         "model": MODEL, "ep_size": 2, "max_ep_size": 4, "auto_recover": True, "heartbeat_s": 0.05,
         "eplb": {"num_redundant_experts": 4, "use_async": True, "window_size": 6, "step_interval": 6},
         "timeouts": {"collective": 6, "heartbeat": 8, "worker_start": 120},
-        "step_delay_s": 0.01,
+        "step_delay_s": 0.01, "scaling": TEST_SCALING,
         "serving": {"background_load": False, "max_batch": 4, "max_queue": 4, "max_tokens_limit": 64, **serving},
     })
 

@@ -16,6 +16,7 @@ from elastic.coordinator import Coordinator, OperationStatus
 from elastic.deployment import DeploymentConfig
 from elastic.faults import CorruptBuffer
 from eplb.models.config import ARCHITECTURES
+from tests.conftest import TEST_SCALING
 from tests.helpers import assert_consistent
 
 #: the architectures the shipped scenarios replay (scenarios/hf_*.yaml)
@@ -27,7 +28,8 @@ pytestmark = [pytest.mark.multiprocess]
 def hf_config(architecture: str, **overrides) -> DeploymentConfig:
     data = {"model": {"kind": "hf", "architecture": architecture}, "ep_size": 2, "max_ep_size": 3,
             "eplb": {"num_redundant_experts": 4, "use_async": True, "window_size": 6, "step_interval": 6},
-            "timeouts": {"collective": 20, "heartbeat": 25, "worker_start": 120}, "heartbeat_s": 0.05}
+            "timeouts": {"collective": 20, "heartbeat": 25, "worker_start": 120}, "heartbeat_s": 0.05,
+            "scaling": TEST_SCALING}
     for key, value in overrides.items():
         data[key] = {**data[key], **value} if isinstance(value, dict) and key in data else value
     return DeploymentConfig.model_validate(data)
