@@ -212,22 +212,22 @@ EVENT_ACTIONS = ("scale", "kill", "stall", "drop_heartbeats", "recover", "rebala
 FAULT_EVENTS = (KillEvent, StallEvent, DropHeartbeatsEvent)
 #: a replay's deadlines unless the scenario overrides them: a dead peer is noticed in seconds
 REPLAY_TIMEOUTS: dict[str, float] = {"collective": 10.0, "heartbeat": 15.0, "worker_start": 60.0}
-#: a replay paces steps by 10 ms and samples every worker every 10 ms, so events land near their step;
+#: a replay paces steps by 10 ms and samples every worker every 10 ms, so events land near their step
+REPLAY_DEPLOYMENT: dict[str, Any] = {"step_delay_s": 0.01, "heartbeat_s": 0.01}
 #: a prepared scale paces its pre-transfer at half the wall time (the deployment default is 0.1), as a
 #: scenario's scale on a tiny model is mostly its set-up, and 1 / 0.1 times that is 100-200 steps with
 #: the EPLB off, which would crowd the timeline (a scenario about the pacing sets its own)
-REPLAY_DEPLOYMENT: dict[str, Any] = {"step_delay_s": 0.01, "heartbeat_s": 0.01, "scaling": {"prestage_share": 0.5}}
+REPLAY_SCALING: dict[str, float] = {"prestage_share": 0.5}
 
 
 def _replay_defaults(deployment: dict[str, Any]) -> dict[str, Any]:
-    """A scenario's deployment over the replay's defaults (pacing, sampling, short deadlines)."""
+    """A scenario's deployment over the replay's defaults (pacing, sampling, short deadlines), the
+    nested sections key by key."""
     out = {**REPLAY_DEPLOYMENT, **deployment}
-    scaling = deployment.get("scaling", {})
-    if isinstance(scaling, dict):  # anything else is left for the schema to name
-        out["scaling"] = {**REPLAY_DEPLOYMENT["scaling"], **scaling}
-    timeouts = deployment.get("timeouts", {})
-    if isinstance(timeouts, dict):  # anything else is left for the schema to name
-        out["timeouts"] = {**REPLAY_TIMEOUTS, **timeouts}
+    for section, defaults in (("timeouts", REPLAY_TIMEOUTS), ("scaling", REPLAY_SCALING)):
+        given = deployment.get(section, {})
+        if isinstance(given, dict):  # anything else is left for the schema to name
+            out[section] = {**defaults, **given}
     return out
 STATES = ("running", "draining", "suppressed", "rescaling", "resuming", "failed")
 

@@ -90,6 +90,13 @@ class RendezvousAborted(RuntimeError):
     """The coordinator abandoned the generation this rank was joining."""
 
 
+def raise_if_aborted(prefix: dist.Store, generation: int) -> None:
+    """Raise :class:`RendezvousAborted` if the coordinator gave generation ``generation`` up
+    (``prefix``: that generation's store prefix)."""
+    if prefix.check([ABORT_KEY]):
+        raise RendezvousAborted(f"generation {generation}: {prefix.get(ABORT_KEY).decode()}")
+
+
 def abort_generation(store: dist.Store, generation: int, reason: str) -> None:
     """Tell every rank still waiting to join ``generation`` to give up (the attempt failed)."""
     dist.PrefixStore(f"elastic/gen{generation}/", store).set(ABORT_KEY, reason)
@@ -175,8 +182,7 @@ def _arrive(store: dist.Store, generation: int, rank: int, size: int, wait_s: fl
         prefix.set("elastic-all-arrived", "1")
     deadline = time.monotonic() + wait_s
     while not prefix.check(["elastic-all-arrived"]):
-        if prefix.check([ABORT_KEY]):  # the coordinator gave this attempt up
-            raise RendezvousAborted(f"generation {generation}: {prefix.get(ABORT_KEY).decode()}")
+        raise_if_aborted(prefix, generation)  # the coordinator gave this attempt up
         if time.monotonic() > deadline:
             arrived = prefix.add("elastic-arrived", 0)
             raise TimeoutError(f"generation {generation}: {arrived} of {size} ranks arrived within {wait_s:.0f}s")

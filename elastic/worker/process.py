@@ -36,10 +36,10 @@ from elastic.serving.batch import RequestBatch
 from elastic.worker.groups import (
     ABORT_KEY,
     GroupGeneration,
-    RendezvousAborted,
     StandbyGroup,
     connect_store,
     num_nodes_of,
+    raise_if_aborted,
     shutdown_detached,
 )
 from elastic.worker.injector import FaultInjector
@@ -494,8 +494,7 @@ class Worker:
         deadline = time.monotonic() + wait_s
         pause = 1e-3
         while not prefix.check([key]):
-            if prefix.check([ABORT_KEY]):
-                raise RendezvousAborted(f"generation {generation}: {prefix.get(ABORT_KEY).decode()}")
+            raise_if_aborted(prefix, generation)
             if time.monotonic() >= deadline:
                 raise TransferTimeout(f"the old group did not start pre-transfer layer {index} within {wait_s:g}s",
                                       rank=self.rank, timeout=wait_s, waiting=f"the start of pre-transfer layer {index}")
