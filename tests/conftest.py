@@ -38,6 +38,35 @@ def small_config(**overrides):
     return DeploymentConfig(**base)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_forkserver_for_every_model_kind(request, tmp_path_factory):
+    """One forkserver for the whole session, loaded for every model kind the tests deploy.
+
+    A process has one forkserver, and it reads its preload list once, at its start: left to the
+    first test, a reference-model test would start it without transformers, and every Hugging Face
+    worker after it would import transformers itself (2-3 s of CPU each, on two cores). Workers
+    write to the forkserver's stderr: ``workers.log`` in the session's base temporary directory,
+    not the terminal (a test that needs a worker's output reads its reports)."""
+    if not any(item.get_closest_marker("multiprocess") for item in request.session.items):
+        return
+    import multiprocessing
+    import multiprocessing.forkserver
+
+    from elastic.launch.launchers import forkserver_preload
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(forkserver_preload("hf"))
+    with open(tmp_path_factory.getbasetemp() / "workers.log", "ab") as log:
+        saved = [os.dup(1), os.dup(2)]
+        try:
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            for fd, copy in zip((1, 2), saved):
+                os.dup2(copy, fd)
+                os.close(copy)
+
+
 @contextlib.contextmanager
 def running(config, faults=()):
     from elastic.control.coordinator import Coordinator

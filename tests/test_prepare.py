@@ -4,6 +4,7 @@ and a pause that only switches."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 
 import pytest
 
@@ -307,10 +308,15 @@ def test_retiring_standby_ranks_never_raises_when_one_is_already_gone():
     assert alive.killed and all(w.expected_exit for w in records)
 
 
-def _fds(pid: int) -> int:
+def _settled_fds(pid: int) -> int:
+    """The fewest open descriptors over half a second: a socket a thread is still closing counts once, not as a leak."""
     import os
 
-    return len(os.listdir(f"/proc/{pid}/fd"))
+    samples = []
+    for _ in range(6):
+        samples.append(len(os.listdir(f"/proc/{pid}/fd")))
+        time.sleep(0.1)
+    return min(samples)
 
 
 @pytest.mark.multiprocess
@@ -328,9 +334,10 @@ def test_failed_preparations_leave_the_serving_ranks_no_groups_sockets_or_thread
             assert op.status.value == "failed", op.error
             wait_for_state(c, "running", timeout=90)
             c.wait_for_step(c.snapshot()["step"] + 5)
-            counts.append({w.rank: _fds(w.handle.pid) for w in c.live_workers()})
-        # each failed attempt's standby group is shut down: the count stays where the first left it
-        assert counts[1] == counts[0] == counts[2], counts
+            counts.append({w.rank: _settled_fds(w.handle.pid) for w in c.live_workers()})
+        # each failed attempt's standby group is shut down: no attempt leaves more open than the first left
+        # (a leak of even one descriptor per attempt puts the third two above the first)
+        assert all(later[rank] <= counts[0][rank] for later in counts[1:] for rank in counts[0]), counts
         assert_consistent(c, 2)
 
 

@@ -38,6 +38,35 @@ REMOTE = ["{python}", "-m", "elastic.launch.remote_worker", "--store", "{store}"
 
 # -- pure parts ---------------------------------------------------------------------------------
 
+def test_the_forkserver_preloads_transformers_only_for_a_hugging_face_model():
+    hf = make_launcher(DeploymentConfig(model={"kind": "hf", "architecture": "qwen3_moe"}))
+    reference = make_launcher(DeploymentConfig())
+    assert "transformers" in hf.preload and "elastic.worker.preload" in hf.preload
+    assert reference.preload == ["elastic.worker.preload"]
+
+
+def _what_a_forked_worker_finds_loaded(answers) -> None:
+    from eplb import _compiled
+
+    answers.put({"transformers": "transformers.masking_utils" in sys.modules,
+                 "kernels": all(kernel.signatures for kernel in (_compiled.fill_pack, _compiled.swap_refine, _compiled.bfd_pack))})
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_a_local_worker_forks_with_transformers_and_the_placement_kernels_already_loaded():
+    import multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")  # the session's, started by conftest with the preload of both model kinds
+    answers = ctx.Queue()
+    child = ctx.Process(target=_what_a_forked_worker_finds_loaded, args=(answers,))
+    child.start()
+    try:
+        assert answers.get(timeout=30) == {"transformers": True, "kernels": True}
+    finally:
+        child.join(10)
+
+
 @pytest.mark.timeout(10)
 def test_num_nodes_needs_contiguous_equal_blocks():
     assert num_nodes_of(["a", "a", "b", "b"]) == 2

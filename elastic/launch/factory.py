@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from elastic.launch.launchers import CommandLauncher, LocalLauncher
+from elastic.launch.launchers import CommandLauncher, LocalLauncher, forkserver_preload
 
 if TYPE_CHECKING:
     from elastic.deployment import DeploymentConfig
@@ -18,7 +18,7 @@ def make_launcher(config: DeploymentConfig) -> Any:
     """The launcher ``config.launcher`` names, with capacity ``max_ep_size``."""
     options = config.launcher
     if options.kind == "local":
-        return LocalLauncher(capacity=config.max_ep_size)
+        return LocalLauncher(capacity=config.max_ep_size, preload=forkserver_preload(config.model.kind))
     if options.kind == "command":
         return CommandLauncher(options, capacity=config.max_ep_size)
     if options.kind == "ray":

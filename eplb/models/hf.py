@@ -513,7 +513,7 @@ class HFMoE:
         """Logits of the next token after ``input_ids [B, T]`` (appended to ``cache``; ``None``:
         a prefill): ``(logits [B, V], cache)``. A collective on the EP group, like every forward."""
         out = self.model(input_ids=input_ids, cache=cache, use_cache=True)
-        return out.logits[:, -1, :], out.past_key_values
+        return out.logits[:, -1, :], out.cache
 
     _forward = next_logits
 
