@@ -78,6 +78,37 @@ def test_the_set_up_before_the_first_layer_counts_against_the_share_like_a_layer
     assert prep(setup=0.0, spent=0.0).words(now=101.0) == [0, 0]
 
 
+def test_a_rank_whose_steps_fall_behind_its_steady_pace_holds_though_its_own_transfers_are_within_the_share():
+    """Steps at 0.1 s before the Prepare; 10 s later, 0.5 s of it spent in layers (within a 0.1
+    share): with 80 steps decoded (0.8 of the steady 100) the rank holds, with 95 it goes on. Slow
+    steps between layers (a peer's transfer on shared cores) cost decoding as much as layers do."""
+    from elastic.core import protocol as p
+    from elastic.worker.prepare import Preparation, behind_pace
+
+    assert behind_pace(steps=80, elapsed_s=10.0, steady_step_s=0.1, share=0.1)
+    assert not behind_pace(steps=95, elapsed_s=10.0, steady_step_s=0.1, share=0.1)
+    assert not behind_pace(steps=0, elapsed_s=10.0, steady_step_s=0.0, share=0.1)  # pace not known: time only
+
+    def prep(steps: int) -> Preparation:
+        return Preparation(command=p.Prepare(seq=1, prestage_share=0.1, paced_for_s=60.0), executing_rank=0, new_rank=0,
+                           standby=None, base=None, placement=None, plans=_scale_down_plans(3), layers=(0, 1, 2),  # type: ignore[arg-type]
+                           group=None, started_at=0.0, started=100.0, spent=0.5, steps=steps, next_index=1,
+                           steady_step_s=0.1)
+
+    assert prep(steps=80).words(now=110.0) == [1, 0]
+    assert prep(steps=95).words(now=110.0) == [0, 0]
+    # ahead now, but not through the next layer (0.5 s, the mean so far, which decodes nothing):
+    # 0.9 of 105 steps is 94.5
+    assert prep(steps=92).words(now=110.0) == [1, 0]
+    # a pace from before the load changed stretches the pre-transfer at most PACE_STRETCH times:
+    # 0.5 s in layers is under a third of the 0.1 share of 16 s, so the layers go on though behind
+    assert prep(steps=80).words(now=116.0) == [0, 0]
+    # behind, but holding would let the layers left overrun the pacing window: they go on
+    late = prep(steps=80)
+    late.command = p.Prepare(seq=1, prestage_share=0.1, paced_for_s=10.5)
+    assert late.words(now=110.0) == [0, 0]
+
+
 # -- the standby group, on real processes -------------------------------------------------------
 
 def _standby_peer(rank: int, port: int, joining: bool, out) -> None:  # pragma: no cover - runs in a child

@@ -1002,6 +1002,7 @@ class Coordinator:
             "bytes_received": sum(r.bytes_received for r in results),
             "prestage_bytes": max(r.prestage_bytes for r in results),
             "steps": max(r.steps for r in results),
+            "steady_step_seconds": max(r.steady_step_seconds for r in results),
             "started_at": min(r.started_at for r in results), "ended_at": max(r.ended_at for r in results),
         }
         with self._lock:

@@ -300,6 +300,7 @@ class PrepareDone(Result):
     prestage_bytes: int = 0  # spare memory this rank holds for the pause (a survivor's)
     steps: int = 0  # decode steps this rank ran during its prepare (0 for a joining rank)
     transfer_seconds: float = 0.0  # this rank's time in the pre-transfer's layers
+    steady_step_seconds: float = 0.0  # the step time the pacing kept (0 for a joining rank)
     started_at: float = 0.0  # time.monotonic() at the Prepare (same clock as the coordinator's on one host)
     ended_at: float = 0.0
 

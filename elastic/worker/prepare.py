@@ -37,12 +37,27 @@ from eplb.plan import LayerPlan
 
 #: the words the pre-transfer adds to the step-boundary all-reduce (MAX): hold, failed
 PREPARE_WORDS = 2
+#: how many times longer than the time share alone the step count may make the pre-transfer: a
+#: steady pace taken before the load changed (a larger batch, slower steps) would otherwise hold
+#: every layer to the end of the pacing window
+PACE_STRETCH = 3.0
 
 
 def over_share(spent_s: float, elapsed_s: float, share: float) -> bool:
     """Whether a rank that spent ``spent_s`` of ``elapsed_s`` wall seconds on the pre-transfer
     must hold the next layer to keep within ``share`` (decoding keeps ``1 - share``)."""
     return spent_s > share * elapsed_s
+
+
+def behind_pace(steps: int, elapsed_s: float, steady_step_s: float, share: float) -> bool:
+    """Whether a rank that decoded ``steps`` steps in the ``elapsed_s`` wall seconds since its
+    Prepare kept less than ``1 - share`` of its steady throughput (a step per ``steady_step_s``
+    before the Prepare; 0: not known, never behind).
+
+    The time a rank spends in the pre-transfer is not all it costs decoding: on cores the ranks
+    share, a peer's transfer, a progress thread or fresh pages slow the steps in between too. The
+    step count sees all of it."""
+    return steady_step_s > 0 and steps < (1 - share) * elapsed_s / steady_step_s
 
 
 @dataclass
@@ -69,6 +84,8 @@ class Preparation:
     #: seconds the decode thread spent setting up the scale before the first layer (stopping the
     #: EPLB, the plan, the standby group): the pacing counts them, as decoding lost them too
     setup_seconds: float = 0.0
+    #: this rank's median step time over its last steps before the Drain (0: not known)
+    steady_step_s: float = 0.0
     bytes_received: int = 0
     steps: int = 0  # decode steps since the Prepare
     failed: str | None = None
@@ -84,9 +101,19 @@ class Preparation:
         return sum(t.numel() * t.element_size() for staged in self.received.values() for t in staged)
 
     def words(self, now: float) -> list[int]:
-        """This rank's vote at the next step boundary: [hold, failed]."""
+        """This rank's vote at the next step boundary: [hold, failed]. It holds while its time in
+        the pre-transfer is over its share, or its decode steps are behind ``1 - share`` of its
+        steady pace (while that time is over ``share / PACE_STRETCH``), unless holding would make
+        the layers left overrun the pacing window."""
         elapsed = now - self.started
-        hold = (not self.complete and over_share(self.setup_seconds + self.spent, elapsed, self.command.prestage_share)
+        share = self.command.prestage_share
+        spent = self.setup_seconds + self.spent
+        # the steps must stay ahead of the pace through the next layer too, which decodes none (at
+        # its end, a short prepare would otherwise lose a layer's worth of steps below the line)
+        through_next = elapsed + self.spent / max(1, self.next_index)
+        paced = over_share(spent, elapsed, share) or (behind_pace(self.steps, through_next, self.steady_step_s, share)
+                                                      and over_share(spent, elapsed, share / PACE_STRETCH))
+        hold = (not self.complete and paced
                 and elapsed + self.remaining_estimate() < self.command.paced_for_s)
         return [int(hold), int(self.failed is not None)]
 
@@ -107,4 +134,5 @@ class Preparation:
             layers=len(self.layers), layers_total=sum(1 for plan in self.plans if plan.changes_anything),
             bytes_received=self.bytes_received,
             prestage_bytes=self.prestage_bytes, steps=self.steps, transfer_seconds=self.spent,
+            steady_step_seconds=self.steady_step_s,
             started_at=self.started_at, ended_at=now_at)

@@ -13,11 +13,13 @@ they arrive (a recovery ``Rescale`` or ``Shutdown``) instead of at agreed step b
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
 import os
 import queue
+import statistics
 import threading
 import time
 import traceback
@@ -63,6 +65,8 @@ log = logging.getLogger("elastic.worker.process")
 SWITCHED_KEY = "elastic-switched"
 #: set (with the layer's index) by the old ranks of a prepared scale up as they start a pre-transfer layer
 PRESTAGE_LAYER_KEY = "elastic-prestage-layer"
+#: decode steps in the steady pace a prepare keeps (``Preparation.steady_step_s``)
+STEADY_STEPS = 32
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,9 @@ class Worker:
         # (announced scale down, maps then, its placement and layer plans), from Suppress to Rescale
         self._announced: tuple[p.Rescale, Placement, Placement, list[LayerPlan]] | None = None
         self.preparation: Preparation | None = None  # a scale's prepare sub-phase, from its Prepare to the switch
+        # when the last decode steps ended: the steady pace a prepare's pacing keeps
+        self._step_ends: collections.deque[float] = collections.deque(maxlen=STEADY_STEPS + 1)
+        self._steady_step_s = 0.0  # the mean step time when the last Drain came
         self._prepare_failed = False  # this rank's Prepare failed: vote "failed" at the next step boundary
         self._detached: list[Any] = []  # the old generation's groups after a switch, shut down at Resume
         self._released: list[Any] = []  # weight tensors a switch swapped out, freed at Resume
@@ -373,6 +380,8 @@ class Worker:
         self.mode = p.WorkerMode.DRAINING
         self.draining_op = command  # reported done at the step the agreed BUSY reads 0
         self.drain_started_step = self.step
+        # the pace before the operation: a joining rank's start during draining slows these steps
+        self._steady_step_s = self._steady_step_seconds()
 
     def _on_prepare(self, command: p.Prepare) -> None:
         """The prepare sub-phase of draining, at this agreed step on every rank of the old group
@@ -391,6 +400,7 @@ class Worker:
                 self._prepare_serving_rank(command, new_rank, scale_up, started_at, started)
                 if self.preparation is not None:  # decoding waited for all of this: the pacing counts it
                     self.preparation.setup_seconds = time.perf_counter() - started
+                    self.preparation.steady_step_s = self._steady_step_s
             except Exception as exc:  # noqa: BLE001 - the scale fails; the serving group must not break for it
                 self._prepare_failed = True  # voted at the next step boundary: every rank drops its preparation
                 self._discard_preparation()
@@ -681,6 +691,7 @@ class Worker:
             shutdown_detached(self._detached)  # the old generation's groups, after the pause
             self._resume_eplb()
             self._released.clear()  # the weight tensors the switch swapped out (deregistered by now)
+        self._step_ends.clear()  # the steady pace is this group's, from its own steps
         self.mode = p.WorkerMode.DECODING
         self._done(command, p.ResumeDone(seconds=time.perf_counter() - started, threads=_thread_names()))
 
@@ -1223,6 +1234,14 @@ class Worker:
         self.faults.at_step(self.step, steady=self.mode == p.WorkerMode.DECODING)  # a stall here is silence
         with self.step_watch.step():
             self._decode_step()
+        self._step_ends.append(time.perf_counter())
+
+    def _steady_step_seconds(self) -> float:
+        """The median step time over the last steps (taken at a Drain: the pace the operation's
+        prepare keeps); 0: too few. The median, not the mean: the first steps after a resume and a
+        rebalance's steps are slower, and a pace taken from them would let the prepare cost more."""
+        ends = list(self._step_ends)
+        return statistics.median(b - a for a, b in zip(ends, ends[1:])) if len(ends) >= 8 else 0.0
 
     def _decode_step(self) -> None:
         reduced = self._sync()
