@@ -98,6 +98,8 @@ class ScalingConfig(BaseModel):
         return value
 
     prestage_share: float = Field(0.1, gt=0, le=1.0, description="the most of the wall time the pre-transfer may take "
-                                  "from decoding (a layer starts only while every rank's share is below it); layers go back "
+                                  "from decoding, and of decode throughput (a layer starts only while every rank's time "
+                                  "share is below it and its decode steps keep 1 - share of its pace before the scale; "
+                                  "the step count may make the prepare at most 3x as long); layers go back "
                                   "to back once holding would no longer let the rest end within 80% of the draining "
                                   "deadline, so a slow link costs throughput, not the scale")
