@@ -1237,11 +1237,15 @@ class Worker:
         self._step_ends.append(time.perf_counter())
 
     def _steady_step_seconds(self) -> float:
-        """The median step time over the last steps (taken at a Drain: the pace the operation's
-        prepare keeps); 0: too few. The median, not the mean: the first steps after a resume and a
-        rebalance's steps are slower, and a pace taken from them would let the prepare cost more."""
+        """The step time of the last steps (taken at a Drain: the pace the operation's prepare
+        keeps); 0: too few. The lower of the median and the mean: the first steps after a resume
+        and a rebalance's steps are slow outliers that would make the mean lenient, and ranks
+        sharing cores can alternate fast and slow steps, which makes the median lenient."""
         ends = list(self._step_ends)
-        return statistics.median(b - a for a, b in zip(ends, ends[1:])) if len(ends) >= 8 else 0.0
+        if len(ends) < 8:
+            return 0.0
+        gaps = [b - a for a, b in zip(ends, ends[1:])]
+        return min(statistics.median(gaps), statistics.fmean(gaps))
 
     def _decode_step(self) -> None:
         reduced = self._sync()
