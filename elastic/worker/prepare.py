@@ -15,8 +15,9 @@ formed as a standby group, and the network part of the plan moves while the old 
 
 Old ranks move one layer per decode step, at agreed steps: the step-boundary all-reduce carries
 two words (:meth:`Preparation.words`): *hold* (some rank has spent more than its share of the
-wall time on the prepare, its set-up included, and the layers left, back to back at its pace so far, would still
-end within the pacing window) and *failed* (some rank's layer failed: every rank drops the
+wall time on the prepare, its set-up included, or decoded fewer steps than ``1 - share`` of its
+steady pace, and the layers left, back to back at its pace so far, would still end within the
+pacing window) and *failed* (some rank's layer failed: every rank drops the
 preparation at the same step and the old group keeps serving). The joining ranks wait for each
 layer in turn. The pause is then the switch: install the standby group, swap the staged layers in (the
 serving tensors stay untouched until adoption, so there is nothing to undo), move what was
@@ -84,7 +85,8 @@ class Preparation:
     #: seconds the decode thread spent setting up the scale before the first layer (stopping the
     #: EPLB, the plan, the standby group): the pacing counts them, as decoding lost them too
     setup_seconds: float = 0.0
-    #: this rank's median step time over its last steps before the Drain (0: not known)
+    #: this rank's step time before the Drain, the lower of the median and the mean of its last
+    #: steps in this group (0: not known)
     steady_step_s: float = 0.0
     bytes_received: int = 0
     steps: int = 0  # decode steps since the Prepare
