@@ -112,17 +112,20 @@ class Preparation:
         spent = self.setup_seconds + self.spent
         # the steps must stay ahead of the pace through the next layer too, which decodes none (at
         # its end, a short prepare would otherwise lose a layer's worth of steps below the line)
-        through_next = elapsed + self.spent / max(1, self.next_index)
+        through_next = elapsed + self.layer_estimate()
         paced = over_share(spent, elapsed, share) or (behind_pace(self.steps, through_next, self.steady_step_s, share)
                                                       and over_share(spent, elapsed, share / PACE_STRETCH))
         hold = (not self.complete and paced
                 and elapsed + self.remaining_estimate() < self.command.paced_for_s)
         return [int(hold), int(self.failed is not None)]
 
+    def layer_estimate(self) -> float:
+        """Seconds the next layer will take: this rank's mean layer so far (0 before the first)."""
+        return self.spent / max(1, self.next_index)
+
     def remaining_estimate(self) -> float:
         """Seconds the layers left would take back to back, at this rank's mean so far."""
-        done = max(1, self.next_index)
-        return self.spent / done * (len(self.layers) - self.next_index)
+        return self.layer_estimate() * (len(self.layers) - self.next_index)
 
     def matches(self, rescale: p.Rescale) -> bool:
         """Whether ``rescale`` is the scale this preparation was made for."""

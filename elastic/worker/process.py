@@ -179,7 +179,7 @@ class Worker:
         self.preparation: Preparation | None = None  # a scale's prepare sub-phase, from its Prepare to the switch
         # when the last decode steps ended: the steady pace a prepare's pacing keeps
         self._step_ends: collections.deque[float] = collections.deque(maxlen=STEADY_STEPS + 1)
-        self._steady_step_s = 0.0  # the mean step time when the last Drain came
+        self._steady_step_s = 0.0  # _steady_step_seconds() when the last Drain came
         self._prepare_failed = False  # this rank's Prepare failed: vote "failed" at the next step boundary
         self._detached: list[Any] = []  # the old generation's groups after a switch, shut down at Resume
         self._released: list[Any] = []  # weight tensors a switch swapped out, freed at Resume
