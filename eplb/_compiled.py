@@ -352,3 +352,98 @@ def fill_pack(item_load, item_expert, g, max_per_round):  # pragma: no cover - c
                 added[h] = 0.0
                 took[h] = 0
     return slot_load, slot_expert
+
+
+@numba.njit(cache=True)
+def take_counts(slot_expert, load, target):  # pragma: no cover - compiled
+    """Replace moves (one copy each) that give every layer of ``slot_expert [R, G, S]`` (in place)
+    the replica counts ``target [R, L]`` (same total): each step the short expert with the largest
+    load per replica gains a replica in a slot of an expert with more than its target, on a GPU
+    that does not hold it, choosing the slot whose move leaves the lowest peak (then the lightest
+    receiving GPU). An expert no such slot can take stays short. Returns the moves per layer."""
+    rows, g, s = slot_expert.shape
+    n = load.shape[1]
+    moves = np.zeros(rows, np.int64)
+    for r in range(rows):
+        w = load[r]
+        cnt = np.zeros(n, np.int64)
+        hc = np.zeros((g, n), np.int64)  # replicas of each expert on each GPU
+        for x in range(g):
+            for k in range(s):
+                e = slot_expert[r, x, k]
+                cnt[e] += 1
+                hc[x, e] += 1
+        stuck = np.zeros(n, np.bool_)
+        gle = np.empty(g)
+        m1 = np.empty(n)
+        i1 = np.empty(n, np.int64)
+        m2 = np.empty(n)
+        ssf = np.empty(n)
+        while True:
+            e = -1
+            best = -1.0
+            for x in range(n):
+                if cnt[x] < target[r, x] and not stuck[x] and w[x] / cnt[x] > best:
+                    best = w[x] / cnt[x]
+                    e = x
+            if e < 0:
+                break
+            per_e = w[e] / cnt[e]
+            new_e = w[e] / (cnt[e] + 1)
+            for x in range(g):  # the GPU loads once e has one more replica (not yet placed)
+                acc = 0.0
+                for k in range(s):
+                    acc += w[slot_expert[r, x, k]] / cnt[slot_expert[r, x, k]]
+                gle[x] = acc - (per_e - new_e) * hc[x, e]
+            # per expert with a surplus, its holders' loads once it loses a replica: the
+            # highest two (and where the highest is), so a candidate slot's GPU can be left out
+            for f in range(n):
+                if cnt[f] > target[r, f]:
+                    rise = w[f] / (cnt[f] - 1) - w[f] / cnt[f]
+                    m1[f] = -np.inf
+                    m2[f] = -np.inf
+                    i1[f] = -1
+                    ssf[f] = 0.0
+                    for x in range(g):
+                        v = gle[x] + rise * hc[x, f]
+                        ssf[f] += v * v - gle[x] * gle[x]
+                        if v > m1[f]:
+                            m2[f] = m1[f]
+                            m1[f] = v
+                            i1[f] = x
+                        elif v > m2[f]:
+                            m2[f] = v
+            bpeak = np.inf
+            bload = np.inf
+            bx = -1
+            bk = -1
+            for x in range(g):
+                if hc[x, e] > 0:
+                    continue
+                for k in range(s):
+                    f = slot_expert[r, x, k]
+                    if cnt[f] <= target[r, f]:
+                        continue
+                    per_f = w[f] / cnt[f]
+                    rise = w[f] / (cnt[f] - 1) - per_f
+                    here = gle[x] - per_f + new_e + rise * (hc[x, f] - 1)
+                    others = m2[f] if i1[f] == x else m1[f]
+                    pk = max(here, others)
+                    old = gle[x] + rise * hc[x, f]
+                    dss = ssf[f] - (old * old - gle[x] * gle[x]) + (here * here - gle[x] * gle[x])
+                    if pk < bpeak or (pk == bpeak and dss < bload):
+                        bpeak = pk
+                        bload = dss
+                        bx = x
+                        bk = k
+            if bx < 0:
+                stuck[e] = True
+                continue
+            f = slot_expert[r, bx, bk]
+            slot_expert[r, bx, bk] = e
+            cnt[e] += 1
+            cnt[f] -= 1
+            hc[bx, e] += 1
+            hc[bx, f] -= 1
+            moves[r] += 1
+    return moves

@@ -86,7 +86,13 @@ Policies (registry :data:`POLICIES`, chosen by name, extended with :func:`regist
     balanced than ``previous``. If that falls short, swaps from there (as ``default``'s step 3,
     stopping at the aim) are kept when they reach the trigger level within the budget; failing
     that, ``default``'s placement with its GPUs matched to the old ones (a GPU permutation keeps
-    the balance) is taken when better. After a scale
+    the balance) is taken when better. A layer the load left far behind (more than five
+    tolerances short: its hot set moved) first takes ``default``'s replica counts, by one-copy
+    replace moves (each short expert, the largest replica first, into a slot of an expert with
+    surplus replicas, wherever that leaves the lowest peak; :func:`eplb._compiled.take_counts`),
+    then moves as above: on a drifting load the next window's balance follows the counts more
+    than the packing. That is kept where it copies at most 1.3 times as much as moving without
+    it and ends as balanced as the rules above require. After a scale
     (``previous`` has another slot count; the same slots per GPU, or ``previous_num_gpus``),
     experts stay on the GPUs that still exist (GPU ``g`` stays ``g`` unless ``rank_mapping``, a
     list or dict old -> new with ``-1`` for gone, says otherwise); lost experts and empty new slots
@@ -349,6 +355,7 @@ def warm_up() -> None:
     slot_load, slot_expert = _fill_pack(load, counts, 2)
     _compiled.swap_refine(slot_load, slot_expert, 1, np.ones(1))
     _compiled.bfd_pack(load, 2, 4, np.ones(1), 1, 1.0)
+    _compiled.take_counts(slot_expert, load, counts)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1361,6 +1368,14 @@ def _holds_mask(p2l: np.ndarray, num_gpus: int, n: int) -> np.ndarray:
 # burst -0.003 -> -0.006 (EP32), -0.003 -> -0.005 (EP64): its spikes do not last
 _PREFER_COUNTS = 0.2
 
+# migration_aware's far layers take default's replica counts first where that costs at most this
+# many times the copies of moving without them. Tune seeds 0-11, EP64 drift, next window against
+# default's and copies as a share of default's: 1.15x -> -0.0047 at 0.218x, 1.3x -> -0.0015 at
+# 0.233x, 1.5x -> -0.0012 at 0.239x, no bound -> -0.0015 at 0.240x; without the first step
+# -0.0104 at 0.216x. A test's one-off shift of four experts (a small shape: few copies without
+# the step) copied 0.226x default's at 1.3x, 0.236x at 1.5x and 0.261x without the bound
+_RECOUNT_COPIES = 1.3
+
 
 @register_policy("migration_aware")
 def _migration_aware_policy(
@@ -1434,30 +1449,58 @@ def _migration_aware_policy(
     # windows trailed a refit's by 0.03-0.04; after that one refit the noise moves little)
     static = np.arange(p_old) % n
     refit = move & (prev == static).all(axis=1) if prev_gpus == g else np.zeros(b, dtype=bool)
-    target_peak = np.where(move & ~refit, mean / np.maximum(aim, 1e-9), np.inf)
     allowed = np.full(b, np.iinfo(np.int64).max // 2 if max_copies is None else int(max_copies), dtype=np.int64)
-    cur = _improve(cur, load, g, target_peak, allowed - _copies_vs(carried, cur, g, n), prefer=_counts_of(fresh, n))
-    # 5. a layer the moves could not even lift to the trigger level takes default's placement,
-    #    its GPUs matched to keep the most experts in place, when that is better and fits the budget
-    short = move & ~refit & (_balancedness(cur, load, g) < expected - tolerance)
-    if short.any():
-        # where the moves got stuck, swaps (any pair of GPUs, the heaviest first) from there,
-        # stopping at the aim: kept when they reach the trigger level within the budget
-        rows = np.nonzero(short)[0]
-        swapped = _swapped(cur[rows], load[rows], g, aim[rows])
-        ok = (_balancedness(swapped, load[rows], g) >= expected[rows] - tolerance) & (
-            _copies_vs(carried[rows], swapped, g, n) <= allowed[rows]
-        )
-        cur[rows[ok]] = swapped[ok]
-    short = refit | (move & (_balancedness(cur, load, g) < expected - tolerance))
-    if short.any():
-        rows = np.nonzero(short)[0]
-        matched = _match_gpus(fresh[rows], carried[rows], g, n)
-        better = (_balancedness(matched, load[rows], g) > _balancedness(cur[rows], load[rows], g)) & (
-            _copies_vs(carried[rows], matched, g, n) <= allowed[rows]
-        )
-        cur[rows[better]] = matched[better]
-    return cur
+    fresh_counts = _counts_of(fresh, n)
+
+    def settle(start: np.ndarray, aim: np.ndarray, moving: np.ndarray) -> np.ndarray:
+        """Steps 5-6 for the ``moving`` layers of ``start`` (a new array)."""
+        target_peak = np.where(moving & ~refit, mean / np.maximum(aim, 1e-9), np.inf)
+        out = _improve(start.copy(), load, g, target_peak, allowed - _copies_vs(carried, start, g, n), prefer=fresh_counts)
+        # 6. a layer the moves could not even lift to the trigger level: swaps (any pair of GPUs,
+        #    the heaviest first) from where they got stuck, stopping at the aim, kept when they
+        #    reach the trigger level within the budget; failing that, default's placement, its
+        #    GPUs matched to keep the most experts in place, when that is better and fits the budget
+        short = moving & ~refit & (_balancedness(out, load, g) < expected - tolerance)
+        if short.any():
+            rows = np.nonzero(short)[0]
+            swapped = _swapped(out[rows], load[rows], g, aim[rows])
+            ok = (_balancedness(swapped, load[rows], g) >= expected[rows] - tolerance) & (
+                _copies_vs(carried[rows], swapped, g, n) <= allowed[rows]
+            )
+            out[rows[ok]] = swapped[ok]
+        short = (moving & refit) | (moving & (_balancedness(out, load, g) < expected - tolerance))
+        if short.any():
+            rows = np.nonzero(short)[0]
+            matched = _match_gpus(fresh[rows], carried[rows], g, n)
+            better = (_balancedness(matched, load[rows], g) > _balancedness(out[rows], load[rows], g)) & (
+                _copies_vs(carried[rows], matched, g, n) <= allowed[rows]
+            )
+            out[rows[better]] = matched[better]
+        return out
+
+    # 5. a far layer (same GPU count) first takes default's replica counts, by replace moves
+    #    (one copy each; eplb._compiled.take_counts), then moves as above. On a drifting load the
+    #    next window's balance follows the replica counts more than the packing: counts inherited
+    #    from earlier windows split the load of a hot set that has moved on. Kept where it ends at
+    #    the trigger level, at least as balanced as staying and within the budget, at no more than
+    #    _RECOUNT_COPIES times the copies of moving without it; otherwise the layer moves from
+    #    where it was.
+    recounted = far & move & ~refit if prev_gpus == g else np.zeros(b, dtype=bool)
+    if not recounted.any():
+        return settle(cur, aim, move)
+    start = cur.copy()
+    rows = np.nonzero(recounted)[0]
+    slot_expert = start[rows].reshape(rows.size, g, s)
+    _compiled.take_counts(slot_expert, load[rows], fresh_counts[rows])
+    start[rows] = slot_expert.reshape(rows.size, -1)
+    out = settle(start, aim, move)
+    plain = settle(cur, aim, recounted)
+    bal_out, copies = _balancedness(out, load, g), _copies_vs(carried, out, g, n)
+    worse = (bal_out < bal_cur) | (bal_out < expected - tolerance) | (copies > allowed)
+    dearer = copies > _RECOUNT_COPIES * _copies_vs(carried, plain, g, n)
+    back = recounted & (worse | dearer)
+    out[back] = plain[back]
+    return out
 
 
 def _swapped(p2l: np.ndarray, load: np.ndarray, num_gpus: int, aim: np.ndarray) -> np.ndarray:

@@ -743,6 +743,36 @@ def test_swap_refine_never_raises_the_peak_nor_doubles_an_expert(seed, gpus, per
     assert all(a <= b for a, b in zip(after_dups, before_dups))  # a swap may undo a double, never make one
 
 
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000), st.integers(2, 8), st.integers(2, 5))
+def test_take_counts_reaches_the_target_counts_with_one_copy_per_replica_it_moves(seed, gpus, per_gpu):
+    rng = np.random.default_rng(seed)
+    experts = max(1, gpus * per_gpu - rng.integers(0, gpus + 1))
+    slots = gpus * per_gpu
+
+    def counts_summing_to_the_slots() -> np.ndarray:
+        c = np.ones(experts, dtype=np.int64)
+        np.add.at(c, rng.integers(0, experts, slots - experts), 1)
+        return np.minimum(c, gpus) if (np.minimum(c, gpus).sum() == slots) else c
+
+    before = counts_summing_to_the_slots()
+    target = counts_summing_to_the_slots()
+    p2l = rng.permutation(np.repeat(np.arange(experts), before))[None]
+    load = rng.pareto(1.5, (1, experts)) + 0.1
+    slot_expert = p2l.reshape(1, gpus, per_gpu).copy()
+    moves = alg._compiled.take_counts(slot_expert, load, target[None])
+    after = alg._counts_of(slot_expert.reshape(1, -1), experts)[0]
+    moved = np.abs(after - before).sum() // 2
+    assert moves[0] == moved == (slot_expert.reshape(1, -1) != p2l).sum()  # each move one slot, one copy
+    assert (after >= 1).all()  # no expert lost
+    short = after < target
+    # an expert stays short only when every GPU without it holds no expert with a surplus
+    for e in np.nonzero(short)[0]:
+        without_e = ~(slot_expert[0] == e).any(axis=1)
+        assert not (after[slot_expert[0][without_e]] > target[slot_expert[0][without_e]]).any()
+    assert (after <= np.maximum(before, target)).all()  # only the short gain, only the surplus give
+
 def test_swap_refine_stops_at_the_requested_balance():
     w = _zipf_load(4, 64, seed=2).numpy().astype(np.float64)
     counts = alg._replica_counts(w, 80, 8)
@@ -784,6 +814,34 @@ def test_default_output_is_the_same_for_every_input_dtype(shape):
         for a, b in zip(ref, out):
             assert torch.equal(a, b), dtype
 
+
+
+def test_migration_aware_gives_a_layer_its_hot_set_left_behind_defaults_replica_counts(monkeypatch):
+    # a hot set that drifts (log-normal AR(1)): every layer is far behind its previous placement.
+    # Taking default's counts first makes the counts default's and the next window better than
+    # moving from the old counts; it is kept only where it copies at most 1.3x as much
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((16, 64))
+    loads = []
+    for _ in range(3):
+        loads.append(torch.from_numpy(np.round(np.exp(1.3 * x) * 100)).to(torch.int64))
+        x = 0.8 * x + 0.6 * rng.standard_normal(x.shape)
+    prev = rebalance_experts(loads[0], 80, 1, 1, 8)[0]
+    fresh_counts = rebalance_experts(loads[1], 80, 1, 1, 8)[2]
+
+    def run(bound: float):
+        monkeypatch.setattr(alg, "_RECOUNT_COPIES", bound)
+        p2l, _, counts = rebalance_experts(loads[1], 80, 1, 1, 8, policy="migration_aware", previous=prev)
+        return p2l, (counts - fresh_counts).abs().sum(dim=1) // 2, cross_gpu_copies(prev, p2l, 8)
+
+    always, always_distance, _ = run(float("inf"))
+    plain, plain_distance, plain_copies = run(0.0)  # never worth it: every layer moves from its old counts
+    assert (always_distance <= 2).all() and plain_distance.float().mean() >= 4
+    assert _balance(always, loads[2], 8).mean() > _balance(plain, loads[2], 8).mean() + 0.02
+    bounded, _, copies = run(1.3)  # the default bound: each layer either recounted or plain
+    recounted = (bounded != plain).any(dim=1)
+    assert torch.equal(bounded[recounted], always[recounted]) and 0 < recounted.sum() < 16
+    assert (copies <= 1.3 * plain_copies).all()
 
 def test_migration_aware_steers_replica_counts_towards_defaults(monkeypatch):
     # a drifting hot set: the moves that lower the peak prefer copying experts default gives more

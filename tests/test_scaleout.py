@@ -49,7 +49,7 @@ def _what_a_forked_worker_finds_loaded(answers) -> None:
     from eplb import _compiled
 
     answers.put({"transformers": "transformers.masking_utils" in sys.modules,
-                 "kernels": all(kernel.signatures for kernel in (_compiled.fill_pack, _compiled.swap_refine, _compiled.bfd_pack))})
+                 "kernels": all(kernel.signatures for kernel in (_compiled.fill_pack, _compiled.swap_refine, _compiled.bfd_pack, _compiled.take_counts))})
 
 
 @pytest.mark.multiprocess
