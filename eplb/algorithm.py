@@ -105,9 +105,9 @@ Measured by ``python -m bench.bench_algorithm`` on eight load families and held-
 (figures in ``docs/design.md``): on DeepSeek-V3 shapes ``default`` reaches 0.997-0.999 (32 GPUs)
 and 0.991-0.999 (64 GPUs) by family, worst layer 0.957 (EP32 ``zipf``), in 2.5-7.3 ms for 58
 layers on one core (load average about 0.9), whatever the input dtype; ``migration_aware``
-copies 0.2-1.1% of the slots per rebalance on stationary loads and 0.13x / 0.22x ``default``'s
-copies on drifting ones; its next-window balance is within 0.01 of ``default``'s except on fast
-drift (-0.012 / -0.013).
+copies 0.2-1.1% of the slots per rebalance on stationary loads and 0.14x / 0.23x ``default``'s
+copies on drifting ones; its next-window balance is within 0.01 of ``default``'s on every family
+(fast drift: -0.007 / -0.003).
 
 Errors are :class:`AlgorithmError` (a ``ValueError``) subclasses with messages naming what is
 wrong. Groups and nodes that do not nest (a group count that does not divide the experts, a node
