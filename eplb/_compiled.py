@@ -447,3 +447,138 @@ def take_counts(slot_expert, load, target):  # pragma: no cover - compiled
             hc[bx, f] -= 1
             moves[r] += 1
     return moves
+
+
+@numba.njit(cache=True)
+def replica_counts(load, num_slots, cap):  # pragma: no cover - compiled
+    """Greedy replication's counts ``[X, n]`` (each extra slot to the expert with the largest
+    load per replica, the lowest id on a tie, at most ``cap`` each; ``cap * n >= num_slots``):
+    bisect for a level ``t`` with ``sum(min(cap, 1 + floor(w / t)) - 1) <= extra`` (every
+    marginal ``w / k`` above ``t`` is taken), then take the few left one at a time. The
+    arithmetic of :func:`eplb.algorithm._replica_counts`, one row at a time."""
+    rows, n = load.shape
+    extra = num_slots - n
+    counts = np.ones((rows, n), np.int64)
+    for r in range(rows):
+        w = load[r]
+        lo = 0.0
+        hi = w.max() + 1.0
+        for _ in range(14):
+            mid = (lo + hi) / 2
+            m = max(mid, 1e-300)
+            taken = 0.0
+            for e in range(n):
+                taken += min(cap - 1.0, np.floor(w[e] / m))
+            if taken <= extra:
+                hi = mid
+            else:
+                lo = mid
+        left = num_slots
+        for e in range(n):
+            counts[r, e] = 1 + np.int64(min(cap - 1.0, np.floor(w[e] / hi)))
+            left -= counts[r, e]
+        for _ in range(left):
+            best = -np.inf
+            pick = -1
+            for e in range(n):
+                if counts[r, e] < cap and w[e] / counts[r, e] > best:
+                    best = w[e] / counts[r, e]
+                    pick = e
+            if pick < 0:
+                break
+            counts[r, pick] += 1
+    return counts
+
+
+@numba.njit(cache=True)
+def add_replicas(load, counts, extra, allowed, cap):  # pragma: no cover - compiled
+    """``counts [R, L]`` plus ``extra [R]`` replicas as greedy replication would add them (each to
+    the allowed expert with the largest load per replica, fewer than ``cap`` each); a new array.
+    The arithmetic of :func:`eplb.algorithm._add_replicas`, one row at a time."""
+    rows, n = load.shape
+    out = counts.copy()
+    for r in range(rows):
+        w = load[r]
+        if extra[r] <= 0:
+            continue
+        lo = 0.0
+        hi = w.max() + 1.0
+        for _ in range(12):
+            mid = (lo + hi) / 2
+            m = max(mid, 1e-300)
+            added = 0.0
+            for e in range(n):
+                if allowed[r, e]:
+                    room = max(0, cap - counts[r, e])
+                    added += min(max(np.floor(w[e] / m) - counts[r, e], 0.0), room)
+            if added <= extra[r]:
+                hi = mid
+            else:
+                lo = mid
+        left = extra[r]
+        for e in range(n):
+            if allowed[r, e]:
+                room = max(0, cap - counts[r, e])
+                out[r, e] = counts[r, e] + np.int64(min(max(np.floor(w[e] / hi) - counts[r, e], 0.0), room))
+                left -= out[r, e] - counts[r, e]
+        for _ in range(left):
+            best = -np.inf
+            pick = -1
+            for e in range(n):
+                if allowed[r, e] and out[r, e] < cap and w[e] / out[r, e] > best:
+                    best = w[e] / out[r, e]
+                    pick = e
+            if pick < 0:
+                break
+            out[r, pick] += 1
+    return out
+
+
+@numba.njit(cache=True)
+def repair_counts(load, counts, half, num_gpus, max_iters):  # pragma: no cover - compiled
+    """Replica trades (in place) until at most ``num_gpus`` replicas weigh more than ``half [R]``
+    (half a GPU's mean load): the arithmetic of :func:`eplb.algorithm._repair_counts`, one row at
+    a time (a row's trades depend on that row alone)."""
+    rows, n = load.shape
+    for r in range(rows):
+        w = load[r]
+        c = counts[r]
+        h = half[r]
+        for _ in range(max_iters):
+            above = 0
+            for e in range(n):
+                if w[e] / c[e] > h:
+                    above += c[e]
+            if above <= num_gpus:
+                break
+            recv = -1
+            best = -np.inf
+            for e in range(n):
+                per = w[e] / c[e]
+                if per > h and w[e] / (c[e] + 1) <= h and c[e] < num_gpus:
+                    v = c[e] + per / max(2.0 * h, 1e-300)
+                    if v > best:
+                        best = v
+                        recv = e
+            if recv < 0:
+                break
+            don = -1
+            low = np.inf
+            for e in range(n):
+                grown = w[e] / max(c[e] - 1, 1)
+                if e != recv and c[e] >= 2 and grown <= 1.6 * h and grown < low:
+                    low = grown
+                    don = e
+            if don < 0:
+                break
+            if w[don] / c[don] > h:
+                d_big = 1
+            elif low > h:
+                d_big = 1 - c[don]
+            else:
+                d_big = 0
+            if c[recv] + d_big <= 0:
+                break
+            c[recv] += 1
+            c[don] -= 1
+    return counts

@@ -356,6 +356,9 @@ def warm_up() -> None:
     _compiled.swap_refine(slot_load, slot_expert, 1, np.ones(1))
     _compiled.bfd_pack(load, 2, 4, np.ones(1), 1, 1.0)
     _compiled.take_counts(slot_expert, load, counts)
+    _compiled.replica_counts(load, 8, 2)
+    _compiled.repair_counts(load, counts.copy(), np.ones(1), 2, 1)
+    _compiled.add_replicas(load, counts, np.ones(1, dtype=np.int64), load > 0, 2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -524,26 +527,7 @@ def _replica_counts(load: np.ndarray, num_slots: int, cap: int) -> np.ndarray:
         sub = np.take_along_axis(load, cand, axis=1)
         np.put_along_axis(counts, cand, _replica_counts(sub, 2 * extra, cap), axis=1)
         return counts
-    lo = np.zeros(rows)  # too low: more than `extra` marginals above it
-    hi = load.max(axis=1) + 1.0  # high enough: no marginal above it
-    for _ in range(14):
-        mid = (lo + hi) / 2
-        taken = np.minimum(cap - 1, np.floor(load / np.maximum(mid, 1e-300)[:, None])).sum(axis=1)
-        fits = taken <= extra
-        hi = np.where(fits, mid, hi)
-        lo = np.where(fits, lo, mid)
-    counts = 1 + np.minimum(cap - 1, np.floor(load / hi[:, None])).astype(np.int64)
-    left = num_slots - counts.sum(axis=1)
-    r = np.arange(rows)
-    per = np.where(counts < cap, load / counts, -np.inf)
-    for _ in range(int(left.max(initial=0))):
-        e = per.argmax(axis=1)
-        go = left > 0
-        counts[r[go], e[go]] += 1
-        left -= go
-        c = counts[r, e]
-        per[r, e] = np.where(c < cap, load[r, e] / c, -np.inf)
-    return counts
+    return _compiled.replica_counts(np.ascontiguousarray(load, dtype=np.float64), num_slots, cap)
 
 
 def _greedy_pack(weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
@@ -581,32 +565,9 @@ def _repair_counts(load: np.ndarray, counts: np.ndarray, num_gpus: int, max_iter
     fall under ``T / 2`` with one more (most replicas first), the donor the expert whose replicas
     grow least with one fewer (staying under ``0.8 T``); a trade is made when it lowers the count.
     """
-    b, _ = load.shape
     half = load.sum(axis=1) / num_gpus / 2.0
-    h2 = half[:, None]
-    r = np.arange(b)
-    counts = counts.copy()
-    for _ in range(max_iters):
-        per = load / counts
-        big = per > h2
-        need = (counts * big).sum(axis=1) > num_gpus
-        if not need.any():
-            break
-        recv_ok = big & (load / (counts + 1) <= h2) & (counts < num_gpus)
-        recv = np.where(recv_ok, counts + per / np.maximum(2.0 * h2, 1e-300), -np.inf).argmax(axis=1)
-        grown = load / np.maximum(counts - 1, 1)
-        don_ok = (counts >= 2) & (grown <= 1.6 * h2)
-        don_ok[r, recv] = False
-        don = np.where(don_ok, grown, np.inf).argmin(axis=1)
-        # the count of replicas above T / 2 falls by the receiver's replicas, and rises by one
-        # less than the donor's if the donor's replicas cross T / 2 (or falls by one if above)
-        d_big = np.where(big[r, don], 1, np.where(grown[r, don] > half, 1 - counts[r, don], 0))
-        go = need & recv_ok[r, recv] & don_ok[r, don] & (counts[r, recv] + d_big > 0)
-        if not go.any():
-            break
-        counts[r[go], recv[go]] += 1
-        counts[r[go], don[go]] -= 1
-    return counts
+    out = np.array(counts, dtype=np.int64, copy=True, order="C")
+    return _compiled.repair_counts(np.ascontiguousarray(load, dtype=np.float64), out, half, int(num_gpus), int(max_iters))
 
 
 def _inverse(perm: np.ndarray) -> np.ndarray:
@@ -956,33 +917,8 @@ def _add_replicas(load: np.ndarray, counts: np.ndarray, extra: np.ndarray, allow
     the few left one at a time."""
     if not (extra > 0).any():
         return counts.copy()
-    r = np.arange(load.shape[0])
-    base = counts
-    room = np.where(allowed, np.maximum(0, cap - base), 0)  # [R, L] replicas each may still get
-    lo = np.zeros(load.shape[0])
-    hi = load.max(axis=1) + 1.0
-    for _ in range(12):
-        mid = (lo + hi) / 2
-        add = np.floor(load / np.maximum(mid, 1e-300)[:, None]) - base
-        np.maximum(add, 0, out=add)
-        np.minimum(add, room, out=add)
-        fits = add.sum(axis=1) <= extra
-        hi = np.where(fits, mid, hi)
-        lo = np.where(fits, lo, mid)
-    counts = base + np.clip(np.floor(load / hi[:, None]) - base, 0, room).astype(np.int64)
-    left = extra - (counts - base).sum(axis=1)
-    per = np.where(allowed & (counts < cap), load / counts, -np.inf)
-    for _ in range(int(left.max(initial=0))):
-        e = per.argmax(axis=1)
-        go = (left > 0) & np.isfinite(per[r, e])
-        if not go.any():
-            break
-        rg, eg = r[go], e[go]
-        counts[rg, eg] += 1
-        left -= go
-        c = counts[rg, eg]
-        per[rg, eg] = np.where(c < cap, load[rg, eg] / c, -np.inf)
-    return counts
+    return _compiled.add_replicas(np.ascontiguousarray(load, dtype=np.float64), np.ascontiguousarray(counts, dtype=np.int64),
+                                  np.asarray(extra, dtype=np.int64), np.ascontiguousarray(allowed, dtype=np.bool_), int(cap))
 
 
 def _pack_aware_counts(load: np.ndarray, num_replicas: int, num_gpus: int) -> tuple[np.ndarray, np.ndarray]:
