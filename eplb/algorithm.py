@@ -52,8 +52,8 @@ Policies (registry :data:`POLICIES`, chosen by name, extended with :func:`regist
     better (tiny shapes) keeps the static one. Stateless, like the reference: ``previous`` is
     ignored. Options: ``max_swaps`` (swap steps per layer, default 64; 0: no swaps),
     ``recount`` (steps 4 and 5, default on). Two replicas of one expert may share a GPU (valid:
-    that GPU serves two shares of its tokens). The sequential parts (packing, swaps, BFD) are
-    compiled with numba (:mod:`eplb._compiled`, cached on disk); :func:`warm_up` loads them
+    that GPU serves two shares of its tokens). The sequential parts (replica counts, packing,
+    swaps, BFD) are compiled with numba (:mod:`eplb._compiled`, cached on disk); :func:`warm_up` loads them
     ahead of the first call.
 ``hierarchical``
     The reference behaviour (DeepSeek ``rebalance_experts``): when ``num_groups % num_nodes == 0``
@@ -103,8 +103,9 @@ Policies (registry :data:`POLICIES`, chosen by name, extended with :func:`regist
 
 Measured by ``python -m bench.bench_algorithm`` on eight load families and held-out seeds
 (figures in ``docs/design.md``): on DeepSeek-V3 shapes ``default`` reaches 0.997-0.999 (32 GPUs)
-and 0.991-0.999 (64 GPUs) by family, worst layer 0.957 (EP32 ``zipf``), in 2.5-7.3 ms for 58
-layers on one core (load average about 0.9), whatever the input dtype; ``migration_aware``
+and 0.991-0.999 (64 GPUs) by family, worst layer 0.957 (EP32 ``zipf``), in 2.6-7.3 ms for 58
+layers on one core (the slowest family up to 9.5 ms in other runs: the machine's speed varies),
+whatever the input dtype; ``migration_aware``
 copies 0.2-1.1% of the slots per rebalance on stationary loads and 0.14x / 0.23x ``default``'s
 copies on drifting ones; its next-window balance is within 0.01 of ``default``'s on every family
 (fast drift: -0.007 / -0.003).
