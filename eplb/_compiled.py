@@ -449,44 +449,62 @@ def take_counts(slot_expert, load, target):  # pragma: no cover - compiled
     return moves
 
 
+
+@numba.njit(cache=True)
+def _add_greedily(w, counts, allowed, cap, left):  # pragma: no cover - compiled
+    """``left`` more replicas, one at a time, each to the allowed expert with the largest load per
+    replica ``w / counts`` under ``cap`` (the lowest id on a tie); ``counts`` in place. Stops
+    early when no expert can take one."""
+    for _ in range(left):
+        best = -np.inf
+        pick = -1
+        for e in range(w.shape[0]):
+            if allowed[e] and counts[e] < cap and w[e] / counts[e] > best:
+                best = w[e] / counts[e]
+                pick = e
+        if pick < 0:
+            return
+        counts[pick] += 1
+
+@numba.njit(cache=True)
+def _greedy_level(w, base, room, extra, steps):  # pragma: no cover - compiled
+    """The level ``t`` (bisected ``steps`` times from ``max(w) + 1`` down) at which the replicas
+    greedy replication adds above ``base``, ``min(max(floor(w / t) - base, 0), room)`` each (every
+    marginal load per replica above ``t``), fit in ``extra``."""
+    lo = 0.0
+    hi = w.max() + 1.0
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        m = max(mid, 1e-300)
+        added = 0.0
+        for e in range(w.shape[0]):
+            added += min(max(np.floor(w[e] / m) - base[e], 0.0), room[e])
+        if added <= extra:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
 @numba.njit(cache=True)
 def replica_counts(load, num_slots, cap):  # pragma: no cover - compiled
     """Greedy replication's counts ``[X, n]`` (each extra slot to the expert with the largest
     load per replica, the lowest id on a tie, at most ``cap`` each; ``cap * n >= num_slots``):
-    bisect for a level ``t`` with ``sum(min(cap, 1 + floor(w / t)) - 1) <= extra`` (every
-    marginal ``w / k`` above ``t`` is taken), then take the few left one at a time. The
-    arithmetic of :func:`eplb.algorithm._replica_counts`, one row at a time."""
+    bisect for the level above which every marginal ``w / k`` is taken, then take the few left
+    one at a time. The arithmetic of :func:`eplb.algorithm._replica_counts`, one row at a time."""
     rows, n = load.shape
-    extra = num_slots - n
     counts = np.ones((rows, n), np.int64)
+    everyone = np.ones(n, np.bool_)
+    none = np.zeros(n, np.int64)
+    room = np.full(n, cap - 1, np.int64)
     for r in range(rows):
         w = load[r]
-        lo = 0.0
-        hi = w.max() + 1.0
-        for _ in range(14):
-            mid = (lo + hi) / 2
-            m = max(mid, 1e-300)
-            taken = 0.0
-            for e in range(n):
-                taken += min(cap - 1.0, np.floor(w[e] / m))
-            if taken <= extra:
-                hi = mid
-            else:
-                lo = mid
+        hi = _greedy_level(w, none, room, num_slots - n, 14)
         left = num_slots
         for e in range(n):
-            counts[r, e] = 1 + np.int64(min(cap - 1.0, np.floor(w[e] / hi)))
+            counts[r, e] = 1 + np.int64(min(max(np.floor(w[e] / hi), 0.0), room[e]))
             left -= counts[r, e]
-        for _ in range(left):
-            best = -np.inf
-            pick = -1
-            for e in range(n):
-                if counts[r, e] < cap and w[e] / counts[r, e] > best:
-                    best = w[e] / counts[r, e]
-                    pick = e
-            if pick < 0:
-                break
-            counts[r, pick] += 1
+        _add_greedily(w, counts[r], everyone, cap, left)
     return counts
 
 
@@ -497,40 +515,19 @@ def add_replicas(load, counts, extra, allowed, cap):  # pragma: no cover - compi
     The arithmetic of :func:`eplb.algorithm._add_replicas`, one row at a time."""
     rows, n = load.shape
     out = counts.copy()
+    room = np.zeros(n, np.int64)
     for r in range(rows):
         w = load[r]
         if extra[r] <= 0:
             continue
-        lo = 0.0
-        hi = w.max() + 1.0
-        for _ in range(12):
-            mid = (lo + hi) / 2
-            m = max(mid, 1e-300)
-            added = 0.0
-            for e in range(n):
-                if allowed[r, e]:
-                    room = max(0, cap - counts[r, e])
-                    added += min(max(np.floor(w[e] / m) - counts[r, e], 0.0), room)
-            if added <= extra[r]:
-                hi = mid
-            else:
-                lo = mid
+        for e in range(n):
+            room[e] = max(0, cap - counts[r, e]) if allowed[r, e] else 0
+        hi = _greedy_level(w, counts[r], room, extra[r], 12)
         left = extra[r]
         for e in range(n):
-            if allowed[r, e]:
-                room = max(0, cap - counts[r, e])
-                out[r, e] = counts[r, e] + np.int64(min(max(np.floor(w[e] / hi) - counts[r, e], 0.0), room))
-                left -= out[r, e] - counts[r, e]
-        for _ in range(left):
-            best = -np.inf
-            pick = -1
-            for e in range(n):
-                if allowed[r, e] and out[r, e] < cap and w[e] / out[r, e] > best:
-                    best = w[e] / out[r, e]
-                    pick = e
-            if pick < 0:
-                break
-            out[r, pick] += 1
+            out[r, e] = counts[r, e] + np.int64(min(max(np.floor(w[e] / hi) - counts[r, e], 0.0), room[e]))
+            left -= out[r, e] - counts[r, e]
+        _add_greedily(w, out[r], allowed[r], cap, left)
     return out
 
 

@@ -571,6 +571,25 @@ def test_fill_pack_gives_a_nearly_full_gpu_the_smallest_replicas():
     assert np.allclose(np.take_along_axis(load, slot_expert.reshape(1, -1), axis=1).reshape(1, 2, 3), slot_load)
 
 
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10_000), st.integers(2, 40), st.integers(1, 100), st.booleans())
+def test_the_compiled_replica_counts_are_those_of_greedy_replication_one_slot_at_a_time(seed, gpus, experts, ties):
+    # _replicate is the plain greedy (each slot to the largest load per replica, lowest id on a
+    # tie); the compiled bisection must reach the same counts, ties included (integer loads)
+    rng = np.random.default_rng(seed)
+    slots = min(gpus * experts, experts + int(rng.integers(0, 2 * experts + 1)))
+    load = rng.integers(0, 30, (3, experts)).astype(float) if ties else rng.pareto(1.3, (3, experts)) * 50
+    assert np.array_equal(alg._replica_counts(load, slots, gpus), alg._replicate(load, slots, gpus)[1])
+    # the replicas added for the packing: only to allowed experts, none past the cap, as many as
+    # asked where there is room (not always the one-at-a-time greedy's: see _add_replicas)
+    allowed = rng.random((3, experts)) < 0.6
+    base = np.ones((3, experts), dtype=np.int64)
+    extra = np.full(3, slots - experts)
+    added = alg._add_replicas(load, base, extra, allowed, gpus)
+    assert (added[~allowed] == 1).all() and (added <= np.maximum(base, gpus)).all() and (added >= base).all()
+    assert np.array_equal((added - base).sum(axis=1), np.minimum(extra, (allowed * (gpus - base)).sum(axis=1)))
+
 def _random_packing(seed: int, gpus: int, per_gpu: int):
     """Three random layers (heavy-tailed, 30% idle experts, up to ``gpus * per_gpu`` experts),
     their replica counts and ``_fill_pack``'s packing of them: (load, counts, slot_load, slot_expert)."""
@@ -816,16 +835,22 @@ def test_default_output_is_the_same_for_every_input_dtype(shape):
 
 
 
+def _drifting_loads(seed: int, windows: int) -> list[torch.Tensor]:
+    """``windows`` token-count loads ``[16, 64]`` of a hot set that drifts: log-normal popularity
+    whose log follows an AR(1) (0.8) from window to window, as the bench's ``drift`` family."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((16, 64))
+    loads = []
+    for _ in range(windows):
+        loads.append(torch.from_numpy(np.round(np.exp(1.3 * x) * 100)).to(torch.int64))
+        x = 0.8 * x + 0.6 * rng.standard_normal(x.shape)
+    return loads
+
 def test_migration_aware_gives_a_layer_its_hot_set_left_behind_defaults_replica_counts(monkeypatch):
     # a hot set that drifts (log-normal AR(1)): every layer is far behind its previous placement.
     # Taking default's counts first makes the counts default's and the next window better than
     # moving from the old counts; it is kept only where it copies at most 1.3x as much
-    rng = np.random.default_rng(7)
-    x = rng.standard_normal((16, 64))
-    loads = []
-    for _ in range(3):
-        loads.append(torch.from_numpy(np.round(np.exp(1.3 * x) * 100)).to(torch.int64))
-        x = 0.8 * x + 0.6 * rng.standard_normal(x.shape)
+    loads = _drifting_loads(seed=7, windows=3)
     prev = rebalance_experts(loads[0], 80, 1, 1, 8)[0]
     fresh_counts = rebalance_experts(loads[1], 80, 1, 1, 8)[2]
 
@@ -843,16 +868,12 @@ def test_migration_aware_gives_a_layer_its_hot_set_left_behind_defaults_replica_
     assert torch.equal(bounded[recounted], always[recounted]) and 0 < recounted.sum() < 16
     assert (copies <= 1.3 * plain_copies).all()
 
+
 def test_migration_aware_steers_replica_counts_towards_defaults(monkeypatch):
     # a drifting hot set: the moves that lower the peak prefer copying experts default gives more
     # replicas and evicting those it gives fewer, so the counts end closer to default's (which
     # fit the new hot set), for a few more copies at most (on this small shape; none more on the bench's drift)
-    rng = np.random.default_rng(3)
-    x = rng.standard_normal((16, 64))
-    loads = []
-    for _ in range(2):
-        loads.append(torch.from_numpy(np.round(np.exp(1.3 * x) * 100)).to(torch.int64))
-        x = 0.8 * x + 0.6 * rng.standard_normal(x.shape)
+    loads = _drifting_loads(seed=3, windows=2)
     prev = rebalance_experts(loads[0], 80, 1, 1, 8)[0]
     fresh_counts = rebalance_experts(loads[1], 80, 1, 1, 8)[2]
 
