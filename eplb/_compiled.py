@@ -359,8 +359,9 @@ def take_counts(slot_expert, load, target):  # pragma: no cover - compiled
     """Replace moves (one copy each) that give every layer of ``slot_expert [R, G, S]`` (in place)
     the replica counts ``target [R, L]`` (same total): each step the short expert with the largest
     load per replica gains a replica in a slot of an expert with more than its target, on a GPU
-    that does not hold it, choosing the slot whose move leaves the lowest peak (then the lightest
-    receiving GPU). An expert no such slot can take stays short. Returns the moves per layer."""
+    that does not hold it, choosing the slot whose move leaves the lowest peak and, among peaks
+    equal to 1e-12 of it (sums in another order differ in the last bits), the lowest sum of
+    squared GPU loads. An expert no such slot can take stays short. Returns the moves per layer."""
     rows, g, s = slot_expert.shape
     n = load.shape[1]
     moves = np.zeros(rows, np.int64)
@@ -431,7 +432,8 @@ def take_counts(slot_expert, load, target):  # pragma: no cover - compiled
                     pk = max(here, others)
                     old = gle[x] + rise * hc[x, f]
                     dss = ssf[f] - (old * old - gle[x] * gle[x]) + (here * here - gle[x] * gle[x])
-                    if pk < bpeak or (pk == bpeak and dss < bload):
+                    tie = abs(pk - bpeak) <= 1e-12 * max(abs(bpeak), 1.0)
+                    if (pk < bpeak and not tie) or (tie and dss < bload):
                         bpeak = pk
                         bload = dss
                         bx = x
@@ -511,7 +513,7 @@ def replica_counts(load, num_slots, cap):  # pragma: no cover - compiled
 @numba.njit(cache=True)
 def add_replicas(load, counts, extra, allowed, cap):  # pragma: no cover - compiled
     """``counts [R, L]`` plus ``extra [R]`` replicas as greedy replication would add them (each to
-    the allowed expert with the largest load per replica, fewer than ``cap`` each); a new array.
+    the allowed expert with the largest load per replica, at most ``cap`` each); a new array.
     The arithmetic of :func:`eplb.algorithm._add_replicas`, one row at a time."""
     rows, n = load.shape
     out = counts.copy()

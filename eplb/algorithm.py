@@ -87,7 +87,8 @@ Policies (registry :data:`POLICIES`, chosen by name, extended with :func:`regist
     stopping at the aim) are kept when they reach the trigger level within the budget; failing
     that, ``default``'s placement with its GPUs matched to the old ones (a GPU permutation keeps
     the balance) is taken when better. A layer the load left far behind (more than five
-    tolerances short: its hot set moved) first takes ``default``'s replica counts, by one-copy
+    tolerances short: its hot set moved; not after a scale, nor a layer still on the static
+    placement) first takes ``default``'s replica counts, by one-copy
     replace moves (each short expert, the largest replica first, into a slot of an expert with
     surplus replicas, wherever that leaves the lowest peak; :func:`eplb._compiled.take_counts`),
     then moves as above: on a drifting load the next window's balance follows the counts more
@@ -1393,7 +1394,8 @@ def _migration_aware_policy(
     fresh_counts = _counts_of(fresh, n)
 
     def settle(start: np.ndarray, aim: np.ndarray, moving: np.ndarray) -> np.ndarray:
-        """Steps 5-6 for the ``moving`` layers of ``start`` (a new array)."""
+        """The moves towards step 4's aims, then step 6's fallbacks, for the ``moving`` layers of
+        ``start`` (a new array)."""
         target_peak = np.where(moving & ~refit, mean / np.maximum(aim, 1e-9), np.inf)
         out = _improve(start.copy(), load, g, target_peak, allowed - _copies_vs(carried, start, g, n), prefer=fresh_counts)
         # 6. a layer the moves could not even lift to the trigger level: swaps (any pair of GPUs,
