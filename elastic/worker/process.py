@@ -238,11 +238,8 @@ class Worker:
     def start(self) -> None:
         spec = self.spec
         self.faults.hang_before_start()
-        # once per process: the placement algorithm's compiled kernels load beside the start-up (a
-        # joining rank's while it stands by), not in the first rebalance or rescale (every later
-        # EPLBState, one per rescale, finds them loaded)
-        threading.Thread(target=warm_up, name="eplb-warm-up", daemon=True).start()
         if spec.joining:  # a fresh rank: it joins through the rescale
+            self._warm_up_in_background()  # while it stands by
             command = self._standby()
             if command is not None:
                 self.faults.at_command(command)
@@ -266,6 +263,17 @@ class Worker:
             self.progress = None
         self.mode = p.WorkerMode.DECODING
         self.report(p.PhaseDone, seq=0, step=self.step, result=p.Started(num_physical=placement.num_physical))
+        self._warm_up_in_background()
+
+    @staticmethod
+    def _warm_up_in_background() -> None:
+        """Once per process, the placement algorithm's compiled kernels load in a thread, so the
+        first rebalance or rescale does not pay for it (every later EPLBState, one per rescale,
+        finds them loaded). A starting rank does it after its group is up: loading them (about
+        0.5 s of CPU, part of it under the GIL) beside the group's join made a rank of four fresh
+        processes on 2 cores miss a 0.5 s rendezvous (2 of 7 runs of the command-launcher start
+        test). A worker forked from the preloaded forkserver finds them loaded already."""
+        threading.Thread(target=warm_up, name="eplb-warm-up", daemon=True).start()
 
     def _initial_placement(self) -> Placement:
         """The static placement, or the one the deployment starts from (``eplb.initial_placement``)."""
