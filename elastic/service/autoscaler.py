@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from elastic.core.clock import Clock, as_clock
 from elastic.core.errors import ElasticError
 from elastic.service.hooks import resolve_import_path
 
@@ -242,12 +242,14 @@ class Autoscaler:
     """
 
     def __init__(self, coordinator: Any, config: AutoscalerConfig, *, policy: AutoscalerPolicy | None = None,
-                 clock: Callable[[], float] = time.monotonic,
+                 clock: Clock | Callable[[], float] | None = None,
                  metrics_fn: Callable[[], dict[str, Any]] | None = None, keep: int = 100):
         self.coordinator = coordinator
         self.config = config
         self.policy = policy if policy is not None else build_policy(config)
-        self.clock = clock
+        # the control plane's one clock (the coordinator's), unless a test gives its own
+        own = getattr(coordinator, "clock", None)
+        self.clock = as_clock(clock if clock is not None else own if isinstance(own, Clock) else None)
         self.metrics_fn = metrics_fn
         deployment = getattr(coordinator, "config", None)
         capacity = getattr(deployment, "max_ep_size", None)
@@ -297,7 +299,7 @@ class Autoscaler:
         op = snap.get("operation") or {}
         in_progress = op.get("id") if op and op.get("status") in ("pending", "running") else None
         fields: dict[str, Any] = {
-            "now": float(self.clock()),
+            "now": self.clock.monotonic(),
             "state": snap["state"],
             "generation": snap["generation"],
             "current_size": snap["ep_size"],

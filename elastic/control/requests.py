@@ -1,0 +1,317 @@
+"""The coordinator's side of serving: a queue, admission into the group's batch, and each request's tokens.
+
+The coordinator is the source of truth for every request; the ranks only decode. A request:
+
+1. is **queued** by :meth:`RequestEngine.submit` (or refused at once: 429 when the batch and the
+   queue are full, 503 when the deployment is failed and nothing recovers it);
+2. is **admitted**: an :class:`~elastic.core.protocol.Admit` command puts it in the batch of every
+   rank at one agreed step. Admission stops while an operation replaces the group
+   (``rescaling``) and while the deployment is failed; requests already in the batch keep
+   decoding through ``draining``, ``suppressed`` and ``resuming``, and pause only in ``rescaling``
+   (their KV caches travel with the group);
+3. receives its tokens from rank 0's :class:`~elastic.core.protocol.TokensOut` reports, each at its
+   position: a token at a position already known must be the same token (a replay), a gap waits;
+4. **finishes** with the rank's finish reason (``length``, ``stop``), a stop string (then a
+   :class:`~elastic.core.protocol.Cancel` frees its slot), a client that went away (cancelled), or
+   an error that says to retry.
+
+After every rescale, rank 0 of the new group lists what it holds (:class:`~elastic.core.protocol.RequestsHeld`);
+a request the group lacks is admitted again from its prompt. That is how a rank failure is
+survived: the recovery's group starts with an empty batch (a survivor's KV caches may be
+mid-step), every request in flight is **replayed**, and since decoding is deterministic its
+tokens come back bit for bit (checked: a different token is counted as an output mismatch and
+fails the request), so a streaming client only sees the new ones.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from elastic.core import protocol as p
+from elastic.core.clock import Clock, as_clock
+from elastic.core.config import ServingConfig
+from elastic.core.errors import InvalidCompletionRequest, Overloaded, RequestNotServed, ServiceUnavailable
+
+__all__ = ["Completion", "RequestEngine", "ServingGate"]
+
+log = logging.getLogger("elastic.control.requests")
+
+
+@dataclass
+class Completion:
+    """One request as the coordinator follows it (times are the engine's clock)."""
+
+    spec: p.RequestSpec
+    created: float
+    stop: tuple[str, ...] = ()
+    status: str = "queued"  # queued | running | finished | failed | cancelled
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: RequestNotServed | None = None
+    replays: int = 0
+    stalled_since: float | None = None  # the deployment failed with this request in the batch
+    text_end: int | None = None  # a stop string matched: the text is cut here
+    _ahead: dict[int, p.TokenOut] = field(default_factory=dict)  # tokens past a gap, until it fills
+
+    @property
+    def id(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def done(self) -> bool:
+        return self.status in ("finished", "failed", "cancelled")
+
+
+class ServingGate(Protocol):
+    """What the engine needs from the coordinator (a protocol, so the engine's logic is testable alone)."""
+
+    def send_serving(self, command: type[p.Command], **fields: Any) -> bool:
+        """Send an Admit or Cancel to the group if the group can take it now; False if not."""
+
+    def serving_health(self) -> str:
+        """``"ok"`` (decoding), ``"paused"`` (an operation replaces the group, or a recovery runs),
+        ``"failed"`` (failed, and a recovery may still come) or ``"down"`` (failed, none will come)."""
+
+
+class RequestEngine:
+    """Queue, admission and token bookkeeping of completion requests (see the module docstring)."""
+
+    def __init__(self, gate: ServingGate, config: ServingConfig, *, clock: Clock | Callable[[], float] | None = None,
+                 on_mismatch: Callable[[Completion, int, int, int], None] | None = None,
+                 detokenize: Callable[[list[int]], str] | None = None):
+        self.gate = gate
+        self.config = config
+        self.clock = as_clock(clock)
+        self.on_mismatch = on_mismatch
+        self.detokenize = detokenize
+        self._lock = threading.Lock()
+        self._queue: deque[Completion] = deque()
+        self._running: dict[str, Completion] = {}  # in the group's batch (or being admitted again)
+        self._readmit: deque[Completion] = deque()  # running, but the group lost them: replay first
+        self._cancels: list[str] = []
+        self._recent: deque[Completion] = deque(maxlen=1000)  # finished ones, for GET by id and tests
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.counts = {"ok": 0, "failed": 0, "cancelled": 0, "rejected": 0, "replayed": 0, "mismatched": 0}
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> RequestEngine:
+        self._thread = threading.Thread(target=self._loop, name="serving-admission", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        with self._lock:
+            left = [*self._queue, *self._running.values()]
+            for c in left:
+                self._fail(c, ServiceUnavailable("the server is shutting down", retry_after_s=self.config.retry_after_s))
+
+    # -- requests --------------------------------------------------------------------------------
+    def new_id(self) -> str:
+        return f"cmpl-{uuid.uuid4().hex[:20]}"
+
+    def submit(self, spec: p.RequestSpec, *, stop: tuple[str, ...] = ()) -> Completion:
+        """Queue a request; raises :class:`Overloaded` (no room) or :class:`ServiceUnavailable`."""
+        if spec.max_tokens > self.config.max_tokens_limit:
+            raise InvalidCompletionRequest("max_tokens", f"at most {self.config.max_tokens_limit} (serving.max_tokens_limit)",
+                                           value=spec.max_tokens)
+        health = self.gate.serving_health()
+        with self._lock:
+            if health == "down":
+                self.counts["rejected"] += 1
+                raise ServiceUnavailable("the deployment has failed and no recovery is under way: POST /recover",
+                                         retry_after_s=self.config.retry_after_s)
+            running = sum(not c.done for c in self._running.values())
+            if len(self._queue) >= self.config.max_queue and running + len(self._queue) >= self.config.max_batch:
+                self.counts["rejected"] += 1
+                raise Overloaded(f"{running} requests decoding and {len(self._queue)} queued "
+                                 f"(serving.max_batch {self.config.max_batch}, max_queue {self.config.max_queue})",
+                                 retry_after_s=self.config.retry_after_s)
+            completion = Completion(spec, self.clock.monotonic(), stop=stop)
+            self._queue.append(completion)
+        self._wake.set()
+        return completion
+
+    def cancel(self, request_id: str) -> None:
+        """The client went away: the request leaves the queue, or the batch at the next step."""
+        with self._lock:
+            for c in list(self._queue):
+                if c.id == request_id:
+                    self._queue.remove(c)
+                    self._finish(c, "cancelled")
+                    return
+            c2 = self._running.get(request_id)
+            if c2 is not None and not c2.done:
+                self._finish(c2, "cancelled")
+                self._cancels.append(request_id)
+        self._wake.set()
+
+    def get(self, request_id: str) -> Completion | None:
+        with self._lock:
+            for c in itertools.chain(self._running.values(), self._queue, self._recent):
+                if c.id == request_id:
+                    return c
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"running": sum(not c.done for c in self._running.values()), "queued": len(self._queue), **self.counts,
+                    "max_batch": self.config.max_batch, "max_queue": self.config.max_queue}
+
+    # -- reports from the ranks ------------------------------------------------------------------
+    def on_tokens(self, report: p.TokensOut) -> None:
+        cancel: list[str] = []
+        with self._lock:
+            for out in report.tokens:
+                c = self._running.get(out.request_id)
+                if c is None or c.done:
+                    continue
+                c._ahead[out.position] = out
+                while c._ahead and not c.done:
+                    if min(c._ahead) < len(c.tokens):
+                        self._replayed_token(c, c._ahead.pop(min(c._ahead)))
+                    elif len(c.tokens) in c._ahead:
+                        if self._append(c, c._ahead.pop(len(c.tokens))):
+                            cancel.append(c.id)
+                    else:
+                        break  # a gap: the missing token is on its way
+            self._cancels.extend(cancel)
+        if cancel:
+            self._wake.set()
+
+    def _replayed_token(self, c: Completion, out: p.TokenOut) -> None:
+        """A token at a position already known (a replay, or a stale report): it must be the same."""
+        if c.tokens[out.position] != out.token:
+            self.counts["mismatched"] += 1
+            if self.on_mismatch is not None:
+                self.on_mismatch(c, out.position, c.tokens[out.position], out.token)
+            self._fail(c, ServiceUnavailable(
+                f"request {c.id}: token {out.position} came back as {out.token} on a replay, not {c.tokens[out.position]}: "
+                "the output changed", retry_after_s=self.config.retry_after_s))
+            self._cancels.append(c.id)
+
+    def _append(self, c: Completion, out: p.TokenOut) -> bool:
+        """Take the next token; True when a stop string ended the request (its slot must be freed)."""
+        c.tokens.append(out.token)
+        c.logprobs.append(out.logprob)
+        c.top_logprobs.append(out.top_logprobs)
+        c.stalled_since = None
+        if c.stop and self.detokenize is not None:
+            text = self.detokenize(c.tokens)
+            hits = [i for i in (text.find(s) for s in c.stop) if i >= 0]
+            if hits:
+                c.text_end = min(hits)
+                self._finish(c, "finished", "stop")
+                return out.finish_reason is None  # the ranks still hold it
+        if out.finish_reason is not None:
+            self._finish(c, "finished", out.finish_reason)
+        return False
+
+    def on_held(self, report: p.RequestsHeld) -> None:
+        """After a rescale: what the new group decodes. Requests it lacks are admitted again."""
+        held = {rid for rid, _ in report.held}
+        with self._lock:
+            for c in self._running.values():
+                if c.id not in held and not c.done and c not in self._readmit:
+                    c.replays += 1
+                    self.counts["replayed"] += 1
+                    c._ahead.clear()
+                    self._readmit.append(c)
+        self._wake.set()
+
+    # -- the admission loop ----------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(0.01)
+            self._wake.clear()
+            try:
+                self._admit_once()
+                self._expire()
+            except Exception:  # noqa: BLE001 - the admission thread outlives anything it calls
+                log.exception("serving admission failed")
+
+    def _admit_once(self) -> None:
+        with self._lock:
+            cancels, self._cancels = self._cancels, []
+            self._forget_done()
+            free = self.config.max_batch - len(self._running)
+            fresh = [self._queue[i] for i in range(min(max(0, free), len(self._queue)))]
+            replays = list(self._readmit)
+        if cancels and not self.gate.send_serving(p.Cancel, request_ids=tuple(cancels)):
+            with self._lock:
+                self._cancels = cancels + self._cancels  # sent once the group can take it
+        batch = tuple(c.spec for c in replays + fresh)
+        if not batch:
+            return
+        if not self.gate.send_serving(p.Admit, requests=batch):
+            return
+        with self._lock:
+            for c in replays:
+                if c in self._readmit:
+                    self._readmit.remove(c)
+            for c in fresh:
+                if c in self._queue:
+                    self._queue.remove(c)
+                if c.done:  # cancelled (or failed) after the Admit was built: it went out, take it back out
+                    self._cancels.append(c.id)
+                    continue
+                c.status = "running"
+                self._running[c.id] = c
+
+    def _forget_done(self) -> None:
+        for rid in [rid for rid, c in self._running.items() if c.done]:
+            self._recent.append(self._running.pop(rid))
+
+    def _expire(self) -> None:
+        """Requests in a failed deployment wait ``failed_grace_s`` for a recovery, then get 503;
+        with none possible ("down"), at once."""
+        health = self.gate.serving_health()
+        now = self.clock.monotonic()
+        with self._lock:
+            waiting = [*self._running.values(), *self._queue]
+            if health in ("ok", "paused"):
+                for c in waiting:
+                    c.stalled_since = None
+                return
+            for c in waiting:
+                if c.done:
+                    continue
+                c.stalled_since = c.stalled_since if c.stalled_since is not None else now
+                if health == "down":
+                    self._fail(c, ServiceUnavailable(
+                        f"request {c.id}: the deployment failed and nothing will recover it (no auto_recover, or "
+                        "its attempts are spent): POST /recover, then send it again", retry_after_s=self.config.retry_after_s))
+                elif now - c.stalled_since >= self.config.failed_grace_s:
+                    self._fail(c, ServiceUnavailable(
+                        f"request {c.id}: the deployment failed and was not recovered within "
+                        f"{self.config.failed_grace_s:g}s (serving.failed_grace_s); send it again",
+                        retry_after_s=self.config.retry_after_s))
+                    if c.id in self._running:
+                        self._cancels.append(c.id)  # a halted group may still decode it: free its slot
+            self._queue = deque(c for c in self._queue if not c.done)
+
+    # -- endings -----------------------------------------------------------------------------
+    def _finish(self, c: Completion, status: str, reason: str | None = None) -> None:
+        c.status = status
+        c.finish_reason = reason
+        self.counts["ok" if status == "finished" else status] += 1
+
+    def _fail(self, c: Completion, error: RequestNotServed) -> None:
+        if c.done:
+            return
+        c.error = error
+        self._finish(c, "failed")
