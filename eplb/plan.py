@@ -296,6 +296,13 @@ def plan_layer(
     # 2. each new slot: kept, copied locally, received from a holder, or reloaded
     transfers, per_rank = _assign_slots(new, s_old, s_new, new_h, held, host_of)
     # 3. freeze: the transfers in order, their rounds, and every rank's part
+    frozen, ranks, rounds = _freeze(transfers, per_rank, held, new_h, s_old, s_new)
+    return LayerPlan(old, new, s_old, s_new, old_h, new_h, frozen, ranks, rounds)
+
+
+def _freeze(transfers: list[dict], per_rank: dict[int, _RankParts], held: _Holdings, new_h: tuple[int, ...],
+            s_old: int, s_new: int) -> tuple[tuple[Transfer, ...], dict[int, RankPlan], tuple[tuple[int, ...], ...]]:
+    """Step 3 of :func:`plan_layer`: the transfers in planning order, their rounds, and each rank's part."""
     frozen = tuple(
         Transfer(t["src"], t["src_slot"], t["dst"], t["expert"], tuple(t["dst_slots"]), index)
         for index, t in enumerate(transfers)
@@ -319,7 +326,7 @@ def plan_layer(
             num_transfers=len(frozen),
             rounds=rounds,
         )
-    return LayerPlan(old, new, s_old, s_new, old_h, new_h, frozen, ranks, rounds)
+    return frozen, ranks, rounds
 
 
 @dataclass(frozen=True)
