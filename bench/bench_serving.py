@@ -4,7 +4,7 @@
                                   [--concurrency 6] [--out out/bench-serving] [--json FILE]
 
 A real architecture (a tiny random model, no download) is served on 2 ranks by the coordinator
-and its HTTP app, in this process. ``elastic-ep loadgen``'s client (:mod:`elastic.serving.loadgen`)
+and its HTTP app, in this process. ``elastic-ep loadgen``'s client (:mod:`elastic.service.loadgen`)
 streams greedy requests at ``--rate`` (Poisson, at most ``--concurrency`` in flight) while this
 script scales the group ``--scales`` times (2 -> 3 -> 4 -> 3 -> 2 -> ...) and SIGKILLs a rank
 ``--kills`` times (the deployment auto-recovers). When the schedule is done the load stops.
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from elastic.control.coordinator import Coordinator
     from elastic.deployment import DeploymentConfig
     from elastic.service.api import BackgroundServer, create_app
-    from elastic.serving.loadgen import LoadConfig, check_tokens, format_summary, run_load, write_report
+    from elastic.service.loadgen import LoadConfig, check_tokens, format_summary, run_load, write_report
 
     torch.set_num_threads(1)
     model = {"kind": "hf", "architecture": args.arch, "seed": 0}

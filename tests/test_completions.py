@@ -505,7 +505,7 @@ def test_the_load_generator_exits_3_when_the_server_cannot_be_reached(tmp_path):
     (29.9, 30.1, "rebalance"), (14.0, 22.0, "recovery"),  # overlapping a scale and a recovery: the recovery
 ])
 def test_a_latency_gap_is_labelled_by_the_server_windows_it_overlaps(start, end, expected):
-    from elastic.serving.loadgen import _windows, label_gaps
+    from elastic.service.loadgen import _windows, label_gaps
 
     timeline = {"windows": [{"kind": "scale", "started_at": 10.0, "ended_at": 15.0},
                             {"kind": "failure", "started_at": 20.0, "ended_at": None},

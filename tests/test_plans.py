@@ -77,8 +77,8 @@ def test_a_scale_is_a_table_of_typed_steps_each_building_its_command():
     drain, suppress, rescale, resume = plan.steps
     assert drain.joiners is JoinerWait.AFTER_SEND and resume.recipients is Recipients.LIVE
     assert rescale.at_send == (RecordAttempt(5, 3), AdmitJoiners()) and rescale.on_failure is OnFailure.ABANDON_GENERATION
-    assert rescale.build(7, 0.0) == p.Rescale(seq=7, operation_id="op-1", generation=5, new_size=3, mapping=(0, 1),
-                                              lost=(), execute_on="new", keep_requests=True, prepared=False)
+    spec = p.RescaleSpec(generation=5, new_size=3, mapping=(0, 1), lost=(), execute_on="new", keep_requests=True)
+    assert plan.spec == spec and rescale.build(7, 0.0) == p.Rescale(seq=7, operation_id="op-1", spec=spec, prepared=False)
     assert suppress.build(6, 0.0) == p.Suppress(seq=6, operation_id="op-1")  # a scale up announces nothing
 
 
@@ -88,9 +88,10 @@ def test_an_unprepared_scale_down_announces_its_layout_and_moves_over_the_old_gr
 
     plan = plan_scale(snap(size=3), 2)
     _, suppress, rescale, _ = plan.steps
-    assert suppress.build(4, 0.0) == p.Suppress(seq=4, operation_id="op-1", new_size=2, mapping=(0, 1, -1))
+    assert suppress.build(4, 0.0) == p.Suppress(seq=4, operation_id="op-1", announced=plan.spec)
     command = rescale.build(5, 0.0)
-    assert isinstance(command, p.Rescale) and command.execute_on == "old" and plan.joining == ()
+    assert isinstance(command, p.Rescale) and command.spec == plan.spec and plan.joining == ()
+    assert plan.spec.execute_on == "old" and plan.spec.mapping == (0, 1, -1)
 
 
 def test_a_prepared_scale_adds_the_prepare_row_paced_to_what_is_left_of_draining():
@@ -103,6 +104,7 @@ def test_a_prepared_scale_adds_the_prepare_row_paced_to_what_is_left_of_draining
     assert drain.trigger is None and prepare.trigger is Trigger.DRAINED and prepare.command is p.Prepare
     command = prepare.build(3, 4.0)
     assert isinstance(command, p.Prepare) and command.paced_for_s == pytest.approx(0.8 * 6.0)
+    assert command.spec == plan.spec
     assert suppress.build(4, 0.0) == p.Suppress(seq=4, operation_id="op-1")  # the prepare computed the placement
     assert rescale.build(5, 0.0).prepared is True  # type: ignore[attr-defined]
     outcomes = prepare.interpret({10: done(10, 0, p.PrepareDone(layers=2, layers_total=4, bytes_received=8)),
@@ -148,8 +150,8 @@ def test_recovery_retires_every_other_worker_once_and_rescales_the_survivors_wit
     rescale, resume = operation.steps
     assert rescale.joiners is JoinerWait.BEFORE_SEND and (rescale.trigger, resume.trigger) == (Trigger.RESCALED,
                                                                                              Trigger.RESUMED)
-    assert rescale.build(8, 0.0) == p.Rescale(seq=8, operation_id="op-2", generation=6, new_size=3, mapping=(0, -1, 1),
-                                              lost=(1,), execute_on="new", keep_requests=False, prepared=False)
+    spec = p.RescaleSpec(generation=6, new_size=3, mapping=(0, -1, 1), lost=(1,), execute_on="new", keep_requests=False)
+    assert rescale.build(8, 0.0) == p.Rescale(seq=8, operation_id="op-2", spec=spec, prepared=False)
     with pytest.raises(InvalidScaleRequest):
         plan.operation("op-2", generation=6, target=1)
 

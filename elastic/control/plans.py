@@ -17,6 +17,7 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Literal
 
 from elastic.core import protocol as p
 from elastic.core.errors import InvalidScaleRequest
@@ -26,7 +27,7 @@ from elastic.core.phases import OperationKind, Phase, Trigger
 __all__ = [
     "AdoptSize", "Attempt", "JoinerWait", "LiveWorker", "MeasurePause", "OnFailure", "OperationPlan", "Outcome",
     "Prepared", "Reason", "Recipients", "RecordAttempt", "RecoveryPlan", "Refuse", "Retire", "ScaleSnapshot",
-    "Step", "admit_joiners", "plan_recovery", "plan_scale", "render_steps",
+    "Step", "admit_joiners", "rescale_spec", "plan_recovery", "plan_scale", "render_steps",
 ]
 
 
@@ -149,9 +150,16 @@ class OperationPlan:
     kind: OperationKind
     operation_id: str
     mapping: RankMapping
-    generation: int
-    lost: tuple[int, ...]
+    spec: p.RescaleSpec  # what its Prepare, Suppress and Rescale carry
     steps: tuple[Step, ...]
+
+    @property
+    def generation(self) -> int:
+        return self.spec.generation
+
+    @property
+    def lost(self) -> tuple[int, ...]:
+        return self.spec.lost
 
     @property
     def joining(self) -> tuple[int, ...]:
@@ -224,40 +232,37 @@ class ScaleSnapshot:
     retire_grace_s: float = 1.0  # how long a retired rank gets to exit before it is killed
 
 
-def _execute_on(mapping: RankMapping, lost: tuple[int, ...]) -> str:
-    """Scale down moves over the old group (the leaving ranks send); scale up and recovery over the new."""
-    return "old" if mapping.new_size < len(mapping.old_to_new) and not lost else "new"
+def rescale_spec(generation: int, mapping: RankMapping, lost: tuple[int, ...], *, keep_requests: bool) -> p.RescaleSpec:
+    """What the operation's rescale means, the one value its Prepare, Suppress and Rescale carry. A scale
+    down moves over the old group (the leaving ranks send); a scale up and a recovery over the new."""
+    execute_on: Literal["old", "new"] = "old" if mapping.new_size < len(mapping.old_to_new) and not lost else "new"
+    return p.RescaleSpec(generation=generation, new_size=mapping.new_size, mapping=tuple(mapping.old_to_new),
+                         lost=tuple(lost), execute_on=execute_on, keep_requests=keep_requests)
 
 
-def _prepare_command(s: ScaleSnapshot, mapping: RankMapping, seq: int, in_phase_s: float) -> p.Command:
-    return p.Prepare(seq=seq, operation_id=s.operation_id, generation=s.generation,
-                     paced_for_s=max(0.0, 0.8 * (s.draining_s - in_phase_s)), new_size=mapping.new_size,
-                     mapping=tuple(mapping.old_to_new), execute_on=_execute_on(mapping, ()),  # type: ignore[arg-type]
+def _prepare_command(s: ScaleSnapshot, spec: p.RescaleSpec, seq: int, in_phase_s: float) -> p.Command:
+    return p.Prepare(seq=seq, operation_id=s.operation_id, spec=spec,
+                     paced_for_s=max(0.0, 0.8 * (s.draining_s - in_phase_s)),
                      prestage_max_bytes=int(s.prestage_max_bytes), prestage_share=s.prestage_share)
 
 
-def _rescale_command(operation_id: str, generation: int, mapping: RankMapping, lost: tuple[int, ...],
-                     keep_requests: bool, prepared: bool, seq: int, in_phase_s: float) -> p.Command:
-    # a recovery's survivors may hold a request's KV cache mid-step: its batch starts empty, and the
-    # request engine replays every request from its prompt (elastic.control.requests)
-    return p.Rescale(seq=seq, operation_id=operation_id, generation=generation, new_size=mapping.new_size,
-                     mapping=tuple(mapping.old_to_new), lost=lost,
-                     execute_on=_execute_on(mapping, lost),  # type: ignore[arg-type]
-                     keep_requests=keep_requests, prepared=prepared)
+def _rescale_command(operation_id: str, spec: p.RescaleSpec, prepared: bool, seq: int, in_phase_s: float) -> p.Command:
+    # a recovery's survivors may hold a request's KV cache mid-step (spec.keep_requests is False): its
+    # batch starts empty, and the request engine replays every request from its prompt (elastic.control.requests)
+    return p.Rescale(seq=seq, operation_id=operation_id, spec=spec, prepared=prepared)
 
 
 def _simple(command: type[p.Command], operation_id: str, seq: int, in_phase_s: float) -> p.Command:
     return command(seq=seq, operation_id=operation_id)
 
 
-def _rescale_step(operation_id: str, generation: int, mapping: RankMapping, lost: tuple[int, ...], *,
-                  keep_requests: bool, prepared: bool, grace_s: float, joiners: JoinerWait) -> Step:
-    """Move experts, replace the group (decoding paused): the step scale and recovery share."""
-    return Step(Phase.RESCALING, p.Rescale,
-                functools.partial(_rescale_command, operation_id, generation, mapping, lost, keep_requests, prepared),
-                Recipients.KEPT_AND_JOINING, functools.partial(_rescaled, mapping.new_size, grace_s), Trigger.RESCALED,
+def _rescale_step(operation_id: str, spec: p.RescaleSpec, *, prepared: bool, grace_s: float,
+                  joiners: JoinerWait) -> Step:
+    """Move experts, replace the group (the switch pauses decoding): the step scale and recovery share."""
+    return Step(Phase.RESCALING, p.Rescale, functools.partial(_rescale_command, operation_id, spec, prepared),
+                Recipients.KEPT_AND_JOINING, functools.partial(_rescaled, spec.new_size, grace_s), Trigger.RESCALED,
                 yields=(MeasurePause, Retire, AdoptSize, Reason, Refuse),
-                at_send=(RecordAttempt(generation, mapping.new_size), admit_joiners), joiners=joiners,
+                at_send=(RecordAttempt(spec.generation, spec.new_size), admit_joiners), joiners=joiners,
                 on_failure=OnFailure.ABANDON_GENERATION)
 
 
@@ -288,28 +293,25 @@ def plan_scale(snapshot: ScaleSnapshot, target: int) -> OperationPlan:
         raise InvalidScaleRequest("layout", f"maps {len(mapping.old_to_new)} -> {mapping.new_size} ranks, "
                                             f"not {s.size} -> {target}")
     op = s.operation_id
+    spec = rescale_spec(s.generation, mapping, (), keep_requests=True)
     down = target < s.size and not s.prepare  # an unprepared scale down announces its layout at Suppress
     drain = Step(Phase.DRAINING, p.Drain, functools.partial(_simple, p.Drain, op), Recipients.GROUP,
                  functools.partial(_said, "every in-flight layer committed on every rank"),
                  None if s.prepare else Trigger.DRAINED, joiners=JoinerWait.AFTER_SEND)
-    prepare = Step(Phase.DRAINING, p.Prepare, functools.partial(_prepare_command, s, mapping),
+    prepare = Step(Phase.DRAINING, p.Prepare, functools.partial(_prepare_command, s, spec),
                    Recipients.GROUP_AND_JOINING, _prepared, Trigger.DRAINED, yields=(Prepared, Reason, Refuse),
                    on_failure=OnFailure.ABANDON_GENERATION)
     suppress = Step(Phase.SUPPRESSED, p.Suppress,
-                    functools.partial(_suppress_command, op, mapping if down else None), Recipients.GROUP,
+                    functools.partial(_suppress_command, op, spec if down else None), Recipients.GROUP,
                     functools.partial(_said, f"EPLB threads joined; mapping {mapping}"), Trigger.SUPPRESSED)
-    rescale = _rescale_step(op, s.generation, mapping, (), keep_requests=True, prepared=s.prepare,
-                            grace_s=s.retire_grace_s, joiners=JoinerWait.NONE)
+    rescale = _rescale_step(op, spec, prepared=s.prepare, grace_s=s.retire_grace_s, joiners=JoinerWait.NONE)
     steps = (drain, prepare, suppress, rescale, _resume_step(op)) if s.prepare else \
         (drain, suppress, rescale, _resume_step(op))
-    return OperationPlan(OperationKind.SCALE, op, mapping, s.generation, (), steps)
+    return OperationPlan(OperationKind.SCALE, op, mapping, spec, steps)
 
 
-def _suppress_command(operation_id: str, announce: RankMapping | None, seq: int, in_phase_s: float) -> p.Command:
-    if announce is None:
-        return p.Suppress(seq=seq, operation_id=operation_id)
-    return p.Suppress(seq=seq, operation_id=operation_id, new_size=announce.new_size,
-                      mapping=tuple(announce.old_to_new))
+def _suppress_command(operation_id: str, announced: p.RescaleSpec | None, seq: int, in_phase_s: float) -> p.Command:
+    return p.Suppress(seq=seq, operation_id=operation_id, announced=announced)
 
 
 # -- recovery -----------------------------------------------------------------------------------
@@ -353,10 +355,10 @@ class RecoveryPlan:
             raise InvalidScaleRequest("ep_size", f"a recovery keeps its {self.new_size} survivors", value=target)
         without = RankMapping.without(self.base_size, self.lost_ranks)
         mapping = RankMapping(without.old_to_new, target)  # fresh ranks after the survivors, if any
-        rescale = _rescale_step(operation_id, generation, mapping, self.lost_ranks, keep_requests=False,
-                                prepared=False, grace_s=retire_grace_s, joiners=JoinerWait.BEFORE_SEND)
-        return OperationPlan(OperationKind.RECOVER, operation_id, mapping, generation, self.lost_ranks,
-                             (rescale, _resume_step(operation_id)))
+        spec = rescale_spec(generation, mapping, self.lost_ranks, keep_requests=False)
+        rescale = _rescale_step(operation_id, spec, prepared=False, grace_s=retire_grace_s,
+                                joiners=JoinerWait.BEFORE_SEND)
+        return OperationPlan(OperationKind.RECOVER, operation_id, mapping, spec, (rescale, _resume_step(operation_id)))
 
 
 def plan_recovery(live: Sequence[LiveWorker], attempts: Mapping[int, Attempt], generation: int,

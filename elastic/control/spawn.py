@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from elastic.core.worker_spec import WorkerSpec
 from elastic.deployment import DeploymentConfig
-from elastic.worker.process import WorkerSpec
 
 __all__ = ["worker_spec"]
 

@@ -430,7 +430,7 @@ def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: 
         return {"now": time.time(), "windows": sorted((dict(w) for w in windows), key=lambda w: w["started_at"])}
 
     if getattr(controller, "requests", None) is not None:
-        from elastic.serving.openai import completion_routes
+        from elastic.service.completions import completion_routes
 
         app.include_router(completion_routes(controller))
 

@@ -29,9 +29,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
+from elastic.control.requests import Completion, RequestEngine
 from elastic.core import protocol as p
 from elastic.core.errors import InvalidCompletionRequest, ModelNotFound
-from elastic.serving.engine import Completion, RequestEngine
 from eplb.models.config import HFModelConfig
 from eplb.trace import seed_for
 
