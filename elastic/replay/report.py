@@ -122,7 +122,11 @@ def _rebalances(events: list[dict[str, Any]], samples: list[dict[str, Any]], tra
                 current = None
     if current is not None:
         close(current, "unfinished")
-    # merge sync records that several ranks reported for the same step
+    return _around(_merge_sync(out), samples, window)
+
+
+def _merge_sync(out: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Merge the sync records that several ranks reported for the same step; in start order."""
     merged: list[dict[str, Any]] = []
     for r in out:
         if merged and r["mode"] == "sync" and merged[-1]["mode"] == "sync" and merged[-1]["start_step"] == r["start_step"]:
@@ -131,7 +135,11 @@ def _rebalances(events: list[dict[str, Any]], samples: list[dict[str, Any]], tra
             continue
         merged.append(r)
     merged.sort(key=lambda r: r["t_start"])
+    return merged
 
+
+def _around(merged: list[dict[str, Any]], samples: list[dict[str, Any]], window: int) -> list[dict[str, Any]]:
+    """Each rebalance's balancedness ``window`` steps before it and after it (up to the next one)."""
     by_step = {s["step"]: s for s in samples}
     starts = [r["start_step"] for r in merged]
     for i, r in enumerate(merged):
@@ -643,6 +651,13 @@ class LiveDisplay:
 
 def render_summary(report: dict[str, Any], console: Any) -> None:
     """The end-of-run tables: timeline, operations, rebalances, verifications, expectations."""
+    for table in (_timeline_table, _operations_table, _rebalances_table, _verifications_table, _expectations_table):
+        rendered = table(report)
+        if rendered is not None:
+            console.print(rendered)
+
+
+def _timeline_table(report: dict[str, Any]) -> Any:
     from rich.table import Table
 
     timeline = Table(title="Timeline", title_justify="left", header_style="bold")
@@ -664,7 +679,11 @@ def render_summary(report: dict[str, Any], console: Any) -> None:
                      _fmt_ms(e["t_end"] - e["t"]), _esc(e.get("detail", ""))))
     for t, step, what, lasted, detail in sorted(rows, key=lambda r: r[0]):
         timeline.add_row(f"{t:.2f}", str(step), what, lasted, detail)
-    console.print(timeline)
+    return timeline
+
+
+def _operations_table(report: dict[str, Any]) -> Any:
+    from rich.table import Table
 
     if report["operations"]:
         ops = Table(title="Operations (phase durations, decoding pause)", title_justify="left", header_style="bold")
@@ -676,7 +695,12 @@ def render_summary(report: dict[str, Any], console: Any) -> None:
             ops.add_row(o["id"], o["kind"], o.get("origin", ""), f"{o['from_size']} → {o['target_size']}", f"[{style}]{status}[/]",
                         *(_fmt_ms(o["phase_seconds"].get(ph)) if ph in o["phase_seconds"] else "—" for ph in PHASES),
                         _fmt_ms(o["paused_seconds"]), f"{o['bytes_moved'] / 2**20:.1f} MiB")
-        console.print(ops)
+        return ops
+    return None
+
+
+def _rebalances_table(report: dict[str, Any]) -> Any:
+    from rich.table import Table
 
     if report["rebalances"]:
         rb = Table(title=f"EPLB rebalances (balancedness: mean of {report['rebalance_window_steps']} steps before / after)",
@@ -692,7 +716,12 @@ def render_summary(report: dict[str, Any], console: Any) -> None:
                 arrow = " [green]▲[/]" if after > before + 0.005 else (" [red]▼[/]" if after < before - 0.005 else "")
             rb.add_row(str(r["index"]), r["mode"], steps, str(len(r["layers"])), outcome, _fmt_bal(before),
                        _fmt_bal(after) + arrow)
-        console.print(rb)
+        return rb
+    return None
+
+
+def _verifications_table(report: dict[str, Any]) -> Any:
+    from rich.table import Table
 
     if report["verifications"]:
         vt = Table(title="Verifications (every slot bit-exact on every rank)", title_justify="left", header_style="bold")
@@ -708,7 +737,12 @@ def render_summary(report: dict[str, Any], console: Any) -> None:
             vt.add_row(_esc(v["after"]), str(v["step"]), str(len(v["ranks"])),
                        f"[{'green' if v['mismatched'] == 0 else 'red'}]{v['mismatched']}[/]", str(v["replica_min"]),
                        "[green]agree[/]" if v["digests_agree"] else "[red]differ[/]", *output)
-        console.print(vt)
+        return vt
+    return None
+
+
+def _expectations_table(report: dict[str, Any]) -> Any:
+    from rich.table import Table
 
     ex = Table(title="Expectations", title_justify="left", header_style="bold")
     for col in ("", "expectation", "expected", "measured", "detail"):
@@ -716,4 +750,4 @@ def render_summary(report: dict[str, Any], console: Any) -> None:
     for e in report["expectations"]:
         ex.add_row("[green]✓[/]" if e["passed"] else "[red]✗[/]", e["name"], _esc(str(e["expected"])),
                    _esc(str(e["measured"])), _esc(e.get("detail", "")))
-    console.print(ex)
+    return ex
