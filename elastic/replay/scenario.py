@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 from pydantic_core import ErrorDetails
 
 from elastic.deployment import DeploymentConfig, TracePhase
-from elastic.faults import CorruptBuffer, DelayTransfer, DropHeartbeats, Fault, KillRank, StallRank
+from elastic.faults import CorruptBuffer, DropHeartbeats, Fault, KillRank, StallRank
 from elastic.service.autoscaler import AutoscalerConfig
 from elastic.service.preflight import (
     InputError,
@@ -328,9 +328,6 @@ class Scenario(_Strict):
         """Whether a stall this long outlasts a deadline (the rank is lost) rather than a hiccup."""
         timeouts = self.deployment.timeouts
         return seconds >= min(timeouts.collective, timeouts.heartbeat)
-
-    def has_delay(self) -> bool:
-        return any(isinstance(f, DelayTransfer) for f in self.faults)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,8 +27,10 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from elastic.control.plane import ControlPlane
 from elastic.core.clock import Clock, as_clock
 from elastic.core.errors import ElasticError
+from elastic.core.phases import Phase
 from elastic.service.hooks import resolve_import_path
 
 __all__ = [
@@ -52,7 +54,7 @@ class MetricsSnapshot(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     now: float
-    state: str = "running"
+    state: str = Phase.RUNNING.value
     generation: int = 0
     current_size: int = Field(ge=1)
     min_size: int = Field(1, ge=1)
@@ -168,7 +170,7 @@ class ThresholdPolicy:
 
     def decide(self, s: MetricsSnapshot) -> ScaleDecision:
         c = self.config
-        if s.state != "running" or s.operation_id is not None:
+        if s.state != Phase.RUNNING or s.operation_id is not None:
             # a scale is under way (anyone's): start over, and count the cooldown from its end
             self._reset()
             self._cooldown_from = s.now
@@ -241,7 +243,7 @@ class Autoscaler:
     ``{"queue_depth": 12}``); they override what the coordinator's heartbeats give.
     """
 
-    def __init__(self, coordinator: Any, config: AutoscalerConfig, *, policy: AutoscalerPolicy | None = None,
+    def __init__(self, coordinator: ControlPlane, config: AutoscalerConfig, *, policy: AutoscalerPolicy | None = None,
                  clock: Clock | Callable[[], float] | None = None,
                  metrics_fn: Callable[[], dict[str, Any]] | None = None, keep: int = 100):
         self.coordinator = coordinator

@@ -47,6 +47,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from elastic.control.plane import ControlPlane
 from elastic.core.clock import Clock, RealClock
 from elastic.core.errors import ElasticError
 
@@ -256,7 +257,7 @@ class ScaleHooks:
         config = config if isinstance(config, HooksConfig) else HooksConfig.model_validate(config)
         return cls(config.before_scale, config.after_scale)
 
-    def install(self, coordinator: Any) -> ScaleHooks:
+    def install(self, coordinator: ControlPlane) -> ScaleHooks:
         """Add the before-hooks to the coordinator's hook point and follow its operations for the after-hooks."""
         if not self._own_clock and isinstance(getattr(coordinator, "clock", None), Clock):
             self.clock = coordinator.clock
