@@ -302,7 +302,9 @@ class Routes:
         r.add_api_route("/tokenize", self.tokenize, methods=["POST"], responses=ERRORS)
         r.add_api_route("/detokenize", self.detokenize, methods=["POST"], responses=ERRORS)
         r.add_api_route("/health", self.health, methods=["GET"], responses={503: {"description": "cannot decode"}})
-        r.add_api_route("/ping", self.health, methods=["GET", "POST"], responses={503: {"description": "cannot decode"}})
+        for method in ("GET", "POST"):
+            r.add_api_route("/ping", self.health, methods=[method], operation_id=f"ping_{method.lower()}",
+                            responses={503: {"description": "cannot decode"}})
         r.add_api_route("/version", self.version, methods=["GET"])
         return r
 
