@@ -107,3 +107,44 @@ def test_the_coordinator_is_a_control_plane_and_reads_the_clock_it_is_given():
     assert coordinator.clock is clock and coordinator.machine.entered_at == clock.monotonic()
     op = coordinator.scale(DeploymentConfig().ep_size)  # a no-op: finished at once, at the clock's wall time
     assert op.status == "noop" and op.created_at == clock.wall() == op.finished_at
+
+
+def test_one_executor_applies_a_steps_outcomes_without_a_process():
+    """The rescale row's outcomes, applied: the retired rank's exit is expected (killed when it does not
+    leave), the layout adopts the new size, the pause is recorded; a refusal applies nothing."""
+    from elastic.control.executor import OperationExecutor, OperationRun
+    from elastic.control.operations import GroupLayout, OperationBook
+    from elastic.control.plans import AdoptSize, MeasurePause, Reason, Refuse, Retire, ScaleSnapshot, plan_scale
+    from elastic.core.phases import OperationKind
+    from elastic.deployment import DeploymentConfig
+
+    class Stuck(Handle):
+        killed = False
+
+        def join(self, timeout: float) -> bool:
+            return False
+
+        def kill(self) -> None:
+            self.killed = True
+
+    clock = ManualClock()
+    reg = registry(clock)
+    book = OperationBook(clock, reg.lock, history=8, idempotency_ttl_s=60.0)
+    layout = GroupLayout(size=3, num_physical=12)
+    executor = OperationExecutor(
+        DeploymentConfig(), machine=reg.machine, registry=reg, book=book, layout=layout, clock=clock,
+        launch_joining=lambda *a: None, layout_for=lambda *a: None, store=lambda: None, emit=lambda e: None,  # type: ignore[arg-type, return-value]
+        on_finished=lambda op: None, after_success=lambda op: None, before_scale=[])
+    leaving = reg.add(Stuck(12), 2, 0)
+    plan = plan_scale(ScaleSnapshot("op-1", size=3, generation=1), 2)
+    op = book.new("op-1", OperationKind.SCALE, 2, 3, 0)
+    run = OperationRun(op, plan, old=reg.live_workers(), standby_seq=-1)
+    rescale = plan.steps[2]
+    with pytest.raises(OperationFailed, match="disagree"):
+        executor.apply(run, rescale, (AdoptSize(2, 8), Refuse("ranks disagree")))
+    assert layout.size == 3 and not leaving.expected_exit  # nothing applied
+    reason = executor.apply(run, rescale, (MeasurePause(0.25, 100, (3,)), Retire((12,), (2,), 0.1), AdoptSize(2, 8),
+                                           Reason("group of 2 formed")))
+    assert reason == "group of 2 formed" and (layout.size, layout.num_physical) == (2, 8)
+    assert leaving.expected_exit and leaving.handle.killed and op.released_ranks == [2]  # type: ignore[attr-defined]
+    assert (op.paused_seconds, op.bytes_moved, op.diverged_layers) == (0.25, 100, [3])
