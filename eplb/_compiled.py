@@ -595,41 +595,63 @@ def _layer_loads(w, cnt, se, gl):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True)
-def _best_replace(w, cnt, hc, se, gl, h, light, pref, prefer_share):  # pragma: no cover - compiled
+def _best_replace(w, cnt, hc, se, gl, h, light, pref, prefer_share, m1, i1, m2):  # pragma: no cover - compiled
     """:func:`improve`'s best replace move of one step: ``(estimate, slot on h, candidate)``;
-    ``-1`` for none (no candidate, or with ``pref`` none that lowers the peak)."""
+    ``-1`` for none (no candidate, or with ``pref`` none that lowers the peak). ``m1 / i1 / m2``:
+    scratch ``[L]`` for the two heaviest GPUs holding each expert."""
     g, s = se.shape
     peak = gl[h]
+    nq = light.shape[0] * s
+    # per candidate slot: what its GPU and the other holders of its expert f carry once f loses it
+    m1[:] = -np.inf
+    m2[:] = -np.inf
+    i1[:] = -1
+    for x in range(g):
+        for t in range(s):
+            f = se[x, t]
+            if i1[f] == x:
+                continue
+            if gl[x] > m1[f]:
+                m2[f], m1[f], i1[f] = m1[f], gl[x], x
+            elif gl[x] > m2[f]:
+                m2[f] = gl[x]
+    base = np.empty(nq)  # the candidate's GPU without the evicted replica
+    f_peak = np.empty(nq)
+    for j in range(light.shape[0]):
+        x = light[j]
+        for t in range(s):
+            q = j * s + t
+            f = se[x, t]
+            cf, wf = cnt[f], w[f]
+            lq = wf / cf
+            base[q] = gl[x] - lq
+            f_peak[q] = np.inf
+            if cf >= 2:
+                top = m2[f] if i1[f] == x else m1[f]
+                f_peak[q] = top + min(wf / (cf - 1) - lq, 1e300)
     best_est, chosen, best_adj, bi, bq = np.inf, np.inf, np.inf, -1, -1
     use_pref = pref.shape[0] > 0
     for i in range(s):
         e = se[h, i]
         we, ce = w[e], cnt[e]
         h_new = peak - we / ce + we / (ce + 1)
+        share = we / (ce + 1)
         for j in range(light.shape[0]):
             x = light[j]
             if hc[x, e] > 0:
                 continue
             for t in range(s):
-                f = se[x, t]
-                cf, wf = cnt[f], w[f]
-                lq = wf / cf
-                f_peak = np.inf
-                if cf >= 2:
-                    top = -np.inf
-                    for y in range(g):
-                        if y != x and hc[y, f] > 0 and gl[y] > top:
-                            top = gl[y]
-                    f_peak = top + min(wf / (cf - 1) - lq, 1e300)
-                est = max(max(h_new, gl[x] - lq + we / (ce + 1)), f_peak)
+                q = j * s + t
+                est = max(max(h_new, base[q] + share), f_peak[q])
                 if not use_pref:
                     if est < best_est:
-                        best_est, bi, bq = est, i, j * s + t
+                        best_est, bi, bq = est, i, q
                 elif est < peak * (1 - 1e-12):
-                    pen = (1.0 if ce >= pref[e] else 0.0) + (1.0 if cf <= pref[f] else 0.0)
+                    f = se[x, t]
+                    pen = (1.0 if ce >= pref[e] else 0.0) + (1.0 if cnt[f] <= pref[f] else 0.0)
                     adj = est + prefer_share * peak * pen
                     if adj < best_adj:
-                        best_adj, chosen, bi, bq = adj, est, i, j * s + t
+                        best_adj, chosen, bi, bq = adj, est, i, q
     return (chosen if use_pref else best_est), bi, bq
 
 
@@ -673,6 +695,9 @@ def improve(slot_expert, load, target_peak, budget, max_steps, width, prefer, pr
     made = np.zeros(rows, np.int64)
     gl = np.empty(g)
     gl_new = np.empty(g)
+    m1 = np.empty(n)
+    m2 = np.empty(n)
+    i1 = np.empty(n, np.int64)
     for r in range(rows):
         w = load[r]
         se = slot_expert[r]
@@ -696,7 +721,7 @@ def improve(slot_expert, load, target_peak, budget, max_steps, width, prefer, pr
             for j in range(k):
                 if light[j] == h:
                     light[j] = light[0]
-            est_r, ri, rq = _best_replace(w, cnt, hc, se, gl, h, light, pref, prefer_share)
+            est_r, ri, rq = _best_replace(w, cnt, hc, se, gl, h, light, pref, prefer_share, m1, i1, m2)
             gain_r = peak - est_r if ri >= 0 else -np.inf
             gain_s = -np.inf
             si, sq = -1, -1

@@ -1365,13 +1365,21 @@ def _migration_aware_policy(
     #    (variance 2 * count); a layer moves only if it is more than `tolerance` below that.
     mean = load.sum(axis=1) / g
     bal_default = _balancedness(fresh, load, g)
+    #    A load smoothed over windows (noise below 2) carries less than a window's noise, so the
+    #    current placement (fitted to earlier windows) is judged on it re-drawn with the rest of a
+    #    window's noise (variance 2 - noise): both are then judged at the next window's noise.
     expected = bal_default
-    if noise_var > 0:
-        rng = np.random.default_rng(0x5EED)
-        noisy = np.maximum(load + rng.standard_normal(load.shape) * np.sqrt(noise_var * load), 0.0)
-        expected = np.minimum(bal_default, _balancedness(fresh, noisy, g))
     bal_cur = _balancedness(cur, load, g)
-    move = bal_cur < expected - tolerance - 1e-9  # not for rounding: sums in another order differ in the last bits
+    judged = bal_cur
+    if noise_var > 0:
+        z = np.random.default_rng(0x5EED).standard_normal(load.shape)
+        noisy = np.maximum(load + z * np.sqrt(noise_var * load), 0.0)
+        expected = np.minimum(bal_default, _balancedness(fresh, noisy, g))
+        if noise_var < 2.0:
+            judged = np.minimum(bal_cur, _balancedness(cur, np.maximum(load + z * np.sqrt((2.0 - noise_var) * load), 0.0), g))
+    # a layer already as balanced on this load as default's refit has nothing to gain (whatever
+    # the noise draws say); 1e-9: sums in another order differ in the last bits
+    move = (judged < expected - tolerance - 1e-9) & (bal_cur < bal_default - 1e-9)
     # 4. the layers that moved a little (noise, slow drift) aim at default's expected balance
     #    plus the tolerance, what moving can really buy; those the load left far behind (hot
     #    experts moved: more than 5 tolerances short) aim halfway from that expected balance to
@@ -1379,7 +1387,7 @@ def _migration_aware_policy(
     #    this window as default is, copied 1.4x as much on drifting loads and lost next-window
     #    balance: the hot set moves on); right after a scale (another GPU count), all the way.
     #    Never past the latter.
-    far = bal_cur < expected - 5.0 * tolerance
+    far = judged < expected - 5.0 * tolerance
     ceiling = bal_default - tolerance
     far_aim = ceiling if prev_gpus != g else (expected + ceiling) / 2
     aim = np.minimum(ceiling, np.where(far, far_aim, expected + tolerance))

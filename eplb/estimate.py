@@ -23,17 +23,31 @@ def _check_weight(weight: float) -> float:
     return float(weight)
 
 
-def smoothed_load(previous: torch.Tensor | None, window: torch.Tensor, weight: float) -> torch.Tensor:
-    """``weight * window + (1 - weight) * previous`` as float64 (``window`` alone when
-    ``previous`` is ``None``, or when its shape differs: a model of another shape starts over).
+_CHI2_MEDIAN = 0.4549  # median of a chi-squared variable with one degree of freedom
 
-    ``window`` ``[layers, experts]`` is the last window's load (any real or integer dtype);
-    ``previous`` the estimate this returned for the window before."""
+
+def smoothed_load(previous: torch.Tensor | None, window: torch.Tensor, weight: float, *, adaptive: bool = True) -> torch.Tensor:
+    """``a * window + (1 - a) * previous`` as float64 (``window`` alone when ``previous`` is
+    ``None``, or when its shape differs: a model of another shape starts over).
+
+    ``window`` ``[layers, experts]`` is the last window's load in token counts (any real or
+    integer dtype); ``previous`` the estimate this returned for the window before. ``a`` is
+    ``weight``, or with ``adaptive`` per layer ``min(1, weight * D)`` where ``D >= 1`` says how far
+    the window moved from the estimate beyond sampling noise: the median over the layer's experts
+    of ``(window - previous) ** 2 / (smoothed_noise(weight) * mean)``, over its value for pure
+    noise (a median, so a few experts' one-window spike does not count as the load moving). A
+    layer whose hot set moved follows its last window; a stationary one keeps the average."""
     a = _check_weight(weight)
     w = window.detach().to("cpu", torch.float64)
     if previous is None or previous.shape != w.shape or a == 1.0:
         return w.clone()
-    return a * w + (1.0 - a) * previous.detach().to("cpu", torch.float64)
+    prev = previous.detach().to("cpu", torch.float64)
+    weights = torch.full((w.shape[0], 1), a, dtype=torch.float64)
+    if adaptive and w.shape[1] > 0:
+        scale = (smoothed_noise(a) * ((w + prev) / 2).clamp(min=1.0))
+        moved = ((w - prev) ** 2 / scale).median(dim=1).values / _CHI2_MEDIAN
+        weights = (a * moved.clamp(min=1.0)).clamp(max=1.0).unsqueeze(1)
+    return weights * w + (1.0 - weights) * prev
 
 
 def smoothed_noise(weight: float) -> float:
