@@ -91,7 +91,12 @@ SHAPES = {
 }
 SEEDS = {"tune": (0, 1, 2), "held-out": (1000, 1001, 1002)}
 POLICIES = ("static", "default", "hierarchical", "hierarchical_spill", "migration_aware")
-DEFAULT_SMOOTHING = 1.0  # the last window alone, until chosen on the tune seeds
+# the estimate's weight of the last window (eplb.estimate.smoothed_load, adaptive): chosen on the tune
+# seeds 0-2, ds-32, default's next window on mn-1k, zipf, drift and burst (mean of the four):
+# 1.0 (last window) 0.7624; a plain average (no adaptation) 0.5 -> 0.7667, 0.3 -> 0.7600 (drift
+# losing 0.018 / 0.045); adaptive 0.5 -> 0.7682, 0.3 -> 0.7710, 0.2 -> 0.7712. 0.3 kept: tied with
+# 0.2 within the seeds' scatter, and it follows a moving load sooner
+DEFAULT_SMOOTHING = 0.3
 DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.float64)
 
 
@@ -401,13 +406,19 @@ def check_targets(results: dict) -> list[dict[str, Any]]:
                     add(f"{shape_name} {fam} default worst layer (where opt >= 0.90)", d["worst_where_opt_allows_0.90"], ">=", 0.90)
                     add(f"{shape_name} {fam} default CPU ms, slowest dtype", d["cpu_ms"], "<=", 10.0)
             m = rows.get("migration_aware")
+            stationary = FAMILIES[fam].stationary
+            for name, row in (("default", d), ("migration_aware", m)):
+                if row and stationary:
+                    add(f"{shape_name} {fam} {name} next-window gap to the ceiling", row["next_gap"], "<=", 0.02)
             if m and d:
-                if FAMILIES[fam].stationary:
-                    add(f"{shape_name} {fam} migration_aware copies share", m["copies_share"], "<=", 0.05)
+                add(f"{shape_name} {fam} migration_aware CPU ms", m["cpu_ms"], "<=", 20.0)
+                if stationary:
+                    add(f"{shape_name} {fam} migration_aware copies share", m["copies_share"], "<=", 0.03)
                 if fam == "drift":
                     ratio = m["copies_share"] / max(d["copies_share"], 1e-12)
                     add(f"{shape_name} {fam} migration_aware copies / default's", ratio, "<=", 0.25)
-                add(f"{shape_name} {fam} migration_aware next - default next", m["next_balancedness"] - d["next_balancedness"], ">=", -0.01)
+                add(f"{shape_name} {fam} migration_aware next - default next", m["next_balancedness"] - d["next_balancedness"],
+                    ">=", -0.005 if stationary else -0.01)
     return out
 
 
