@@ -75,11 +75,16 @@ Policies (registry :data:`POLICIES`, chosen by name, extended with :func:`regist
 ``migration_aware``
     Incremental: start from ``previous`` (``[B, P_old]`` or a :class:`~eplb.placement.Placement`)
     and keep every expert on the GPU it is on unless moving it buys real balance. A layer moves
-    only if it is more than ``tolerance`` below what ``default`` would reach on the next window;
-    with token counts (integer loads, ``noise="auto"``) that is estimated by re-drawing each count
-    with the spread of two windows' difference, so window-to-window noise moves nothing. A layer
-    that moves makes the fewest copies that bring it within ``tolerance`` of that expected balance
-    (and of ``default``'s on this window, without noise): each step one copy (a slot of a light GPU whose expert has other replicas takes an
+    only if it is more than ``tolerance`` below what ``default`` would reach on the next window
+    (and below ``default``'s balance on this load: an unchanged load moves nothing); with token
+    counts (integer loads, ``noise="auto"``) that is estimated by re-drawing each count with the
+    spread of two windows' difference, so window-to-window noise moves nothing. For a load
+    smoothed over windows (:func:`eplb.estimate.smoothed_load`), ``noise`` is the variance of the
+    next window against it per unit of load (:func:`eplb.estimate.smoothed_noise`, below 2), and
+    the current placement is judged on the load re-drawn with the rest of a window's noise (``2 -
+    noise``), so both are judged at the next window's noise. A layer that moves makes the fewest
+    copies that bring it within ``tolerance`` of ``default``'s balance on this load: each step
+    one copy (a slot of a light GPU whose expert has other replicas takes an
     expert of the heaviest GPU; preferably one to which ``default``'s counts give more replicas,
     evicting one they give fewer) or two (a swap), the largest drop of the peak per copy first; a
     move is kept only if every GPU it touched ends below the old peak, so the result is never less
@@ -99,8 +104,9 @@ Policies (registry :data:`POLICIES`, chosen by name, extended with :func:`regist
     list or dict old -> new with ``-1`` for gone, says otherwise); lost experts and empty new slots
     are filled first. A layer still on the static placement (what an engine starts from; fitted
     to no load) that has to move takes ``default``'s placement, GPUs matched, instead of the
-    fewest moves. Options: ``tolerance`` (default 0.01), ``max_copies`` (per layer and call),
-    ``noise`` (``"auto"``, ``"counts"``, ``"none"``), ``previous_num_gpus``, ``rank_mapping``.
+    fewest moves. The moves run compiled (:func:`eplb._compiled.improve`). Options: ``tolerance``
+    (default 0.01), ``max_copies`` (per layer and call), ``noise`` (``"auto"``, ``"counts"``,
+    ``"none"`` or a variance per unit of load), ``previous_num_gpus``, ``rank_mapping``.
 
 Measured by ``python -m bench.bench_algorithm`` on eight load families and held-out seeds
 (figures in ``docs/design.md``): on DeepSeek-V3 shapes ``default`` reaches 0.997-0.999 (32 GPUs)
