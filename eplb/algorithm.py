@@ -108,14 +108,14 @@ Policies (registry :data:`POLICIES`, chosen by name, extended with :func:`regist
     (default 0.01), ``max_copies`` (per layer and call), ``noise`` (``"auto"``, ``"counts"``,
     ``"none"`` or a variance per unit of load), ``previous_num_gpus``, ``rank_mapping``.
 
-Measured by ``python -m bench.bench_algorithm`` on eight load families and held-out seeds
+Measured by ``python -m bench.bench_algorithm`` on eleven load families and held-out seeds
 (figures in ``docs/design.md``): on DeepSeek-V3 shapes ``default`` reaches 0.997-0.999 (32 GPUs)
 and 0.991-0.999 (64 GPUs) by family, worst layer 0.957 (EP32 ``zipf``), in 2.6-7.3 ms for 58
 layers on one core (the slowest family up to 9.5 ms in other runs: the machine's speed varies),
 whatever the input dtype; ``migration_aware``
-copies 0.2-1.1% of the slots per rebalance on stationary loads and 0.14x / 0.23x ``default``'s
-copies on drifting ones; its next-window balance is within 0.01 of ``default``'s on every family
-(fast drift: -0.007 / -0.003).
+copies 0.7-5.1% of the slots per rebalance on stationary loads fitted to the smoothed estimate
+(:mod:`eplb.estimate`) and 0.15x / 0.25x ``default``'s copies on drifting ones; its next-window
+balance is 0.003-0.011 below ``default``'s on stationary loads and within 0.004 on drift.
 
 Errors are :class:`AlgorithmError` (a ``ValueError``) subclasses with messages naming what is
 wrong. Groups and nodes that do not nest (a group count that does not divide the experts, a node
