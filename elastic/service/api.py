@@ -39,6 +39,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from elastic.control.plane import ControlPlane
 from elastic.core.errors import (
     ElasticError,
     InvalidCompletionRequest,
@@ -56,7 +57,7 @@ from elastic.service.autoscaler import Autoscaler, AutoscalerConfig
 from elastic.service.hooks import HooksConfig, ScaleHooks
 from elastic.service.logs import ENV_FORMAT
 from elastic.service.logs import configure as configure_logging
-from elastic.service.metrics import build_registry
+from elastic.service.metrics import ServingMetrics, build_registry
 from elastic.service.preflight import (
     MAX_RANKS,
     BodyLimit,
@@ -214,8 +215,9 @@ def _validation_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 class RequireApiKey:
     """ASGI middleware: every request that changes something (any method but GET, HEAD, OPTIONS)
-    must carry ``Authorization: Bearer KEY``, as vLLM's ``--api-key`` asks; otherwise 401 and
-    nothing is read or done. Reading (state, metrics, operations) stays open."""
+    must carry ``Authorization: Bearer KEY``, as vLLM's ``--api-key`` asks, and so must every ``/v1/``
+    route, reads included; otherwise 401 and nothing is read or done. Reading the control plane
+    (state, metrics, operations) stays open."""
 
     SAFE = frozenset({"GET", "HEAD", "OPTIONS"})
 
@@ -224,7 +226,7 @@ class RequireApiKey:
         self._expected = f"Bearer {key}".encode()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["method"] not in self.SAFE:
+        if scope["type"] == "http" and (scope["method"] not in self.SAFE or scope["path"].startswith("/v1/")):
             given = dict(scope.get("headers") or ()).get(b"authorization", b"")
             if not hmac.compare_digest(given, self._expected):
                 response = JSONResponse({"error": "unauthorized", "message": (
@@ -236,14 +238,16 @@ class RequireApiKey:
         await self.app(scope, receive, send)
 
 
-def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: ScaleHooks | None = None,
+def create_app(controller: ControlPlane, *, autoscaler: Autoscaler | None = None, hooks: ScaleHooks | None = None,
                title: str = "elastic-ep", api_key: str | None = None) -> FastAPI:
     """The scale API over ``controller`` (a :class:`~elastic.control.coordinator.Coordinator`); with
     ``api_key``, every request that changes something must present it (:class:`RequireApiKey`)."""
     app = FastAPI(title=title, version="1", description=__doc__.split("\n\n")[1] if __doc__ else "")
     registry = build_registry(controller, autoscaler)
+    serving_metrics = ServingMetrics(registry)  # exported (at 0) even without a model to serve: one dashboard
     app.state.controller, app.state.autoscaler, app.state.hooks, app.state.registry = controller, autoscaler, hooks, registry
-    app.add_middleware(BodyLimit)  # an oversized body is refused (422) before it is read and parsed
+    body_limits: dict[str, int] = {}  # a path prefix's own limit (/v1/: the model's context, set by its routes)
+    app.add_middleware(BodyLimit, prefixes=body_limits)  # an oversized body is refused before it is read and parsed
     if api_key:
         app.add_middleware(RequireApiKey, key=api_key)  # outermost: checked before the body is read
 
@@ -254,11 +258,7 @@ def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: 
         return out
 
     def get_op(op_id: str) -> dict[str, Any] | None:
-        getter = getattr(controller, "get_operation", None)
-        if getter is not None:
-            return getter(op_id)
-        op = controller.operations.get(op_id)
-        return op.to_dict() if op is not None else None
+        return controller.get_operation(op_id)
 
     # -- error handlers: one body shape everywhere ----------------------------------------------
     @app.exception_handler(RequestValidationError)
@@ -334,12 +334,7 @@ def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: 
     @app.get("/operations", response_model=OperationList, tags=["scale"], responses={422: ERRORS[422]})
     def list_operations(limit: int = Query(50, ge=1, le=1000, description="newest first")) -> Any:
         """Recent operations, newest first."""
-        lister = getattr(controller, "list_operations", None)
-        if lister is not None:
-            ops = lister(limit)
-        else:
-            ops = sorted((o.to_dict() for o in list(controller.operations.values())),
-                         key=lambda o: o["created_at"], reverse=True)[:limit]
+        ops = controller.list_operations(limit)
         return {"operations": [view(op) for op in ops]}
 
     @app.post("/recover", status_code=202, response_model=OperationView, tags=["scale"],
@@ -375,16 +370,12 @@ def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: 
                         409: {"model": ErrorBody, "description": "not running: an operation is moving experts, or the "
                               "deployment failed"},
                         503: {"model": ErrorBody, "description": "the ranks did not all answer (the error names why)"},
-                        404: {"model": ErrorBody, "description": "this controller cannot export a placement"},
                         422: ERRORS[422]})
     def placement(timeout_s: float = Query(30.0, ge=1, le=300, description="how long to wait for the ranks (they "
                                            "answer at their next step boundary)")) -> Any:
         """The current placement and the recorded load window, as a placement file."""
-        exporter = getattr(controller, "export_placement", None)
-        if exporter is None:
-            return _error(404, "no_placement", "this controller cannot export its placement")
         try:
-            return exporter(timeout=timeout_s)
+            return controller.export_placement(timeout=timeout_s)
         except ElasticError as exc:
             if isinstance(exc, InvalidTransition):
                 raise  # 409: not running
@@ -426,13 +417,14 @@ def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: 
         """Scales, recoveries (from the failure to the group's return) and rebalances, with wall-clock
         ``started_at``/``ended_at`` (seconds since the epoch) and a scale's ``pause``: what a load
         generator splits its latencies by."""
-        windows = [*list(getattr(controller, "timeline", ())), *list(getattr(controller, "rebalance_windows", ()))]
+        windows = controller.timeline_windows()
         return {"now": time.time(), "windows": sorted((dict(w) for w in windows), key=lambda w: w["started_at"])}
 
-    if getattr(controller, "requests", None) is not None:
-        from elastic.serving.openai import completion_routes
+    if controller.requests is not None:
+        from elastic.service.completions import RequestIdHeader, completion_routes
 
-        app.include_router(completion_routes(controller))
+        app.include_router(completion_routes(controller, serving_metrics, body_limits))
+        app.add_middleware(RequestIdHeader)  # x-request-id on every response
 
     # -- autoscaler ---------------------------------------------------------------------------
     def need_autoscaler() -> Autoscaler | JSONResponse:
