@@ -1341,7 +1341,7 @@ class Coordinator:
         with self._lock:
             live = self.live_workers()
             beats = [w.heartbeat for w in live if w.heartbeat is not None]
-            eplb = [b.eplb for b in beats]
+            eplb = [b.eplb.as_dict() for b in beats if b.eplb is not None]  # busy heartbeats carry none
             return {
                 "state": self.machine.state.value,
                 "generation": self.machine.generation,
