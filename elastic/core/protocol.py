@@ -195,7 +195,7 @@ class RequestSpec:
     """One completion request as every rank decodes it: the prompt's token ids and how to decode.
 
     Decoding is deterministic on every rank and on every replay: greedy at ``temperature`` 0,
-    otherwise a sample drawn with a generator seeded by ``(seed, position)``.
+    otherwise a sample drawn with a generator seeded by ``(seed, position)`` (:mod:`elastic.core.sampling`).
     """
 
     request_id: str
@@ -203,8 +203,17 @@ class RequestSpec:
     max_tokens: int
     temperature: float = 0.0
     seed: int = 0
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # with the model's EOS ids unless the request ignores EOS
     logprobs: int | None = None  # None: no log-probabilities; n: the chosen token's and the top n
+    # vLLM's sampling parameters, at their neutral values by default (elastic.core.sampling applies them)
+    min_tokens: int = 0  # no stop token before this many tokens
+    top_p: float = 1.0
+    top_k: int = 0  # 0: every token
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
