@@ -56,7 +56,7 @@ from elastic.service.autoscaler import Autoscaler, AutoscalerConfig
 from elastic.service.hooks import HooksConfig, ScaleHooks
 from elastic.service.logs import ENV_FORMAT
 from elastic.service.logs import configure as configure_logging
-from elastic.service.metrics import build_registry
+from elastic.service.metrics import ServingMetrics, build_registry
 from elastic.service.preflight import (
     MAX_RANKS,
     BodyLimit,
@@ -243,6 +243,7 @@ def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: 
     ``api_key``, every request that changes something must present it (:class:`RequireApiKey`)."""
     app = FastAPI(title=title, version="1", description=__doc__.split("\n\n")[1] if __doc__ else "")
     registry = build_registry(controller, autoscaler)
+    serving_metrics = ServingMetrics(registry)  # exported (at 0) even without a model to serve: one dashboard
     app.state.controller, app.state.autoscaler, app.state.hooks, app.state.registry = controller, autoscaler, hooks, registry
     body_limits: dict[str, int] = {}  # a path prefix's own limit (/v1/: the model's context, set by its routes)
     app.add_middleware(BodyLimit, prefixes=body_limits)  # an oversized body is refused before it is read and parsed
@@ -433,9 +434,8 @@ def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: 
 
     if getattr(controller, "requests", None) is not None:
         from elastic.service.completions import RequestIdHeader, completion_routes
-        from elastic.service.metrics import ServingMetrics
 
-        app.include_router(completion_routes(controller, ServingMetrics(registry), body_limits))
+        app.include_router(completion_routes(controller, serving_metrics, body_limits))
         app.add_middleware(RequestIdHeader)  # x-request-id on every response
 
     # -- autoscaler ---------------------------------------------------------------------------
