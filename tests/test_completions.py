@@ -18,12 +18,12 @@ import schemathesis
 import torch
 from hypothesis import HealthCheck, settings
 
+from elastic.control.requests import RequestEngine
 from elastic.coordinator import Coordinator, OperationStatus
 from elastic.core import protocol as p
 from elastic.core.config import ServingConfig
 from elastic.deployment import DeploymentConfig
 from elastic.service.api import BackgroundServer, create_app
-from elastic.serving.engine import RequestEngine
 from eplb.models.hf import unsharded
 from tests.conftest import TEST_SCALING
 

@@ -15,12 +15,12 @@ import asyncio
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elastic.core.clock import Clock, RealClock
 from elastic.core.errors import ElasticError
 from elastic.replay.scenario import (
     FAULT_EVENTS,
@@ -46,12 +46,13 @@ class Recorder:
     """Subscriber of the coordinator: files heartbeats, transitions, operations and worker events.
 
     Called on the coordinator's threads, so every method is quick and takes one lock. Times are
-    ``time.monotonic()`` (the state machine's clock), reported relative to ``t0``.
+    the control plane's clock (the state machine's), reported relative to ``t0``.
     """
 
     def __init__(self, t0: float, on_transition: Callable[[dict[str, Any]], None] | None = None,
-                 on_worker_error: Callable[[dict[str, Any]], None] | None = None):
+                 on_worker_error: Callable[[dict[str, Any]], None] | None = None, clock: Clock | None = None):
         self.t0 = t0
+        self.clock = clock or RealClock()
         self.on_worker_error = on_worker_error
         self.lock = threading.Lock()
         self.coordinator: Any = None
@@ -70,7 +71,7 @@ class Recorder:
         coordinator.subscribe(self)
 
     def __call__(self, kind: str, data: dict[str, Any]) -> None:
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if kind == "heartbeat":
             self._heartbeat(now, data)
         elif kind == "transition":
@@ -178,12 +179,14 @@ class Replayer:
     def __init__(self, scenario: Scenario, *, on_transition: Callable[[dict[str, Any]], None] | None = None,
                  on_event: Callable[[dict[str, Any]], None] | None = None,
                  on_progress: Callable[[dict[str, Any]], None] | None = None,
-                 on_worker_error: Callable[[dict[str, Any]], None] | None = None):
+                 on_worker_error: Callable[[dict[str, Any]], None] | None = None, clock: Clock | None = None):
         self.scenario = scenario
         self.on_event = on_event
         self.on_progress = on_progress
-        self.t0 = time.monotonic()
-        self.recorder = Recorder(self.t0, on_transition=on_transition, on_worker_error=on_worker_error)
+        self.clock = clock or RealClock()  # the coordinator it starts reads the same one
+        self.t0 = self.clock.monotonic()
+        self.recorder = Recorder(self.t0, on_transition=on_transition, on_worker_error=on_worker_error,
+                                 clock=self.clock)
         self.coordinator: Any = None
         self.events: list[dict[str, Any]] = []
         self.verifications: list[dict[str, Any]] = []
@@ -196,7 +199,7 @@ class Replayer:
 
     # -- helpers ------------------------------------------------------------------------------
     def _now(self) -> float:
-        return time.monotonic() - self.t0
+        return self.clock.monotonic() - self.t0
 
     def _snapshot(self) -> dict[str, Any]:
         return self.coordinator.snapshot()
@@ -225,11 +228,11 @@ class Replayer:
         return t.draining + t.suppressed + t.rescaling + t.resuming + t.worker_start + 5.0
 
     def _wait_until(self, predicate: Callable[[], bool], timeout: float, poll: float = 0.02) -> bool:
-        deadline = min(time.monotonic() + timeout, self._deadline)
-        while time.monotonic() < deadline:
+        deadline = min(self.clock.monotonic() + timeout, self._deadline)
+        while self.clock.monotonic() < deadline:
             if predicate():
                 return True
-            time.sleep(poll)
+            self.clock.sleep(poll)
         return predicate()
 
     def _verify_unplanned(self, snap: dict[str, Any]) -> None:
@@ -244,16 +247,16 @@ class Replayer:
     def _wait_step(self, step: int) -> str:
         """Until the slowest rank passed ``step``: "ok", "failed" (stuck in failed) or "timeout"."""
         failed_since: float | None = None
-        while time.monotonic() < self._deadline:
+        while self.clock.monotonic() < self._deadline:
             snap = self._snapshot()
             self._verify_unplanned(snap)
             stuck = snap["state"] == "failed" and not self._op_running()
-            failed_since = (failed_since or time.monotonic()) if stuck else None
-            if failed_since is not None and (not self._recovering() or time.monotonic() - failed_since > 10.0):
+            failed_since = (failed_since or self.clock.monotonic()) if stuck else None
+            if failed_since is not None and (not self._recovering() or self.clock.monotonic() - failed_since > 10.0):
                 return "failed"  # nothing is going to recover it (auto-recovery gave up or was refused)
             if snap["step"] >= step and snap["state"] != "failed":
                 return "ok"
-            time.sleep(0.02)
+            self.clock.sleep(0.02)
         return "timeout"
 
     def _recovering(self) -> bool:
@@ -478,8 +481,8 @@ class Replayer:
 
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         s = self.scenario
-        started_wall = time.time()
-        self.coordinator = Coordinator(s.deployment_config(), faults=s.fault_records())
+        started_wall = self.clock.wall()
+        self.coordinator = Coordinator(s.deployment_config(), faults=s.fault_records(), clock=self.clock)
         self.recorder.attach(self.coordinator)
         progress = threading.Thread(target=self._progress_loop, name="replay-progress", daemon=True)
         final: dict[str, Any] = {}
@@ -522,7 +525,7 @@ class Replayer:
                 self.traffic.close()
             if self.coordinator is not None:
                 self.coordinator.shutdown()
-        report = build_report(self, final=final, started_wall=started_wall, duration_s=time.monotonic() - self.t0)
+        report = build_report(self, final=final, started_wall=started_wall, duration_s=self.clock.monotonic() - self.t0)
         _fault_expectations(s, report)
         if self.traffic is not None:
             _traffic_expectations(s, report, self.traffic)

@@ -39,6 +39,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from elastic.control.plane import ControlPlane
 from elastic.core.errors import (
     ElasticError,
     InvalidCompletionRequest,
@@ -237,7 +238,7 @@ class RequireApiKey:
         await self.app(scope, receive, send)
 
 
-def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: ScaleHooks | None = None,
+def create_app(controller: ControlPlane, *, autoscaler: Autoscaler | None = None, hooks: ScaleHooks | None = None,
                title: str = "elastic-ep", api_key: str | None = None) -> FastAPI:
     """The scale API over ``controller`` (a :class:`~elastic.control.coordinator.Coordinator`); with
     ``api_key``, every request that changes something must present it (:class:`RequireApiKey`)."""
@@ -257,11 +258,7 @@ def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: 
         return out
 
     def get_op(op_id: str) -> dict[str, Any] | None:
-        getter = getattr(controller, "get_operation", None)
-        if getter is not None:
-            return getter(op_id)
-        op = controller.operations.get(op_id)
-        return op.to_dict() if op is not None else None
+        return controller.get_operation(op_id)
 
     # -- error handlers: one body shape everywhere ----------------------------------------------
     @app.exception_handler(RequestValidationError)
@@ -337,12 +334,7 @@ def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: 
     @app.get("/operations", response_model=OperationList, tags=["scale"], responses={422: ERRORS[422]})
     def list_operations(limit: int = Query(50, ge=1, le=1000, description="newest first")) -> Any:
         """Recent operations, newest first."""
-        lister = getattr(controller, "list_operations", None)
-        if lister is not None:
-            ops = lister(limit)
-        else:
-            ops = sorted((o.to_dict() for o in list(controller.operations.values())),
-                         key=lambda o: o["created_at"], reverse=True)[:limit]
+        ops = controller.list_operations(limit)
         return {"operations": [view(op) for op in ops]}
 
     @app.post("/recover", status_code=202, response_model=OperationView, tags=["scale"],
@@ -378,16 +370,12 @@ def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: 
                         409: {"model": ErrorBody, "description": "not running: an operation is moving experts, or the "
                               "deployment failed"},
                         503: {"model": ErrorBody, "description": "the ranks did not all answer (the error names why)"},
-                        404: {"model": ErrorBody, "description": "this controller cannot export a placement"},
                         422: ERRORS[422]})
     def placement(timeout_s: float = Query(30.0, ge=1, le=300, description="how long to wait for the ranks (they "
                                            "answer at their next step boundary)")) -> Any:
         """The current placement and the recorded load window, as a placement file."""
-        exporter = getattr(controller, "export_placement", None)
-        if exporter is None:
-            return _error(404, "no_placement", "this controller cannot export its placement")
         try:
-            return exporter(timeout=timeout_s)
+            return controller.export_placement(timeout=timeout_s)
         except ElasticError as exc:
             if isinstance(exc, InvalidTransition):
                 raise  # 409: not running
@@ -429,10 +417,10 @@ def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: 
         """Scales, recoveries (from the failure to the group's return) and rebalances, with wall-clock
         ``started_at``/``ended_at`` (seconds since the epoch) and a scale's ``pause``: what a load
         generator splits its latencies by."""
-        windows = [*list(getattr(controller, "timeline", ())), *list(getattr(controller, "rebalance_windows", ()))]
+        windows = controller.timeline_windows()
         return {"now": time.time(), "windows": sorted((dict(w) for w in windows), key=lambda w: w["started_at"])}
 
-    if getattr(controller, "requests", None) is not None:
+    if controller.requests is not None:
         from elastic.service.completions import RequestIdHeader, completion_routes
 
         app.include_router(completion_routes(controller, serving_metrics, body_limits))

@@ -31,12 +31,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from elastic.control.requests import Completion, RequestEngine
 from elastic.core import protocol as p
 from elastic.core.errors import ElasticError, InvalidCompletionRequest, ModelNotFound, Overloaded, RequestNotServed
 from elastic.service.metrics import RequestTimer, ServingMetrics
 from elastic.service.openai_protocol import UNSUPPORTED, ChatRequest, CompletionRequest, OpenAIError, SamplingFields, error_response
 from elastic.service.served_model import ServedModel, TextView
-from elastic.serving.engine import Completion, RequestEngine
 from eplb.trace import seed_for
 
 __all__ = ["CompletionRequest", "ChatRequest", "ServedModel", "completion_routes"]
