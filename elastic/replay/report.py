@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from elastic.core.phases import OPERATION_PHASES
+from elastic.core.phases import Phase as P
 
 if TYPE_CHECKING:
     from rich.console import JustifyMethod
@@ -36,16 +37,16 @@ class Recording(Protocol):
 
 __all__ = ["build_report", "evaluate", "report_json", "write_report", "plot_report", "render_summary", "LiveDisplay", "STATE_COLORS"]
 
-STATE_COLORS = {
-    "running": None,
-    "draining": "#f6c85f",
-    "suppressed": "#f28e2b",
-    "rescaling": "#e15759",
-    "resuming": "#4e79a7",
-    "failed": "#6b2d2d",
+STATE_COLORS: dict[str, str | None] = {
+    P.RUNNING: None,
+    P.DRAINING: "#f6c85f",
+    P.SUPPRESSED: "#f28e2b",
+    P.RESCALING: "#e15759",
+    P.RESUMING: "#4e79a7",
+    P.FAILED: "#6b2d2d",
 }
-STATE_STYLE = {"running": "green", "draining": "yellow", "suppressed": "dark_orange", "rescaling": "red",
-               "resuming": "blue", "failed": "bold red"}
+STATE_STYLE: dict[str, str] = {P.RUNNING: "green", P.DRAINING: "yellow", P.SUPPRESSED: "dark_orange", P.RESCALING: "red",
+               P.RESUMING: "blue", P.FAILED: "bold red"}
 PHASES = tuple(str(phase) for phase in OPERATION_PHASES)
 
 
@@ -79,7 +80,7 @@ def _rebalances(events: list[dict[str, Any]], samples: list[dict[str, Any]], tra
     """Pair the workers' rebalance events into rebalances (one per start step) with balancedness around them."""
     out: list[dict[str, Any]] = []
     current: dict[str, Any] | None = None
-    breaks = sorted(t["t"] for t in transitions if t["dest"] in ("rescaling", "failed"))
+    breaks = sorted(t["t"] for t in transitions if t["dest"] in (P.RESCALING, P.FAILED))
 
     def close(r: dict[str, Any], how: str) -> None:
         r.setdefault("outcome", how)
@@ -144,13 +145,13 @@ def _around(merged: list[dict[str, Any]], samples: list[dict[str, Any]], window:
     starts = [r["start_step"] for r in merged]
     for i, r in enumerate(merged):
         before = [by_step[k]["balancedness"] for k in range(r["start_step"] - window, r["start_step"])
-                  if k in by_step and by_step[k]["state"] == "running"]
+                  if k in by_step and by_step[k]["state"] == P.RUNNING]
         r["balancedness_before"] = _mean(before)
         r["balancedness_after"] = None
         if r["outcome"] == "finished" and r["end_step"] is not None:
             stop = min([r["end_step"] + window] + [s for s in starts[i + 1:] if s > r["end_step"]])
             after = [by_step[k]["balancedness"] for k in range(r["end_step"] + 1, stop + 1)
-                     if k in by_step and by_step[k]["state"] == "running"]
+                     if k in by_step and by_step[k]["state"] == P.RUNNING]
             r["balancedness_after"] = _mean(after) if len(after) >= 2 else None
         r["index"] = i
         r["layers"] = sorted(x for x in r["layers"] if x is not None)
@@ -244,7 +245,7 @@ def evaluate(s: Scenario, report: dict[str, Any]) -> list[dict[str, Any]]:
               final.get("failure_reason") or "")
     if x.final_ep_size is not None:
         check("final_ep_size", x.final_ep_size, final.get("ep_size"), final.get("ep_size") == x.final_ep_size)
-    min_steps = x.min_steps if x.min_steps is not None else (s.steps if x.final_state not in ("failed",) else None)
+    min_steps = x.min_steps if x.min_steps is not None else (s.steps if x.final_state not in (P.FAILED,) else None)
     if min_steps is not None:
         check("steps", min_steps, final.get("step"), (final.get("step") or 0) >= min_steps)
     if x.events_ok and s.timeline:
@@ -256,7 +257,7 @@ def evaluate(s: Scenario, report: dict[str, Any]) -> list[dict[str, Any]]:
             detail = (detail + "; " if detail else "") + f"{missing} event(s) never ran"
         check("events_ok", True, f"{done - len(bad)}/{len(s.timeline)} ok", not bad and not missing, detail)
     verifications = report["verifications"]
-    ended_failed = final.get("state") == "failed"
+    ended_failed = final.get("state") == P.FAILED
     if not verifications and ended_failed and (x.no_lost_expert or x.all_slots_verified):
         # a broken group answers no Verify: nothing was verified, and nothing could be
         for name in ("no_lost_expert", "all_slots_verified"):
@@ -335,8 +336,8 @@ def _drain_checks(report: dict[str, Any]) -> list[dict[str, Any]]:
         if op["kind"] != "scale" or op["status"] == "noop":
             continue
         own = [t for t in report["transitions"] if t.get("operation_id") == op["id"]]
-        start = next((t["t"] for t in own if t["dest"] == "draining"), None)
-        end = next((t["t"] for t in own if t["source"] == "draining"), None)
+        start = next((t["t"] for t in own if t["dest"] == P.DRAINING), None)
+        end = next((t["t"] for t in own if t["source"] == P.DRAINING), None)
         if start is None or end is None:
             continue
         window = [e for e in report["worker_events"] if start <= e["t"] <= end]
@@ -430,19 +431,20 @@ def _plot_state_bands(report: dict[str, Any], steps: list[int], total: int,
     ax_bal = axes[0]
     min_width = max(0.6, total * 0.004)
     bands: list[tuple[str, float, float]] = []
-    state, since = "running", 0.0
+    state: str = P.RUNNING
+    since = 0.0
     for t in report["transitions"]:
-        if state != "running":
+        if state != P.RUNNING:
             bands.append((state, since, t["step"]))
         state, since = t["dest"], t["step"]
     final_step = max(steps + [report["final"].get("step") or 0])
-    if state != "running":  # the run ended in this state: nothing more was decoded
-        bands.append((state, since, total if state == "failed" else max(final_step, since)))
-        if state == "failed" and total - since > total * 0.15:
+    if state != P.RUNNING:  # the run ended in this state: nothing more was decoded
+        bands.append((state, since, total if state == P.FAILED else max(final_step, since)))
+        if state == P.FAILED and total - since > total * 0.15:
             reason = (report["final"].get("failure_reason") or "").split(";")[0]
             ax_bal.text((since + total) / 2, 0.5, "failed\n" + (reason[:60] + ("…" if len(reason) > 60 else "")),
                         transform=ax_bal.get_xaxis_transform(), ha="center", va="center", fontsize=9,
-                        color=STATE_COLORS["failed"], zorder=5)
+                        color=STATE_COLORS[P.FAILED], zorder=5)
     for state, a, b in bands:
         if b - a < min_width:
             mid = (a + b) / 2
@@ -669,7 +671,7 @@ def _timeline_table(report: dict[str, Any]) -> Any:
     trans = report["transitions"]
     for i, t in enumerate(trans):
         nxt = trans[i + 1]["t"] if i + 1 < len(trans) else None
-        lasted = _fmt_ms(nxt - t["t"]) if nxt is not None and t["dest"] != "running" else ""
+        lasted = _fmt_ms(nxt - t["t"]) if nxt is not None and t["dest"] != P.RUNNING else ""
         style = STATE_STYLE.get(t["dest"], "white")
         rows.append((t["t"], t["step"], f"{t['source']} → [{style}]{t['dest']}[/]", lasted,
                      f"{t['trigger']}, gen {t['generation']}: {_esc(t.get('reason', ''))}"))

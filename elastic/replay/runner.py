@@ -22,6 +22,7 @@ from typing import Any
 
 from elastic.core.clock import Clock, RealClock
 from elastic.core.errors import ElasticError
+from elastic.core.phases import Phase as P
 from elastic.replay.scenario import (
     FAULT_EVENTS,
     AutoscalerEvent,
@@ -78,7 +79,7 @@ class Recorder:
             with self.lock:
                 entry = {**data, "t": data["at"] - self.t0, "step": self.max_step}
                 self.transitions.append(entry)
-                if data["dest"] in ("rescaling", "failed"):
+                if data["dest"] in (P.RESCALING, P.FAILED):
                     self.open_rebalance.clear()  # nothing from the old group's EPLB survives
             if self.on_transition is not None:
                 self.on_transition(entry)
@@ -104,7 +105,7 @@ class Recorder:
         if step <= 0 or beat.get("state") == "broken":
             return
         coordinator = self.coordinator
-        state = coordinator.machine.state.value if coordinator is not None else "running"
+        state = coordinator.machine.state.value if coordinator is not None else P.RUNNING
         size = coordinator.size if coordinator is not None else None
         with self.lock:
             sample = self.steps.get(step)
@@ -238,7 +239,7 @@ class Replayer:
     def _verify_unplanned(self, snap: dict[str, Any]) -> None:
         """Verify after every operation the timeline did not start (the autoscaler's, an auto-recovery)."""
         op = snap.get("operation")
-        if op is None or op["status"] != "succeeded" or op["id"] in self._verified_ops or snap["state"] != "running":
+        if op is None or op["status"] != "succeeded" or op["id"] in self._verified_ops or snap["state"] != P.RUNNING:
             return
         self._verified_ops.add(op["id"])
         if op["id"] not in {e.get("operation_id") for e in self.events}:
@@ -250,11 +251,11 @@ class Replayer:
         while self.clock.monotonic() < self._deadline:
             snap = self._snapshot()
             self._verify_unplanned(snap)
-            stuck = snap["state"] == "failed" and not self._op_running()
+            stuck = snap["state"] == P.FAILED and not self._op_running()
             failed_since = (failed_since or self.clock.monotonic()) if stuck else None
             if failed_since is not None and (not self._recovering() or self.clock.monotonic() - failed_since > 10.0):
                 return "failed"  # nothing is going to recover it (auto-recovery gave up or was refused)
-            if snap["step"] >= step and snap["state"] != "failed":
+            if snap["step"] >= step and snap["state"] != P.FAILED:
                 return "ok"
             self.clock.sleep(0.02)
         return "timeout"
@@ -266,7 +267,7 @@ class Replayer:
         if "auto_recover" in type(self.coordinator.config).model_fields:
             return True
         # a coordinator without auto-recovery: the replayer recovers for it
-        if self._state() == "failed" and not self._op_running():
+        if self._state() == P.FAILED and not self._op_running():
             self._recover_now(auto=True)
         return True
 
@@ -376,21 +377,21 @@ class Replayer:
 
     def _failures(self) -> int:
         with self.recorder.lock:
-            return sum(1 for t in self.recorder.transitions if t["dest"] == "failed")
+            return sum(1 for t in self.recorder.transitions if t["dest"] == P.FAILED)
 
     def _kill(self, event: Any, failed_before: int, what: str) -> _Outcome:
         """A fault that loses a rank (kill, long stall, dropped heartbeats): wait for the failure and the recovery."""
         def failed_now() -> bool:
             with self.recorder.lock:
-                return sum(1 for t in self.recorder.transitions if t["dest"] == "failed") > failed_before
+                return sum(1 for t in self.recorder.transitions if t["dest"] == P.FAILED) > failed_before
 
         if not self._wait_until(failed_now, self._failure_budget()):
             return _Outcome(False, f"{what} but the deployment did not fail")
         with self.recorder.lock:
-            reason = next(t["reason"] for t in reversed(self.recorder.transitions) if t["dest"] == "failed")
+            reason = next(t["reason"] for t in reversed(self.recorder.transitions) if t["dest"] == P.FAILED)
         if self.scenario.deployment.auto_recover:
             self._recovering()
-            recovered = self._wait_until(lambda: self._state() == "running" and not self._op_running(), self._phase_budget())
+            recovered = self._wait_until(lambda: self._state() == P.RUNNING and not self._op_running(), self._phase_budget())
             if not recovered:
                 return _Outcome(False, f"failed ({reason}) and did not recover by itself")
             self._await_replacement()
@@ -406,7 +407,7 @@ class Replayer:
         recovery = next((o for o in self.coordinator.list_operations() if o["kind"] == "recover"), None)
         if recovery is None or recovery["status"] != "succeeded" or recovery["target_size"] >= recovery["from_size"]:
             return
-        self._wait_until(lambda: self._state() == "running" and not self._op_running()
+        self._wait_until(lambda: self._state() == P.RUNNING and not self._op_running()
                          and self.coordinator.size >= recovery["from_size"], self._phase_budget())
 
     def _rebalance(self, event: RebalanceEvent) -> _Outcome:
@@ -433,7 +434,7 @@ class Replayer:
             entry: dict[str, Any] = {"index": index, "action": event.action, "label": event.label(), "at_step": event.at_step,
                      "event": event.model_dump(), "planned": plan[index]}
             if isinstance(event, RecoverEvent):
-                reached = "ok" if self._wait_until(lambda: self._state() == "failed", self._failure_budget()) else "timeout"
+                reached = "ok" if self._wait_until(lambda: self._state() == P.FAILED, self._failure_budget()) else "timeout"
             elif isinstance(event, KillEvent) and event.in_phase is not None:
                 reached = self._wait_step(event.at_step)  # armed: it fires in the next scale
             elif isinstance(event, FAULT_EVENTS):
@@ -502,7 +503,7 @@ class Replayer:
             self._wait_until(lambda: not self._op_running(), self._phase_budget())
             if self.traffic is not None:
                 self.traffic.stop(timeout=self._phase_budget())
-            if self._state() != "failed":
+            if self._state() != P.FAILED:
                 self._verify(after="end of run")
             final = self._final()
             if self.on_progress is not None:
@@ -625,7 +626,7 @@ def _fault_expectations(s: Scenario, report: dict[str, Any]) -> None:
         out.append({"name": "min_refused_layers", "expected": x.min_refused_layers, "measured": len(refused),
                     "passed": len(refused) >= x.min_refused_layers, "detail": detail or "no rank refused a layer"})
     if x.min_failures is not None:
-        fails = [t for t in report["transitions"] if t["dest"] == "failed"]
+        fails = [t for t in report["transitions"] if t["dest"] == P.FAILED]
         out.append({"name": "min_failures", "expected": x.min_failures, "measured": len(fails),
                     "passed": len(fails) >= x.min_failures, "detail": "; ".join(str(t.get("reason")) for t in fails)})
     report["passed"] = all(e["passed"] for e in out)

@@ -25,6 +25,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 from pydantic_core import ErrorDetails
 
+from elastic.core.phases import Phase as P
 from elastic.deployment import DeploymentConfig, TracePhase
 from elastic.faults import CorruptBuffer, DropHeartbeats, Fault, KillRank, StallRank
 from elastic.service.autoscaler import AutoscalerConfig
@@ -229,7 +230,7 @@ def _replay_defaults(deployment: dict[str, Any]) -> dict[str, Any]:
         if isinstance(given, dict):  # anything else is left for the schema to name
             out[section] = {**defaults, **given}
     return out
-STATES = ("running", "draining", "suppressed", "rescaling", "resuming", "failed")
+STATES = tuple(p.value for p in P)
 
 
 class Expectations(_Strict):
@@ -536,7 +537,7 @@ class _Walk:
             k, kill = self.phase_kill
             self.problem(f"timeline[{k}].in_phase", f"expected a scale event after this kill to die in (a "
                          f"{kill.in_phase} phase only happens during a scale), got none")
-        if self.failed and s.expect.final_state not in (None, "failed"):
+        if self.failed and s.expect.final_state not in (None, P.FAILED):
             self.problem("expect.final_state", f"expected 'failed' or null: {self.failed_by} leaves the deployment "
                          "failed (add a recover event or deployment.auto_recover: true), got "
                          f"{s.expect.final_state!r}")
@@ -562,17 +563,17 @@ def _plan_phase_kill(s: Scenario, armed: tuple[int, KillEvent], scale: ScaleEven
     layers = s.deployment.sizes.num_moe_layers
     if kill.after_layers is not None and kill.after_layers >= layers:
         problem(f"{where}.after_layers", f"expected fewer than the model's {layers} layers, got {kill.after_layers}")
-    pretransfer = kill.in_phase == "draining" and kill.after_layers is not None
+    pretransfer = kill.in_phase == P.DRAINING and kill.after_layers is not None
     if pretransfer and not s.deployment.scaling.prepare:
         problem(f"{where}.after_layers", "expected deployment.scaling.prepare: true for a kill during the pre-transfer "
                 "(without it nothing moves in draining), got prepare: false")
     # which group the rank belongs to when the phase's command reaches it
-    joining = kill.in_phase in ("rescaling", "draining") and (kill.in_phase == "rescaling" or pretransfer) and kill.rank >= size
-    if kill.in_phase == "draining" and joining:  # a joining rank dies receiving: the old group stays whole
+    joining = kill.in_phase in (P.RESCALING, P.DRAINING) and (kill.in_phase == P.RESCALING or pretransfer) and kill.rank >= size
+    if kill.in_phase == P.DRAINING and joining:  # a joining rank dies receiving: the old group stays whole
         bound, gen, survivors = max(size, scale.to), generation + 1, size
-    elif kill.in_phase == "resuming":
+    elif kill.in_phase == P.RESUMING:
         bound, gen, survivors = scale.to, generation + 1, scale.to - 1
-    elif kill.in_phase == "rescaling":
+    elif kill.in_phase == P.RESCALING:
         bound, gen = max(size, scale.to), generation + 1 if joining else generation
         survivors = size if joining else size - 1  # the survivors of the last consistent generation
     else:

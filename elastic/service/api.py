@@ -229,10 +229,13 @@ class RequireApiKey:
         if scope["type"] == "http" and (scope["method"] not in self.SAFE or scope["path"].startswith("/v1/")):
             given = dict(scope.get("headers") or ()).get(b"authorization", b"")
             if not hmac.compare_digest(given, self._expected):
-                response = JSONResponse({"error": "unauthorized", "message": (
-                    f"{scope['method']} {scope['path']} needs the header 'Authorization: Bearer <api key>' "
-                    "(serve --api-key or ELASTIC_EP_API_KEY)")}, status_code=401,
-                    headers={"WWW-Authenticate": "Bearer"})
+                message = (f"{scope['method']} {scope['path']} needs the header 'Authorization: Bearer <api key>' "
+                           "(serve --api-key or ELASTIC_EP_API_KEY)")
+                body: dict[str, Any] = {"error": "unauthorized", "message": message}
+                if scope["path"].startswith("/v1/"):  # the serving routes answer in OpenAI's shape
+                    body = {"error": {"message": message, "type": "authentication_error", "param": None,
+                                      "code": "unauthorized"}}
+                response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
