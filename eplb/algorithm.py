@@ -402,33 +402,9 @@ def _log_fallback(reason: str) -> None:
 
 def _make_problem(weight, num_replicas, num_groups, num_nodes, num_gpus, previous) -> Problem:
     # 1. weight: a 2-D tensor of finite, non-negative real numbers
-    if not isinstance(weight, torch.Tensor):
-        try:
-            weight = torch.as_tensor(weight)
-        except Exception as exc:  # noqa: BLE001 - anything that is not a tensor
-            raise InvalidLoadError(f"weight must be a [layers, experts] tensor, got {type(weight).__name__}") from exc
-    if weight.dim() != 2:
-        raise InvalidLoadError(f"weight must be a 2-D [layers, experts] tensor, got shape {tuple(weight.shape)}")
-    layers, experts = weight.shape
-    if layers < 1 or experts < 1:
-        raise InvalidLoadError(f"weight needs at least one layer and one expert, got shape {tuple(weight.shape)}")
-    if weight.is_complex():
-        raise InvalidLoadError(f"weight must be real, got {weight.dtype}")
-    weight = weight.detach().cpu()
-    w = weight.to(torch.float64)  # the one conversion: every policy but the reference's works on this
+    weight, w = _checked_weight(weight)
     w_np = w.numpy()
-    if not (np.isfinite(w_np).all() and (w_np >= 0).all()):  # the common case in one pass each
-        if weight.dtype.is_floating_point:
-            finite = torch.isfinite(weight)
-            if not bool(finite.all()):
-                layer, expert = (int(i) for i in (~finite).nonzero()[0])
-                raise InvalidLoadError(
-                    f"weight must be finite: layer {layer}, expert {expert} has {float(weight[layer, expert])}"
-                )
-        negative = w < 0
-        layer, expert = (int(i) for i in negative.nonzero()[0])
-        raise InvalidLoadError(f"weight must be >= 0: layer {layer}, expert {expert} has {weight[layer, expert].item()}")
-
+    layers, experts = weight.shape
     # 2. counts that fit each other
     num_replicas = _positive_int("num_replicas", num_replicas)
     num_groups = 1 if num_groups is None else _positive_int("num_groups", num_groups)
@@ -449,26 +425,59 @@ def _make_problem(weight, num_replicas, num_groups, num_nodes, num_gpus, previou
         num_groups = num_nodes = 1
 
     # 4. previous: a valid placement of the same layers and experts
-    prev = None
-    if previous is not None:
-        if isinstance(previous, Placement):
-            previous = previous.physical_to_logical
-        if not isinstance(previous, torch.Tensor):
-            try:
-                previous = torch.as_tensor(previous)
-            except Exception as exc:  # noqa: BLE001
-                raise InvalidPreviousError(f"previous must be a [layers, slots] tensor, got {type(previous).__name__}") from exc
-        if previous.dim() != 2 or previous.shape[0] != layers:
-            raise InvalidPreviousError(
-                f"previous must be [layers={layers}, slots], got shape {tuple(previous.shape)}"
-            )
-        try:
-            validate_physical_to_logical(previous.detach().cpu(), experts)
-        except PlacementError as exc:
-            raise InvalidPreviousError(f"previous is not a valid placement: {exc}") from exc
-        prev = previous.detach().cpu().to(torch.int64).numpy().copy()
+    prev = None if previous is None else _checked_previous(previous, layers, experts)
     load = w_np.copy() if w is weight else w_np  # never the caller's memory (float64 input)
     return Problem(weight, load, num_replicas, num_groups, num_nodes, num_gpus, prev)
+
+
+def _checked_weight(weight: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 1 of :func:`_make_problem`: the load as given (on the CPU) and as float64, or an error naming the bad entry."""
+    if not isinstance(weight, torch.Tensor):
+        try:
+            weight = torch.as_tensor(weight)
+        except Exception as exc:  # noqa: BLE001 - anything that is not a tensor
+            raise InvalidLoadError(f"weight must be a [layers, experts] tensor, got {type(weight).__name__}") from exc
+    if weight.dim() != 2:
+        raise InvalidLoadError(f"weight must be a 2-D [layers, experts] tensor, got shape {tuple(weight.shape)}")
+    if weight.shape[0] < 1 or weight.shape[1] < 1:
+        raise InvalidLoadError(f"weight needs at least one layer and one expert, got shape {tuple(weight.shape)}")
+    if weight.is_complex():
+        raise InvalidLoadError(f"weight must be real, got {weight.dtype}")
+    weight = weight.detach().cpu()
+    w = weight.to(torch.float64)  # the one conversion: every policy but the reference's works on this
+    w_np = w.numpy()
+    if not (np.isfinite(w_np).all() and (w_np >= 0).all()):  # the common case in one pass each
+        if weight.dtype.is_floating_point:
+            finite = torch.isfinite(weight)
+            if not bool(finite.all()):
+                layer, expert = (int(i) for i in (~finite).nonzero()[0])
+                raise InvalidLoadError(
+                    f"weight must be finite: layer {layer}, expert {expert} has {float(weight[layer, expert])}"
+                )
+        negative = w < 0
+        layer, expert = (int(i) for i in negative.nonzero()[0])
+        raise InvalidLoadError(f"weight must be >= 0: layer {layer}, expert {expert} has {weight[layer, expert].item()}")
+    return weight, w
+
+
+def _checked_previous(previous: Any, layers: int, experts: int) -> np.ndarray:
+    """Step 4 of :func:`_make_problem`: ``previous`` as an int64 ``[layers, slots]`` array (a copy), checked."""
+    if isinstance(previous, Placement):
+        previous = previous.physical_to_logical
+    if not isinstance(previous, torch.Tensor):
+        try:
+            previous = torch.as_tensor(previous)
+        except Exception as exc:  # noqa: BLE001
+            raise InvalidPreviousError(f"previous must be a [layers, slots] tensor, got {type(previous).__name__}") from exc
+    if previous.dim() != 2 or previous.shape[0] != layers:
+        raise InvalidPreviousError(
+            f"previous must be [layers={layers}, slots], got shape {tuple(previous.shape)}"
+        )
+    try:
+        validate_physical_to_logical(previous.detach().cpu(), experts)
+    except PlacementError as exc:
+        raise InvalidPreviousError(f"previous is not a valid placement: {exc}") from exc
+    return previous.detach().cpu().to(torch.int64).numpy().copy()
 
 
 # --------------------------------------------------------------------------------------------
@@ -865,21 +874,31 @@ def _refine_swaps(
     between GPUs of the same node (``node_of_gpu``). A layer stops when its balancedness reaches
     ``stop_at`` or no swap helps.
     """
-    b, g, s = slot_load.shape
+    g = slot_load.shape[1]
     if g < 2:
         return
     loads = slot_load.sum(axis=2)
     goal = loads.mean(axis=1) / stop_at
     active = np.nonzero(loads.max(axis=1) > goal)[0]
-    half = max(1, min(g // 2, pair_width))
-    for _ in range(pair_iters):
+    cross_of = None if pinned is None or node_of_gpu is None else \
+        (lambda ga, gb: node_of_gpu[ga] != node_of_gpu[gb])  # noqa: E731 - a pair of GPU index arrays -> crosses nodes
+    active = _paired_rounds(slot_load, slot_expert, loads, goal, active, pair_iters, max(1, min(g // 2, pair_width)),
+                            pinned, cross_of)
+    _heaviest_rounds(slot_load, slot_expert, loads, goal, active, max_iters, max(1, min(width, g - 1)), pinned, cross_of)
+
+
+def _paired_rounds(slot_load: np.ndarray, slot_expert: np.ndarray, loads: np.ndarray, goal: np.ndarray,
+                   active: np.ndarray, iters: int, half: int, pinned: np.ndarray | None,
+                   cross_of: Callable[[np.ndarray, np.ndarray], np.ndarray] | None) -> np.ndarray:
+    """(a) of :func:`_refine_swaps`: the ``half`` heaviest GPUs paired with the lightest; the layers still active."""
+    for _ in range(iters):
         if active.size == 0:
-            return
+            return active
         order = np.argsort(loads[active], axis=1)
         ga, gb = order[:, : -half - 1 : -1], order[:, :half]
         rr = active[:, None]
         gap = loads[rr, ga] - loads[rr, gb]
-        cross = None if pinned is None or node_of_gpu is None else node_of_gpu[ga] != node_of_gpu[gb]
+        cross = None if cross_of is None else cross_of(ga, gb)
         score, flat = _swap_candidates(slot_load, slot_expert, active, ga, gb, gap, pinned, cross)
         ok = np.isfinite(score)
         if not ok.any():
@@ -888,8 +907,15 @@ def _refine_swaps(
         _apply_swaps(slot_load, slot_expert, loads, active[xi], ga[xi, ki], gb[xi, ki], flat[xi, ki], pinned)
         active = active[ok.any(axis=1)]
         active = active[loads[active].max(axis=1) > goal[active]]
-    width = max(1, min(width, g - 1))
-    for _ in range(max_iters):
+    return active
+
+
+def _heaviest_rounds(slot_load: np.ndarray, slot_expert: np.ndarray, loads: np.ndarray, goal: np.ndarray,
+                     active: np.ndarray, iters: int, width: int, pinned: np.ndarray | None,
+                     cross_of: Callable[[np.ndarray, np.ndarray], np.ndarray] | None) -> None:
+    """(b) of :func:`_refine_swaps`: the heaviest GPU swaps with the best of the ``width`` lightest."""
+    g = loads.shape[1]
+    for _ in range(iters):
         if active.size == 0:
             return
         la = loads[active]
@@ -899,7 +925,7 @@ def _refine_swaps(
         cand = np.argpartition(la, width - 1, axis=1)[:, :width] if width < g else np.argsort(la, axis=1)
         ga = h[:, None]  # [X, 1]: broadcasts against cand [X, K]
         gap = la[ra, h][:, None] - la[ra[:, None], cand]
-        cross = None if pinned is None or node_of_gpu is None else node_of_gpu[ga] != node_of_gpu[cand]
+        cross = None if cross_of is None else cross_of(ga, cand)
         score, flat = _swap_candidates(slot_load, slot_expert, active, ga, cand, gap, pinned, cross)
         kbest = score.argmin(axis=1)
         ok = np.isfinite(score[ra, kbest])
@@ -909,7 +935,6 @@ def _refine_swaps(
         _apply_swaps(slot_load, slot_expert, loads, active[sel], h[sel], cand[sel, kbest[sel]], flat[sel, kbest[sel]], pinned)
         active = active[sel]
         active = active[loads[active].max(axis=1) > goal[active]]
-
 
 # --------------------------------------------------------------------------------------------
 # default
