@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
+from elastic.control.budget import RecoveryBudget
 from elastic.control.plans import Attempt, LiveWorker, plan_recovery
 from elastic.core import protocol as p
 from elastic.core.errors import (
@@ -237,7 +238,7 @@ class Coordinator:
         #: Called with the operation on its thread before a scale touches the machine; raising vetoes
         #: the scale (the operation fails with the error, the machine stays ``running``). See elastic.service.hooks.
         self.before_scale: list[Callable[[Operation], None]] = []
-        self.auto_recoveries = 0
+        self.recovery_budget = RecoveryBudget(config.max_auto_recoveries)  # per incident (elastic.control.budget)
         self._auto_recovering = False
         self._last_generation = 0
         self._attempted: dict[int, tuple[int, int]] = {}  # generation -> (size, command seq) of every rescale attempt
@@ -488,13 +489,18 @@ class Coordinator:
             self._broadcast(command, **fields)
         return True
 
+    @property
+    def auto_recoveries(self) -> int:
+        """Automatic recoveries tried over the deployment's life (the budget is per incident)."""
+        return self.recovery_budget.total
+
     def serving_health(self) -> str:
         state = self.machine.state
         if state in SERVING_PHASES:
             return "ok"
         if state != Phase.FAILED or (self._current is not None and not self._current.terminal):
             return "paused"  # a scale or a recovery is replacing the group
-        if self._auto_recovering or (self.config.auto_recover and self.auto_recoveries < self.config.max_auto_recoveries):
+        if self._auto_recovering or (self.config.auto_recover and self.recovery_budget.left()):
             return "failed"  # a recovery is coming
         return "down"
 
@@ -575,14 +581,14 @@ class Coordinator:
         with self._lock:
             if self._current is not None and not self._current.terminal:
                 return
-            if self._auto_recovering or self.auto_recoveries >= self.config.max_auto_recoveries:
+            if self._auto_recovering or not self.recovery_budget.spend():
                 return
-            self.auto_recoveries += 1
             self._auto_recovering = True
 
         def attempt() -> None:
             try:
-                self.recover(wait=True)
+                if self.recover(wait=True).status == OperationStatus.SUCCEEDED:
+                    self.recovery_budget.recovered()
             except ElasticError as exc:
                 log.warning("auto-recovery refused: %s", exc)
             finally:

@@ -374,19 +374,26 @@ class StoreChannelLauncher:
             pass
 
     def forget(self, handle: Any) -> None:
-        """The worker has exited and the coordinator is done with it: drop its handle and its
-        keys in the store (launch record, inbox, kill flag)."""
-        from elastic.launch.remote_worker import worker_prefix
+        """The coordinator is done with the worker: drop its handle and its keys in the store
+        (launch record, inbox), all but its kill key, which is set and stays.
+
+        "Done" means its handle ended, not that the process did: a worker cut off by a network
+        partition is still running on its host, and once the partition heals it reads the store
+        again. Its kill key is the only thing that tells it to leave then; deleting it with the
+        record stranded such workers for good. A kill key is a few bytes per retired worker.
+        """
+        from elastic.launch.remote_worker import kill_key, worker_prefix
 
         if handle in self._workers:
             self._workers.remove(handle)
         store = self._store
         if store is None:
             return
-        prefix = worker_prefix(handle.worker_id)
+        prefix, kill = worker_prefix(handle.worker_id), kill_key(handle.worker_id)
         try:
+            store.set(kill, "1")
             for key in store.list_keys():
-                if key.startswith(prefix):
+                if key.startswith(prefix) and key != kill:
                     store.delete_key(key)
         except Exception:  # noqa: BLE001 - the store is going away: nothing left to clean
             pass

