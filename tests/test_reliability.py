@@ -134,3 +134,116 @@ def test_a_worker_cut_off_by_a_partition_leaves_once_it_heals(two_hosts):  # noq
         finally:
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+# -- the HTTP server ------------------------------------------------------------------------------
+
+def _closed_by_server(sock, within: float) -> bool:
+    """Whether the server closes ``sock`` within ``within`` seconds (EOF or a reset)."""
+
+    sock.settimeout(within)
+    try:
+        while True:
+            if not sock.recv(4096):
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+@pytest.mark.timeout(60)
+def test_idle_and_half_sent_connections_are_closed_and_their_number_capped():
+    """Clients that send half a request, or nothing, or stay idle after an answer, are closed
+    after the request deadline or the keep-alive; beyond the cap a new connection is closed at
+    once. Without the guard all of them stayed open, and ~1000 of them used up a 1024-fd process."""
+    import socket
+
+    import httpx
+    from fastapi import FastAPI
+
+    from elastic.service.server import BackgroundServer, HttpLimits
+
+    app = FastAPI()
+
+    @app.get("/ping")
+    def ping() -> dict:
+        return {"ok": True}
+
+    limits = HttpLimits(request_timeout_s=1.0, keep_alive_s=1, max_connections=20)
+    with BackgroundServer(app, limits=limits) as server:
+        address = ("127.0.0.1", server.port)
+        opened = [socket.create_connection(address) for _ in range(30)]
+        try:
+            for sock in opened[:10]:
+                sock.sendall(b"GET /ping HTTP/1.1\r\nHost: x\r\n")  # the headers never end
+            time.sleep(0.3)
+            open_now = len(server.server.server_state.connections)
+            assert open_now <= 20, f"{open_now} connections held, the cap is 20"
+            # the ten beyond the cap were closed at once; the first twenty by the deadline
+            assert sum(_closed_by_server(s, 0.2) for s in opened[20:]) == 10
+            started = time.monotonic()
+            assert all(_closed_by_server(s, 3.0) for s in opened[:20]), "a half-sent or silent connection stayed open"
+            assert time.monotonic() - started < 2.5
+            # an idle keep-alive connection after a full answer goes after keep_alive_s
+            keep = socket.create_connection(address)
+            keep.sendall(b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert b"200 OK" in keep.recv(4096)
+            assert _closed_by_server(keep, 3.0)
+            keep.close()
+            assert httpx.get(f"{server.url}/ping", timeout=5).json() == {"ok": True}
+        finally:
+            for sock in opened:
+                sock.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_healthz_and_state_answer_while_every_control_thread_waits_on_a_stalled_rank():
+    """One rank stalled, 50 concurrent rebalances that wait for it: /healthz and /state still
+    answer at once (they took ~20 s when the control calls filled the server's shared pool), and
+    the rebalances beyond the control pool get 429 at once."""
+    import os
+    import signal
+    import threading
+
+    import httpx
+
+    from elastic.service.api import CONTROL_THREADS, create_app
+    from elastic.service.server import BackgroundServer
+
+    with running(small_config()) as c, BackgroundServer(create_app(c)) as server:
+        c.wait_for_step(3)
+        stalled = c.live_workers()[1].handle
+        stalled.stall()
+        codes: list[int] = []
+
+        def rebalance() -> None:
+            try:
+                with httpx.Client(timeout=30) as client:
+                    codes.append(client.post(f"{server.url}/rebalance", params={"timeout_s": 6}).status_code)
+            except Exception as exc:  # noqa: BLE001 - counted below
+                codes.append(-1)
+                print("caller failed:", repr(exc))
+
+        callers = [threading.Thread(target=rebalance) for _ in range(50)]
+        try:
+            for t in callers:
+                t.start()
+            deadline = time.monotonic() + 20
+            while len(server.server.server_state.tasks) + len(codes) < 48:  # every caller is in
+                assert time.monotonic() < deadline, \
+                    f"the callers did not all reach the server: {len(server.server.server_state.tasks)} in, {codes}"
+                time.sleep(0.05)
+            with httpx.Client(timeout=30) as client:
+                for path in ("/healthz", "/state", "/healthz"):
+                    asked = time.monotonic()
+                    assert client.get(f"{server.url}{path}").status_code == 200
+                    waited = time.monotonic() - asked
+                    assert waited < 2.0, f"{path} took {waited:.1f}s behind the control calls"
+            refused = sum(code == 429 for code in codes)
+            assert refused >= 50 - CONTROL_THREADS, f"only {refused} of 50 refused at once: {sorted(codes)}"
+        finally:
+            os.kill(stalled.pid, signal.SIGCONT)
+            for t in callers:
+                t.join(30)

@@ -216,19 +216,32 @@ CONTROL_THREADS = 8  # /rebalance and /placement at once (more get 429); /scale 
 READ_THREADS = 4  # /healthz, /state, /metrics: never behind a control call
 
 
-def _on_pool(limiter: anyio.CapacityLimiter, *, refuse_when_full: bool) -> Callable[[Callable[..., Any]], Any]:
-    """Run a blocking handler on ``limiter``'s threads instead of the server's shared pool.
+def _on_pool(threads: int, *, refuse_when_full: bool) -> Callable[[Callable[..., Any]], Any]:
+    """Run a blocking handler on a pool of ``threads`` threads of its own, not the server's shared one.
 
     FastAPI reads the parameters from the wrapped function (``functools.wraps``); the wrapper is a
     coroutine, so the event loop only hands the call over. With ``refuse_when_full``, a call that
-    finds every thread busy is answered 429 at once instead of queueing behind them."""
+    finds every thread taken is answered 429 at once instead of queueing behind them (the place is
+    taken without an await, so no burst of callers can all see a free one)."""
+    limiter = anyio.CapacityLimiter(threads)
+    admitted = anyio.CapacityLimiter(threads) if refuse_when_full else None
+
     def wrap(handler: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(handler)
         async def run(*args: Any, **kwargs: Any) -> Any:
-            if refuse_when_full and limiter.available_tokens < 1:
-                return JSONResponse({"error": "busy", "message": f"all {int(limiter.total_tokens)} control calls "
-                                     "are in progress; retry shortly"}, status_code=429, headers={"Retry-After": "1"})
-            return await anyio.to_thread.run_sync(functools.partial(handler, *args, **kwargs), limiter=limiter)
+            call = functools.partial(handler, *args, **kwargs)
+            if admitted is None:
+                return await anyio.to_thread.run_sync(call, limiter=limiter)
+            borrower = object()
+            try:
+                admitted.acquire_on_behalf_of_nowait(borrower)
+            except anyio.WouldBlock:
+                return JSONResponse({"error": "busy", "message": f"all {threads} control calls are in progress; "
+                                     "retry shortly"}, status_code=429, headers={"Retry-After": "1"})
+            try:
+                return await anyio.to_thread.run_sync(call, limiter=limiter)
+            finally:
+                admitted.release_on_behalf_of(borrower)
         return run
     return wrap
 
@@ -265,9 +278,9 @@ def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: 
     ``api_key``, every request that changes something must present it (:class:`RequireApiKey`).
     At most ``control_threads`` control calls run at once (module docstring)."""
     app = FastAPI(title=title, version="1", description=__doc__.split("\n\n")[1] if __doc__ else "")
-    control = _on_pool(anyio.CapacityLimiter(control_threads), refuse_when_full=True)
-    operations = _on_pool(anyio.CapacityLimiter(control_threads), refuse_when_full=False)
-    reads = _on_pool(anyio.CapacityLimiter(READ_THREADS), refuse_when_full=False)
+    control = _on_pool(control_threads, refuse_when_full=True)
+    operations = _on_pool(control_threads, refuse_when_full=False)
+    reads = _on_pool(READ_THREADS, refuse_when_full=False)
     registry = build_registry(controller, autoscaler)
     app.state.controller, app.state.autoscaler, app.state.hooks, app.state.registry = controller, autoscaler, hooks, registry
     app.add_middleware(BodyLimit)  # an oversized body is refused (422) before it is read and parsed
