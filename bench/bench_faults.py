@@ -111,13 +111,29 @@ def measure(name: str, label: str, change: dict[str, Any]) -> dict[str, Any]:
     wall = time.monotonic() - started
     r = result.report
     transitions = r["transitions"]
-    samples = r["samples"]
     row: dict[str, Any] = {"case": name, "fault": label, "passed": result.passed, "wall_s": round(wall, 2),
                            "final_state": r["final"].get("state"), "final_ep_size": r["final"].get("ep_size"),
                            "failures": sum(1 for t in transitions if t["dest"] == "failed"),
                            "failed_expectations": [e["name"] for e in result.failed]}
-    # the fault's time
+    fault_t = _fault_time(scenario, r, row)
+    _note_failure(row, scenario, r, fault_t)
+    _note_refusal(row, r)
+    row["rebalances_finished"] = sum(1 for x in r["rebalances"] if x["outcome"] == "finished")
+    # what was lost: the verification after the recovery and the last one
+    checks = r["verifications"]
+    after = next((v for v in checks if "recover" in v["after"]), None)
+    for key, v in (("after_recovery", after), ("end", checks[-1] if checks else None)):
+        if v is not None:
+            row[key] = {"ok": v.get("ok"), "mismatched": v.get("mismatched"), "replica_min": v.get("replica_min"),
+                        "digests_agree": v.get("digests_agree"), "ep_size": v.get("ep_size")}
+    row["nothing_lost"] = bool(checks) and all(v.get("ok") for v in checks)
+    return row
+
+
+def _fault_time(scenario: Any, r: dict[str, Any], row: dict[str, Any]) -> float | None:
+    """When the case's fault struck, on the report's clock (and from what, in ``row``)."""
     fault_t = None
+    transitions, samples = r["transitions"], r["samples"]
     kill = next((e for e in scenario.timeline if getattr(e, "in_phase", None)), None)
     stepped = next((e for e in scenario.timeline if e.action in ("kill", "stall", "drop_heartbeats")
                     and getattr(e, "in_phase", None) is None), None)
@@ -132,6 +148,12 @@ def measure(name: str, label: str, change: dict[str, Any]) -> dict[str, Any]:
     elif stepped is not None:
         fault_t = next((s["time"] for s in samples if s["step"] >= stepped.at_step), None)
         row["fault_time_from"] = f"first heartbeat at step {stepped.at_step}"
+    return fault_t
+
+
+def _note_failure(row: dict[str, Any], scenario: Any, r: dict[str, Any], fault_t: float | None) -> None:
+    """The failure the fault caused: its reason, how long to detect it, recover, and restore the size."""
+    transitions = r["transitions"]
     fail = next((t for t in transitions if t["dest"] == "failed" and (fault_t is None or t["t"] >= fault_t - 0.5)), None)
     if fail is not None:
         row["failure_reason"] = fail.get("reason")
@@ -146,7 +168,10 @@ def measure(name: str, label: str, change: dict[str, Any]) -> dict[str, Any]:
         if rec is not None:
             row["recovery_bytes_moved"] = rec.get("bytes_moved")
             row["recovery_paused_s"] = rec.get("paused_seconds")
-    # a corrupt buffer is caught by the rank itself: rebalance start -> the refusal
+
+
+def _note_refusal(row: dict[str, Any], r: dict[str, Any]) -> None:
+    """A corrupt buffer is caught by the rank itself: rebalance start -> the refusal -> the next commit."""
     refused = [e for e in r["worker_events"] if e.get("kind") == "rebalance_failed" and e.get("local")]
     row["refused_layers"] = len(refused)
     if refused:
@@ -159,16 +184,6 @@ def measure(name: str, label: str, change: dict[str, Any]) -> dict[str, Any]:
         nxt = next((e for e in r["worker_events"] if e.get("kind") == "rebalance_finished" and e["t"] > first["t"]), None)
         if nxt is not None:
             row["recover_s"] = round(nxt["t"] - first["t"], 3)  # until the next rebalance commits
-    row["rebalances_finished"] = sum(1 for x in r["rebalances"] if x["outcome"] == "finished")
-    # what was lost: the verification after the recovery and the last one
-    checks = r["verifications"]
-    after = next((v for v in checks if "recover" in v["after"]), None)
-    for key, v in (("after_recovery", after), ("end", checks[-1] if checks else None)):
-        if v is not None:
-            row[key] = {"ok": v.get("ok"), "mismatched": v.get("mismatched"), "replica_min": v.get("replica_min"),
-                        "digests_agree": v.get("digests_agree"), "ep_size": v.get("ep_size")}
-    row["nothing_lost"] = bool(checks) and all(v.get("ok") for v in checks)
-    return row
 
 
 def _fmt(v: Any, unit: str = "") -> str:
@@ -183,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.ERROR)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     console = Console() if sys.stdout.isatty() else Console(width=170)
+    unknown = sorted(set(args.only.split(",")) - {c[0] for c in CASES}) if args.only else []
+    if unknown:
+        ap.error(f"--only: no case named {', '.join(unknown)} (the cases: {', '.join(c[0] for c in CASES)})")
     cases = [c for c in CASES if args.only is None or c[0] in args.only.split(",")]
     console.print(f"[bold]bench_faults[/bold]: {len(cases)} case(s), 3 layers x (8 experts + 4 redundant), "
                   f"collective deadline {TIMEOUTS['collective']} s, heartbeat {TIMEOUTS['heartbeat']} s, "

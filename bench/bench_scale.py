@@ -150,14 +150,7 @@ def analyse(op: Operation, coordinator: RecordingCoordinator, samples: list[dict
     phases = {name: op.phases.get(name, {}) for name in PHASES}
     # decode steps the workers completed inside each phase's window (coordinator clock = the
     # workers' time.monotonic, one machine)
-    steps_in = {}
-    for name, ph in phases.items():
-        lo, hi = ph.get("started"), ph.get("ended")
-        per_pid: dict[int, int] = {}
-        for s in samples:
-            if lo is not None and hi is not None and lo <= s["t"] < hi:
-                per_pid[s["pid"]] = per_pid.get(s["pid"], 0) + 1
-        steps_in[name] = {"max_per_rank": max(per_pid.values(), default=0), "ranks_stepping": len(per_pid)}
+    steps_in = {name: _steps_between(samples, ph.get("started"), ph.get("ended")) for name, ph in phases.items()}
     # the longest gap between two consecutive decode steps of one worker around the operation
     lo = phases["draining"].get("started", 0.0)
     hi = phases["resuming"].get("ended", math.inf) + 5.0
@@ -174,16 +167,7 @@ def analyse(op: Operation, coordinator: RecordingCoordinator, samples: list[dict
     # decode throughput of the old ranks while the pre-transfer ran, against the steady steps
     # just before the operation (the same ranks, the same run)
     prepare = dict(op.prepare)
-    ratios = []
-    if prepare:
-        lo_p, hi_p = prepare["started_at"], prepare["ended_at"]
-        for pid, ss in by_pid.items():
-            before = [x["t"] for x in ss if x["t"] < lo][-steady_steps:]
-            during = [x["t"] for x in ss if lo_p <= x["t"] <= hi_p]
-            if len(before) >= 5 and hi_p - lo_p > 0 and len(during) >= 2:
-                steady = (len(before) - 1) / (before[-1] - before[0])
-                ratios.append({"pid": pid, "steady_steps_per_s": steady, "prepare_steps_per_s": len(during) / (hi_p - lo_p),
-                               "ratio": len(during) / (hi_p - lo_p) / steady})
+    ratios = _prepare_throughput(prepare, by_pid, lo, steady_steps) if prepare else []
     return {
         "id": op.id, "from": op.from_size, "to": op.target_size, "status": op.status.value, "error": op.error,
         "phases": {name: ph.get("seconds") for name, ph in phases.items()},
@@ -207,6 +191,30 @@ def analyse(op: Operation, coordinator: RecordingCoordinator, samples: list[dict
         "prepare_throughput_ratio": min((x["ratio"] for x in ratios), default=math.nan),
         **minimum,
     }
+
+
+def _steps_between(samples: list[dict[str, Any]], lo: float | None, hi: float | None) -> dict[str, int]:
+    """Decode steps the workers completed in ``[lo, hi)``: the most of one rank, and how many ranks stepped."""
+    per_pid: dict[int, int] = {}
+    for s in samples:
+        if lo is not None and hi is not None and lo <= s["t"] < hi:
+            per_pid[s["pid"]] = per_pid.get(s["pid"], 0) + 1
+    return {"max_per_rank": max(per_pid.values(), default=0), "ranks_stepping": len(per_pid)}
+
+
+def _prepare_throughput(prepare: dict[str, Any], by_pid: dict[int, list[dict[str, Any]]], started: float,
+                        steady_steps: int) -> list[dict[str, Any]]:
+    """Each rank's decode rate while the pre-transfer ran, against its steady steps just before ``started``."""
+    ratios = []
+    lo_p, hi_p = prepare["started_at"], prepare["ended_at"]
+    for pid, ss in by_pid.items():
+        before = [x["t"] for x in ss if x["t"] < started][-steady_steps:]
+        during = [x["t"] for x in ss if lo_p <= x["t"] <= hi_p]
+        if len(before) >= 5 and hi_p - lo_p > 0 and len(during) >= 2:
+            steady = (len(before) - 1) / (before[-1] - before[0])
+            ratios.append({"pid": pid, "steady_steps_per_s": steady, "prepare_steps_per_s": len(during) / (hi_p - lo_p),
+                           "ratio": len(during) / (hi_p - lo_p) / steady})
+    return ratios
 
 
 def run_size(args: argparse.Namespace, mib: float | None, console: Console) -> dict[str, Any]:
@@ -254,7 +262,7 @@ def run_size(args: argparse.Namespace, mib: float | None, console: Console) -> d
             "verify_mismatched": sum(len(v.get("mismatched", [])) for v in verdicts.values())}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.bench_scale", description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="2,4,2", help="EP sizes in order: the first is the start")
     ap.add_argument("--cycles", type=int, default=1, help="how many times to run the whole sequence")
@@ -283,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--architecture", default=None, help="a Hugging Face MoE architecture (deepseek_v3, gpt_oss, ...) "
                     "instead of the reference model; --layers/--experts/--hidden/--intermediate then do not apply")
     ap.add_argument("--json", dest="json_path", default=None, help="write the results as JSON here")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
     args.sizes = [int(x) for x in args.sizes.split(",")]
     if len(args.sizes) < 2:
@@ -301,6 +314,41 @@ def main(argv: list[str] | None = None) -> int:
     memcpy_all_threads = memcpy_bandwidth(threads=torch.get_num_threads())
     cpus = os.cpu_count() or 1
     results = [r for run in runs for r in run["operations"]]
+    _judge(results, args, bandwidth, memcpy, cpus)
+    _print_tables(console, results, bandwidth, memcpy, memcpy_all_threads)
+    slopes = _slopes(console, results)
+    mismatched = sum(run["verify_mismatched"] for run in runs)
+    all_pass = all(r["pause_target_pass"] for r in results)
+    throughput_pass = all(r["prepare_throughput_pass"] for r in results)
+    only_rescaling = all(r["rescaling_only_pauses"] for r in results)
+    load = max(run["loadavg_1min_before"] for run in runs)
+    console.print(f"pause target: {verdict(all_pass)}; decode throughput in prepare >= 0.9 of steady: "
+                  f"{verdict(throughput_pass)}; decoding went on in draining and suppressed: {verdict(only_rescaling)}; "
+                  "weights after the last operation: "
+                  + ("[green]bit-exact[/green]" if mismatched == 0 else f"[red]{mismatched} bad slots[/red]")
+                  + f"; 1-min load average before each run at most {load:.1f} ({cpus} CPUs)")
+    notes = []
+    if load > 0.5 * cpus:
+        notes.append(f"the machine was busy before a run (1-min load average {load:.1f} on {cpus} CPUs): other "
+                     "processes competed with the workers, so the timings are noisier and slower than on an idle machine")
+    for note in notes:
+        console.print(f"[yellow]note[/yellow]: {note}")
+    write_json(args.json_path, {"bench": "scale", "notes": notes, "args": vars(args), "machine": machine_info(),
+                                "bandwidth": bw, "memcpy_bytes_per_second": memcpy,
+                                "memcpy_bytes_per_second_all_threads": memcpy_all_threads, "runs": runs,
+                                "operations": results, "slopes": slopes,
+                                "verify_mismatched": mismatched, "pause_target_pass": all_pass,
+                                "prepare_throughput_pass": throughput_pass,
+                                "issue4_limit_pass": all(r["pause_pass"] for r in results),
+                                "decoding_outside_rescaling_pass": only_rescaling})
+    if args.json_path:
+        console.print(f"wrote {args.json_path}")
+    return 0
+
+
+
+def _judge(results: list[dict[str, Any]], args: argparse.Namespace, bandwidth: float, memcpy: float, cpus: int) -> None:
+    """Each operation's targets and verdicts, added to its record."""
     for r in results:
         # issue 16: the switch, what still moves in it, and its local copies
         r["pause_target_seconds"] = 0.050 + r["bytes_moved"] / bandwidth + r["copy_bytes"] / memcpy
@@ -317,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
         r["rescaling_only_pauses"] = (r["steps_during_own_rescale"] == 0 and
                                       all(r["steps_in_phase"][name]["max_per_rank"] > 0 for name in ("draining", "suppressed")))
 
+
+def _print_tables(console: Console, results: list[dict[str, Any]], bandwidth: float, memcpy: float,
+                  memcpy_all_threads: float) -> None:
     table = Table(title="Phases (coordinator) and decode steps completed in each (max over ranks)")
     table.add_column("MiB/rank", justify="right")
     table.add_column("operation")
@@ -354,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
                           fmt_s(x["transfer_seconds"]), fmt_s(x["transfer_cpu_seconds"]), fmt_bytes(x["bytes_received"]))
     console.print(table)
 
+
+def _slopes(console: Console, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The pause against the bytes moved, a line fitted per direction."""
     slopes = {}
     for direction, pick in (("up", lambda r: r["to"] > r["from"]), ("down", lambda r: r["to"] < r["from"])):
         points = [((r["bytes_moved"] + r["bytes_prestaged"]) / (1024 * MiB), r["paused_seconds"] * 1e3)
@@ -363,34 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         if fit is not None:
             console.print(f"pause against bytes moved, scale {direction}: {fit[0]:.1f} ms + {fit[1]:.2f} ms per GiB "
                           f"({len(points)} operations, {min(x for x, _ in points):.2f}-{max(x for x, _ in points):.2f} GiB)")
-    mismatched = sum(run["verify_mismatched"] for run in runs)
-    all_pass = all(r["pause_target_pass"] for r in results)
-    throughput_pass = all(r["prepare_throughput_pass"] for r in results)
-    only_rescaling = all(r["rescaling_only_pauses"] for r in results)
-    load = max(run["loadavg_1min_before"] for run in runs)
-    console.print(f"pause target: {verdict(all_pass)}; decode throughput in prepare >= 0.9 of steady: "
-                  f"{verdict(throughput_pass)}; decoding went on in draining and suppressed: {verdict(only_rescaling)}; "
-                  "weights after the last operation: "
-                  + ("[green]bit-exact[/green]" if mismatched == 0 else f"[red]{mismatched} bad slots[/red]")
-                  + f"; 1-min load average before each run at most {load:.1f} ({cpus} CPUs)")
-    notes = []
-    if load > 0.5 * cpus:
-        notes.append(f"the machine was busy before a run (1-min load average {load:.1f} on {cpus} CPUs): other "
-                     "processes competed with the workers, so the timings are noisier and slower than on an idle machine")
-    for note in notes:
-        console.print(f"[yellow]note[/yellow]: {note}")
-    write_json(args.json_path, {"bench": "scale", "notes": notes, "args": vars(args), "machine": machine_info(),
-                                "bandwidth": bw, "memcpy_bytes_per_second": memcpy,
-                                "memcpy_bytes_per_second_all_threads": memcpy_all_threads, "runs": runs,
-                                "operations": results, "slopes": slopes,
-                                "verify_mismatched": mismatched, "pause_target_pass": all_pass,
-                                "prepare_throughput_pass": throughput_pass,
-                                "issue4_limit_pass": all(r["pause_pass"] for r in results),
-                                "decoding_outside_rescaling_pass": only_rescaling})
-    if args.json_path:
-        console.print(f"wrote {args.json_path}")
-    return 0
-
+    return slopes
 
 if __name__ == "__main__":
     raise SystemExit(main())

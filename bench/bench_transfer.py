@@ -57,38 +57,14 @@ def _rank_main(rank: int, args: dict[str, Any], port: int, results: Any) -> None
     import torch
     import torch.distributed as dist
 
-    from eplb.communicator import NixlCommunicator, TorchCommunicator, nixl_available
-    from eplb.plan import plan_layer
-    from eplb.transfer import commit_layer, execute_layer, op_batches
+    from eplb.communicator import nixl_available
 
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    world, S, L = args["ranks"], args["slots"], args["layers"]
-    H, I = args["hidden"], args["intermediate"]  # noqa: E741 - the model's usual names
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120), use_libuv=True)
     dist.init_process_group("gloo", store=dist.PrefixStore("bench-transfer/", store), rank=rank,
-                            world_size=world, timeout=timedelta(seconds=120))
-    old_rows, new_rows = _rows(L, args["experts"], world * S, args["seed"])
-    weights = [[torch.empty(S, 2 * I, H, dtype=torch.bfloat16), torch.empty(S, H, I, dtype=torch.bfloat16)]
-               for _ in range(L)]
-    staging = [torch.empty_like(t) for t in weights[0]]
-    plans = [plan_layer(old_rows[layer], new_rows[layer], S) for layer in range(L)]
-
-    def reset() -> None:  # the old placement's contents: slot j of layer l holds expert id (+ layer)
-        for layer in range(L):
-            for j in range(S):
-                value = float(old_rows[layer][rank * S + j] + layer)
-                for t in weights[layer]:
-                    t[j].fill_(value)
-
-    def check() -> int:
-        wrong = 0
-        for layer in range(L):
-            for j in range(S):
-                value = float(new_rows[layer][rank * S + j] + layer)
-                wrong += sum(int(not bool((t[j] == value).all())) for t in weights[layer])
-        return wrong
-
+                            world_size=args["ranks"], timeout=timedelta(seconds=120))
+    bench = _RankBench(rank, args)
     kinds = ["gloo"] + (["nixl"] if nixl_available() and not args["gloo_only"] else [])
     if args["progress_thread"] and "nixl" in kinds:
         kinds.append("nixl+thread")  # NIXL with its own (polling) UCX progress thread
@@ -96,21 +72,65 @@ def _rank_main(rank: int, args: dict[str, Any], port: int, results: Any) -> None
     candidates = [kind + ("+rounds" if batching else "") for kind in kinds for batching in modes]
     # warm the gloo connections (lazy pair set-up) so neither side pays it in the timings
     dist.all_reduce(torch.zeros(1))
-    out: dict[str, Any] = {}
-    for name in candidates:
+    out = {name: bench.measure(name, store) for name in candidates}
+    gathered: list[Any] = [None] * args["ranks"]
+    dist.all_gather_object(gathered, out)
+    if rank == 0:
+        results.put(gathered)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+class _RankBench:
+    """One rank's weights, staging buffer and plans: slot ``j`` of layer ``l`` holds its expert id (+ ``l``)."""
+
+    def __init__(self, rank: int, args: dict[str, Any]):
+        import torch
+
+        from eplb.plan import plan_layer
+
+        self.rank, self.args = rank, args
+        S, L = args["slots"], args["layers"]
+        H, I = args["hidden"], args["intermediate"]  # noqa: E741 - the model's usual names
+        self.old_rows, self.new_rows = _rows(L, args["experts"], args["ranks"] * S, args["seed"])
+        self.weights = [[torch.empty(S, 2 * I, H, dtype=torch.bfloat16), torch.empty(S, H, I, dtype=torch.bfloat16)]
+                        for _ in range(L)]
+        self.staging = [torch.empty_like(t) for t in self.weights[0]]
+        self.plans = [plan_layer(self.old_rows[layer], self.new_rows[layer], S) for layer in range(L)]
+
+    def _fill(self, rows: Any, check: bool) -> int:
+        """Set every slot to the old placement's value, or count the slots not holding the new one's."""
+        wrong, S = 0, self.args["slots"]
+        for layer, tensors in enumerate(self.weights):
+            for j in range(S):
+                value = float(rows[layer][self.rank * S + j] + layer)
+                for t in tensors:
+                    if check:
+                        wrong += int(not bool((t[j] == value).all()))
+                    else:
+                        t[j].fill_(value)
+        return wrong
+
+    def measure(self, name: str, store: Any) -> dict[str, Any]:
+        """One communicator: layer 0 ``repeats`` times (a first NIXL call apart), then every layer once, checked."""
+        import torch.distributed as dist
+
+        from eplb.communicator import NixlCommunicator, TorchCommunicator
+        from eplb.transfer import commit_layer, execute_layer, op_batches
+
         kind, batching = name.removesuffix("+rounds"), name.endswith("+rounds")
-        comm = (TorchCommunicator("gloo") if kind == "gloo"
-                else NixlCommunicator(progress_thread=kind == "nixl+thread"))
+        comm = TorchCommunicator("gloo") if kind == "gloo" else NixlCommunicator(progress_thread=kind == "nixl+thread")
         comm.bind(0, dist.PrefixStore(f"bench-{name}/", store))
-        comm.set_weights(weights)
-        comm.add_buffer(staging)
-        reset()
+        comm.set_weights(self.weights)
+        comm.add_buffer(self.staging)
+        self._fill(self.old_rows, check=False)
+        run = {"timeout": 120.0, "communicator": comm, "max_ops_per_batch": self.args["max_ops"],
+               "migration_batching": batching}
         times, first, received = [], None, 0
-        for repeat in range(args["repeats"] + (1 if kind != "gloo" else 0)):
+        for repeat in range(self.args["repeats"] + (1 if kind != "gloo" else 0)):
             dist.barrier()
             start = time.perf_counter()
-            stats = execute_layer(plans[0], rank, weights[0], staging, timeout=120.0, layer=0, communicator=comm,
-                                  max_ops_per_batch=args["max_ops"], migration_batching=batching)
+            stats = execute_layer(self.plans[0], self.rank, self.weights[0], self.staging, layer=0, **run)
             elapsed = time.perf_counter() - start
             received = stats.bytes_received
             if kind != "gloo" and repeat == 0:
@@ -120,25 +140,17 @@ def _rank_main(rank: int, args: dict[str, Any], port: int, results: Any) -> None
         dist.barrier()
         start = time.perf_counter()
         total = 0
-        for layer in range(L):
-            stats = execute_layer(plans[layer], rank, weights[layer], staging, timeout=120.0, layer=layer,
-                                  communicator=comm, max_ops_per_batch=args["max_ops"], migration_batching=batching)
-            commit_layer(plans[layer].for_rank(rank), staging, weights[layer])
+        for layer, plan in enumerate(self.plans):
+            stats = execute_layer(plan, self.rank, self.weights[layer], self.staging, layer=layer, **run)
+            commit_layer(plan.for_rank(self.rank), self.staging, self.weights[layer])
             total += stats.bytes_received
         full = time.perf_counter() - start
         dist.barrier()
-        batches = [op_batches(plan.for_rank(rank), 2, args["max_ops"], batching)[1] for plan in plans]
-        out[name] = {"layer_times": times, "layer_first": first, "layer_bytes": received, "full_seconds": full,
-                     "full_bytes": total, "wrong_slots": check(), "comm": comm.stats(),
-                     "batches_per_layer": sum(batches) / len(batches)}
+        batches = [op_batches(plan.for_rank(self.rank), 2, self.args["max_ops"], batching)[1] for plan in self.plans]
         comm.close()
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, out)
-    if rank == 0:
-        results.put(gathered)
-    dist.barrier()
-    dist.destroy_process_group()
-
+        return {"layer_times": times, "layer_first": first, "layer_bytes": received, "full_seconds": full,
+                "full_bytes": total, "wrong_slots": self._fill(self.new_rows, check=True), "comm": comm.stats(),
+                "batches_per_layer": sum(batches) / len(batches)}
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import multiprocessing as mp

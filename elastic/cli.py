@@ -251,7 +251,7 @@ from elastic.service import client as _client  # noqa: E402 - the client command
 
 _client.register(app)
 
-from elastic.serving import loadgen as _loadgen  # noqa: E402 - elastic-ep loadgen URL (httpx; matplotlib when it plots)
+from elastic.service import loadgen as _loadgen  # noqa: E402 - elastic-ep loadgen URL (httpx; matplotlib when it plots)
 
 _loadgen.register(app)
 

@@ -249,30 +249,35 @@ def align_slots(
             if not 0 <= n < new_ranks:
                 continue
             given = new_row[n * s : (n + 1) * s]
-            held = held_row[o * s : (o + 1) * s]
-            if given == held:
-                continue
-            # 1. what the policy gave this rank, by expert
-            left: dict[int, int] = {}
-            for e in given:
-                left[e] = left.get(e, 0) + 1
-            # 2. keep what the rank holds in place
-            slots: list[int | None] = [None] * s
-            for j, e in enumerate(held):
-                if left.get(e, 0) > 0:
-                    slots[j] = e
-                    left[e] -= 1
-            # 3. the rest, in the policy's order, into the free slots
-            rest: list[int] = []
-            for e in given:
-                if left[e] > 0:
-                    rest.append(e)
-                    left[e] -= 1
-            fill = iter(rest)
-            aligned = [e if e is not None else next(fill) for e in slots]
+            aligned = _align_rank(given, held_row[o * s : (o + 1) * s])
             if aligned != given:
                 new_row[n * s : (n + 1) * s] = aligned
                 changed = True
         if changed:
             out[layer] = torch.tensor(new_row, dtype=torch.int64)
     return out
+
+
+def _align_rank(given: list[int], held: list[int]) -> list[int]:
+    """One rank's slots: the experts ``given`` (the policy's order), arranged so that each slot
+    whose ``held`` expert the rank still gets keeps it (steps 1-3 of :func:`align_slots`)."""
+    if given == held:
+        return given
+    # 1. what the policy gave this rank, by expert
+    left: dict[int, int] = {}
+    for e in given:
+        left[e] = left.get(e, 0) + 1
+    # 2. keep what the rank holds in place
+    slots: list[int | None] = [None] * len(held)
+    for j, e in enumerate(held):
+        if left.get(e, 0) > 0:
+            slots[j] = e
+            left[e] -= 1
+    # 3. the rest, in the policy's order, into the free slots
+    rest: list[int] = []
+    for e in given:
+        if left[e] > 0:
+            rest.append(e)
+            left[e] -= 1
+    fill = iter(rest)
+    return [e if e is not None else next(fill) for e in slots]

@@ -128,6 +128,7 @@ def parse_placement(data: Any) -> PlacementFile:
     layer; ``load_window.logical_load`` with one row per layer and one finite number >= 0 per
     logical expert.
     """
+    # 1. the header and the shapes it promises
     if not isinstance(data, dict):
         raise PlacementFileError(f"expected a JSON object, got {type(data).__name__}")
     if data.get("format", FORMAT) != FORMAT:
@@ -150,7 +151,15 @@ def parse_placement(data: Any) -> PlacementFile:
     if slots < experts:
         raise PlacementFileError(f"{slots} physical slots (ep_size {ep_size} x {per_rank} per rank) cannot hold the "
                                  f"{experts} logical experts")
-    rows = data.get("physical_to_logical")
+    # 2. the placement, 3. the load window
+    p2l = _parse_rows(data.get("physical_to_logical"), layers, experts, ep_size, per_rank)
+    steps, loads = _parse_window(data.get("load_window"), layers, experts)
+    return PlacementFile(layers, experts, ep_size, per_rank, p2l, loads, steps)
+
+
+def _parse_rows(rows: Any, layers: int, experts: int, ep_size: int, per_rank: int) -> torch.Tensor:
+    """``physical_to_logical``: ``[layers, ep_size * per_rank]`` experts in range, each held on every layer."""
+    slots = ep_size * per_rank
     if not isinstance(rows, list):
         raise PlacementFileError("missing key physical_to_logical (a list of one list of slots per MoE layer)")
     if len(rows) != layers:
@@ -172,7 +181,11 @@ def parse_placement(data: Any) -> PlacementFile:
         validate_physical_to_logical(p2l, experts)  # every expert at least one replica on every layer
     except PlacementError as exc:
         raise PlacementFileError(f"physical_to_logical {exc}") from None
-    window = data.get("load_window")
+    return p2l
+
+
+def _parse_window(window: Any, layers: int, experts: int) -> tuple[int, torch.Tensor]:
+    """``load_window``: its step count and ``[layers, experts]`` finite loads >= 0 (float64)."""
     if not isinstance(window, dict):
         raise PlacementFileError("missing key load_window (an object with steps and logical_load)")
     steps = window.get("steps", 0)
@@ -190,7 +203,7 @@ def parse_placement(data: Any) -> PlacementFile:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise PlacementFileError(f"load_window.logical_load layer {layer}, expert {expert}: expected a finite "
                                          f"number >= 0, got {value!r}")
-    return PlacementFile(layers, experts, ep_size, per_rank, p2l, torch.tensor(loads, dtype=torch.float64), steps)
+    return steps, torch.tensor(loads, dtype=torch.float64)
 
 
 def read_placement_file(path: str | Path) -> PlacementFile:

@@ -283,61 +283,26 @@ def plan_layer(
     old_h = _as_holders(old_holder, n_old, "old_holder", allow_lost=True)
     new_h = _as_holders(new_holder, n_new, "new_holder", allow_lost=False)
     host_of = _as_hosts(hosts, old_h, new_h)
-
-    # What each live worker holds in its old slots.
-    old_rank_of: dict[int, int] = {g: r for r, g in enumerate(old_h) if g >= 0}
-    old_slots_of: dict[int, tuple[int, ...]] = {g: old[r * s_old : (r + 1) * s_old] for g, r in old_rank_of.items()}
-    first_slot: dict[int, dict[int, int]] = {}  # group rank -> expert -> lowest old local slot
-    holders_of: dict[int, list[int]] = {}  # expert -> live group ranks holding it, ascending
-    for g in sorted(old_slots_of):
-        seen: dict[int, int] = {}
-        for i, e in enumerate(old_slots_of[g]):
-            seen.setdefault(e, i)
-        first_slot[g] = seen
-        for e in seen:
-            holders_of.setdefault(e, []).append(g)
-
+    # 1. what each live worker holds in its old slots
+    held = _Holdings.of(old, s_old, old_h)
     if not allow_reload:
-        missing = sorted({e for e in new if e not in holders_of})
+        missing = sorted({e for e in new if e not in held.holders_of})
         if missing:
             lost = [r for r, g in enumerate(old_h) if g < 0]
             raise PlanError(
                 f"experts {missing[:10]} of new_row are held by no live worker "
                 f"(lost old ranks: {lost}) and reload is not allowed"
             )
+    # 2. each new slot: kept, copied locally, received from a holder, or reloaded
+    transfers, per_rank = _assign_slots(new, s_old, s_new, new_h, held, host_of)
+    # 3. freeze: the transfers in order, their rounds, and every rank's part
+    frozen, ranks, rounds = _freeze(transfers, per_rank, held, new_h, s_old, s_new)
+    return LayerPlan(old, new, s_old, s_new, old_h, new_h, frozen, ranks, rounds)
 
-    send_count: dict[int, int] = {g: 0 for g in old_slots_of}
-    transfers: list[dict] = []  # mutable while planning
-    recv_of: dict[tuple[int, int], dict] = {}  # (dst, expert) -> transfer being built
-    per_rank: dict[int, _RankParts] = {}
 
-    def part(g: int) -> _RankParts:
-        return per_rank.setdefault(g, {"copies": [], "keeps": [], "reloads": {}})
-
-    for n, g in enumerate(new_h):
-        mine = part(g)
-        held = first_slot.get(g, {})
-        own_old = old_slots_of.get(g)
-        for j in range(s_new):
-            e = new[n * s_new + j]
-            if own_old is not None and j < s_old and own_old[j] == e:
-                mine["keeps"].append(j)
-            elif e in held:
-                mine["copies"].append((held[e], j))
-            elif (g, e) in recv_of:
-                recv_of[(g, e)]["dst_slots"].append(j)
-            elif e in holders_of:
-                if host_of is None:
-                    src = min(holders_of[e], key=lambda h: (send_count[h], h))
-                else:
-                    src = min(holders_of[e], key=lambda h: (host_of[h] != host_of[g], send_count[h], h))
-                send_count[src] += 1
-                t = {"src": src, "src_slot": first_slot[src][e], "dst": g, "expert": e, "dst_slots": [j]}
-                recv_of[(g, e)] = t
-                transfers.append(t)
-            else:
-                mine["reloads"].setdefault(e, []).append(j)
-
+def _freeze(transfers: list[dict], per_rank: dict[int, _RankParts], held: _Holdings, new_h: tuple[int, ...],
+            s_old: int, s_new: int) -> tuple[tuple[Transfer, ...], dict[int, RankPlan], tuple[tuple[int, ...], ...]]:
+    """Step 3 of :func:`plan_layer`: the transfers in planning order, their rounds, and each rank's part."""
     frozen = tuple(
         Transfer(t["src"], t["src_slot"], t["dst"], t["expert"], tuple(t["dst_slots"]), index)
         for index, t in enumerate(transfers)
@@ -345,13 +310,13 @@ def plan_layer(
     rounds = migration_rounds(frozen)
     new_rank_of = {g: n for n, g in enumerate(new_h)}
     ranks: dict[int, RankPlan] = {}
-    for g in sorted(set(old_rank_of) | set(new_rank_of)):
+    for g in sorted(set(held.old_rank_of) | set(new_rank_of)):
         mine = per_rank.get(g, {"copies": [], "keeps": [], "reloads": {}})
         ranks[g] = RankPlan(
             group_rank=g,
-            old_rank=old_rank_of.get(g),
+            old_rank=held.old_rank_of.get(g),
             new_rank=new_rank_of.get(g),
-            num_old_slots=s_old if g in old_rank_of else 0,
+            num_old_slots=s_old if g in held.old_rank_of else 0,
             num_new_slots=s_new if g in new_rank_of else 0,
             sends=tuple(t for t in frozen if t.src == g),
             recvs=tuple(t for t in frozen if t.dst == g),
@@ -361,7 +326,67 @@ def plan_layer(
             num_transfers=len(frozen),
             rounds=rounds,
         )
-    return LayerPlan(old, new, s_old, s_new, old_h, new_h, frozen, ranks, rounds)
+    return frozen, ranks, rounds
+
+
+@dataclass(frozen=True)
+class _Holdings:
+    """What the live workers of the old layout hold (step 1 of :func:`plan_layer`)."""
+
+    old_rank_of: dict[int, int]  # group rank -> old rank
+    old_slots_of: dict[int, tuple[int, ...]]  # group rank -> its old slots' experts
+    first_slot: dict[int, dict[int, int]]  # group rank -> expert -> lowest old local slot
+    holders_of: dict[int, list[int]]  # expert -> live group ranks holding it, ascending
+
+    @staticmethod
+    def of(old: tuple[int, ...], s_old: int, old_h: tuple[int, ...]) -> _Holdings:
+        old_rank_of = {g: r for r, g in enumerate(old_h) if g >= 0}
+        old_slots_of = {g: old[r * s_old : (r + 1) * s_old] for g, r in old_rank_of.items()}
+        first_slot: dict[int, dict[int, int]] = {}
+        holders_of: dict[int, list[int]] = {}
+        for g in sorted(old_slots_of):
+            seen: dict[int, int] = {}
+            for i, e in enumerate(old_slots_of[g]):
+                seen.setdefault(e, i)
+            first_slot[g] = seen
+            for e in seen:
+                holders_of.setdefault(e, []).append(g)
+        return _Holdings(old_rank_of, old_slots_of, first_slot, holders_of)
+
+
+def _assign_slots(new: tuple[int, ...], s_old: int, s_new: int, new_h: tuple[int, ...], held: _Holdings,
+                  host_of: tuple[str, ...] | None) -> tuple[list[dict], dict[int, _RankParts]]:
+    """Step 2 of :func:`plan_layer`: every new slot, in order, is kept (same expert in the same
+    slot), copied from another local slot, added to a transfer already planned to that rank,
+    received from the least-used holder (same host first), or reloaded."""
+    send_count: dict[int, int] = {g: 0 for g in held.old_slots_of}
+    transfers: list[dict] = []  # mutable while planning
+    recv_of: dict[tuple[int, int], dict] = {}  # (dst, expert) -> transfer being built
+    per_rank: dict[int, _RankParts] = {}
+    for n, g in enumerate(new_h):
+        mine = per_rank.setdefault(g, {"copies": [], "keeps": [], "reloads": {}})
+        local = held.first_slot.get(g, {})
+        own_old = held.old_slots_of.get(g)
+        for j in range(s_new):
+            e = new[n * s_new + j]
+            if own_old is not None and j < s_old and own_old[j] == e:
+                mine["keeps"].append(j)
+            elif e in local:
+                mine["copies"].append((local[e], j))
+            elif (g, e) in recv_of:
+                recv_of[(g, e)]["dst_slots"].append(j)
+            elif e in held.holders_of:
+                if host_of is None:
+                    src = min(held.holders_of[e], key=lambda h: (send_count[h], h))
+                else:
+                    src = min(held.holders_of[e], key=lambda h: (host_of[h] != host_of[g], send_count[h], h))
+                send_count[src] += 1
+                t = {"src": src, "src_slot": held.first_slot[src][e], "dst": g, "expert": e, "dst_slots": [j]}
+                recv_of[(g, e)] = t
+                transfers.append(t)
+            else:
+                mine["reloads"].setdefault(e, []).append(j)
+    return transfers, per_rank
 
 
 def _as_hosts(hosts: Sequence[str] | None, old_h: tuple[int, ...], new_h: tuple[int, ...]) -> tuple[str, ...] | None:

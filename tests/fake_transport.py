@@ -493,13 +493,13 @@ class FakeWorker:
                 launcher.violation(
                     f"Rescale {cmd.seq} reached rank {self.rank} (generation {self.generation}) with "
                     f"eplb_thread_running={self.eplb_thread_running} transfer_in_flight={self.transfer_in_flight is not None}")
-        new_rank = self.rank if fresh else cmd.mapping[self.rank]
-        if cmd.execute_on == "new" and new_rank < 0:  # not in the new group: nothing to send
+        new_rank = self.rank if fresh else cmd.spec.mapping[self.rank]
+        if cmd.spec.execute_on == "new" and new_rank < 0:  # not in the new group: nothing to send
             self._retire(cmd, started)
             return
-        lost = frozenset(cmd.lost)
-        old_holder, new_holder = holders_from_mapping(list(cmd.mapping), cmd.new_size, cmd.execute_on, lost)
-        me = self.rank if cmd.execute_on == "old" else new_rank  # my rank in the executing group
+        lost = frozenset(cmd.spec.lost)
+        old_holder, new_holder = holders_from_mapping(list(cmd.spec.mapping), cmd.spec.new_size, cmd.spec.execute_on, lost)
+        me = self.rank if cmd.spec.execute_on == "old" else new_rank  # my rank in the executing group
         with launcher.lock:
             rnd = launcher.rounds.get(cmd.seq)
             if rnd is None:
@@ -513,9 +513,9 @@ class FakeWorker:
             with launcher.lock:
                 gens = {old_gen} if old_gen is not None else {
                     a["generation"] for a in rnd.arrived.values() if a["old_rank"] is not None}
-                olds = [r for r in range(len(cmd.mapping))
-                        if r not in lost and (cmd.execute_on == "old" or cmd.mapping[r] >= 0)]
-                return launcher.group_broken(cmd.generation) or any((g, r) in launcher.dead for g in gens for r in olds)
+                olds = [r for r in range(len(cmd.spec.mapping))
+                        if r not in lost and (cmd.spec.execute_on == "old" or cmd.spec.mapping[r] >= 0)]
+                return launcher.group_broken(cmd.spec.generation) or any((g, r) in launcher.dead for g in gens for r in olds)
 
         timeout = self.spec.collective_timeout_s
         self.wait(lambda: rnd.expected <= rnd.arrived.keys(), timeout, "rendezvous", peer_lost)
@@ -525,10 +525,10 @@ class FakeWorker:
             if any(not torch.equal(a["p2l"], p2l) for _, a in survivors):
                 launcher.violation(f"Rescale {cmd.seq}: the surviving ranks disagree on the placement they start from")
             old = Placement.from_physical_to_logical(p2l, self.spec.shape.num_experts)
-            per_rank = old.num_physical // len(cmd.mapping)
+            per_rank = old.num_physical // len(cmd.spec.mapping)
             shape = self.spec.shape
-            target = compute_placement(fixed_load(cmd.generation, shape.num_layers, shape.num_experts),
-                                       per_rank * cmd.new_size, cmd.new_size, previous=old)
+            target = compute_placement(fixed_load(cmd.spec.generation, shape.num_layers, shape.num_experts),
+                                       per_rank * cmd.spec.new_size, cmd.spec.new_size, previous=old)
             snaps = {g: a["contents"] for g, a in rnd.arrived.items() if a["contents"] is not None}
             own = snaps.get(me)
             mine: Contents = []
@@ -557,11 +557,11 @@ class FakeWorker:
 
         self.wait(barrier_passed, timeout, "barrier", barrier_broken)
         placement_before = p2l.tolist()
-        if cmd.execute_on == "old" and new_rank < 0:
+        if cmd.spec.execute_on == "old" and new_rank < 0:
             self._retire(cmd, started, received)
             return
         with launcher.lock:
-            self.rank, self.size, self.generation = new_rank, cmd.new_size, cmd.generation
+            self.rank, self.size, self.generation = new_rank, cmd.spec.new_size, cmd.spec.generation
             self.placement, self.contents = target, mine
             self.broken, self.draining, self.fresh_pending = False, True, False
             self.eplb_thread_running = False

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from elastic.core import protocol as p
 from elastic.core.mapping import RankMapping
 from elastic.faults import DelayTransfer, KillRank
 from elastic.worker.prepare import over_share
@@ -15,6 +16,9 @@ from eplb.plan import holders_from_mapping, plan_layer, prestage_layers
 from tests.conftest import running, small_config
 from tests.helpers import assert_consistent, wait_for_state
 from tests.test_communicators import COMMUNICATORS
+
+#: a Prepare's scale for the pacing tests (they read only its pacing fields)
+SPEC = p.RescaleSpec(generation=1, new_size=2, mapping=(0, 1, -1), execute_on="old")
 
 # -- pure decisions -----------------------------------------------------------------------------
 
@@ -63,12 +67,11 @@ def test_a_rank_holds_the_next_layer_once_it_spent_its_share_of_the_wall_time():
 def test_the_set_up_before_the_first_layer_counts_against_the_share_like_a_layer():
     """Decoding waited while the rank planned and formed the standby group: with 0.3 s of set-up,
     a rank holds its first layer until 3 s have passed at a 0.1 share, as after a 0.3 s layer."""
-    from elastic.core import protocol as p
     from elastic.worker.prepare import Preparation
 
     def prep(setup: float, spent: float) -> Preparation:
         plans = _scale_down_plans(3)
-        return Preparation(command=p.Prepare(seq=1, prestage_share=0.1, paced_for_s=30.0), executing_rank=0, new_rank=0,
+        return Preparation(command=p.Prepare(seq=1, spec=SPEC, prestage_share=0.1, paced_for_s=30.0), executing_rank=0, new_rank=0,
                            standby=None, base=None, placement=None, plans=plans, layers=(0, 1, 2), group=None,  # type: ignore[arg-type]
                            started_at=0.0, started=100.0, setup_seconds=setup, spent=spent)
 
@@ -82,7 +85,6 @@ def test_a_rank_whose_steps_fall_behind_its_steady_pace_holds_though_its_own_tra
     """Steps at 0.1 s before the Prepare; 10 s later, 0.5 s of it spent in layers (within a 0.1
     share): with 80 steps decoded (0.8 of the steady 100) the rank holds, with 95 it goes on. Slow
     steps between layers (a peer's transfer on shared cores) cost decoding as much as layers do."""
-    from elastic.core import protocol as p
     from elastic.worker.prepare import Preparation, behind_pace
 
     assert behind_pace(steps=80, elapsed_s=10.0, steady_step_s=0.1, share=0.1)
@@ -90,7 +92,7 @@ def test_a_rank_whose_steps_fall_behind_its_steady_pace_holds_though_its_own_tra
     assert not behind_pace(steps=0, elapsed_s=10.0, steady_step_s=0.0, share=0.1)  # pace not known: time only
 
     def prep(steps: int) -> Preparation:
-        return Preparation(command=p.Prepare(seq=1, prestage_share=0.1, paced_for_s=60.0), executing_rank=0, new_rank=0,
+        return Preparation(command=p.Prepare(seq=1, spec=SPEC, prestage_share=0.1, paced_for_s=60.0), executing_rank=0, new_rank=0,
                            standby=None, base=None, placement=None, plans=_scale_down_plans(3), layers=(0, 1, 2),  # type: ignore[arg-type]
                            group=None, started_at=0.0, started=100.0, spent=0.5, steps=steps, next_index=1,
                            steady_step_s=0.1)
@@ -105,7 +107,7 @@ def test_a_rank_whose_steps_fall_behind_its_steady_pace_holds_though_its_own_tra
     assert prep(steps=80).words(now=116.0) == [0, 0]
     # behind, but holding would let the layers left overrun the pacing window: they go on
     late = prep(steps=80)
-    late.command = p.Prepare(seq=1, prestage_share=0.1, paced_for_s=10.5)
+    late.command = p.Prepare(seq=1, spec=SPEC, prestage_share=0.1, paced_for_s=10.5)
     assert late.words(now=110.0) == [0, 0]
 
 

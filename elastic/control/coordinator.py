@@ -48,13 +48,13 @@ from elastic.core.errors import (
 from elastic.core.machine import Phase, ScaleMachine
 from elastic.core.mapping import RankMapping
 from elastic.core.phases import SERVING_PHASES
+from elastic.core.worker_spec import WorkerSpec
 from elastic.deployment import DeploymentConfig
 from elastic.launch.factory import make_launcher
 from elastic.launch.launchers import Launcher, WorkerHandle, plan_mapping
 from elastic.serving.engine import Completion, RequestEngine
 from elastic.worker.groups import abort_generation, open_store
 from elastic.worker.liveness import WATCH_MARGIN_S
-from elastic.worker.process import WorkerSpec
 from eplb.algorithm import warm_up
 from eplb.models.config import HFModelConfig
 from eplb.placement_file import placement_document
@@ -979,6 +979,12 @@ class Coordinator:
         """Scale down moves over the old group (the leaving ranks send); scale up and recovery over the new."""
         return "old" if run.mapping.new_size < len(run.mapping.old_to_new) and not run.lost else "new"
 
+    def _rescale_spec(self, run: OperationRun) -> p.RescaleSpec:
+        """What the operation's rescale means, the same in its Prepare, Suppress and Rescale."""
+        return p.RescaleSpec(generation=run.generation, new_size=run.mapping.new_size,
+                             mapping=tuple(run.mapping.old_to_new), lost=tuple(run.lost), execute_on=self._execute_on(run),
+                             keep_requests=run.op.kind != "recover")
+
     def _send_prepare(self, run: OperationRun) -> tuple[int, set[int]]:
         """The prepare sub-phase of draining goes to the old group and to the joining ranks (standing by)."""
         scaling = self.config.scaling
@@ -988,9 +994,8 @@ class Coordinator:
         # less of it, and does not make the scale overrun
         in_draining = time.monotonic() - run.op.phases[Phase.DRAINING.value]["started"]
         paced_for = max(0.0, 0.8 * (self.config.timeouts.draining - in_draining))
-        command = functools.partial(p.Prepare, operation_id=run.op.id, generation=run.generation, paced_for_s=paced_for,
-                                    new_size=run.mapping.new_size, mapping=tuple(run.mapping.old_to_new),
-                                    execute_on=self._execute_on(run), prestage_max_bytes=int(scaling.prestage_max_bytes),
+        command = functools.partial(p.Prepare, operation_id=run.op.id, spec=self._rescale_spec(run), paced_for_s=paced_for,
+                                    prestage_max_bytes=int(scaling.prestage_max_bytes),
                                     prestage_share=scaling.prestage_share)
         seq, _ = self._bus.send(lambda n: command(seq=n), members)
         with self._lock:
@@ -1022,14 +1027,12 @@ class Coordinator:
         # prepared one computed it at Prepare)
         down = run.mapping.new_size < self.size and not run.prepared
         return self._broadcast(p.Suppress, records=run.old, operation_id=run.op.id,
-                               new_size=run.mapping.new_size if down else 0,
-                               mapping=tuple(run.mapping.old_to_new) if down else ())
+                               announced=self._rescale_spec(run) if down else None)
 
     def _send_rescale(self, run: OperationRun) -> tuple[int, set[int]]:
         """The Rescale goes to the surviving ranks of the old group and to the joining ranks
         (standing by since the operation began)."""
         new_size = run.mapping.new_size
-        execute_on = self._execute_on(run)
         members = [w for w in run.old if w.rank not in run.lost] + list(run.joining)
 
         def command(seq: int) -> p.Rescale:
@@ -1038,9 +1041,7 @@ class Coordinator:
                 w.standby = False  # in the new group from here on (a failed attempt's recovery retires it)
             # a recovery's survivors may hold a request's KV cache mid-step: its batch starts empty, and
             # the request engine replays every request from its prompt (elastic.serving.engine)
-            return p.Rescale(seq=seq, operation_id=run.op.id, generation=run.generation, new_size=new_size,
-                             mapping=tuple(run.mapping.old_to_new), lost=run.lost, execute_on=execute_on,
-                             keep_requests=run.op.kind != "recover", prepared=run.prepared)
+            return p.Rescale(seq=seq, operation_id=run.op.id, spec=self._rescale_spec(run), prepared=run.prepared)
 
         seq, _ = self._bus.send(command, members)
         self._forget_attempts()

@@ -47,14 +47,71 @@ class Drain(Command):
 
 
 @dataclass(frozen=True)
+class RescaleSpec:
+    """What one rescale means, the same value in its :class:`Prepare`, the :class:`Suppress`
+    that announces it and the :class:`Rescale` itself (a worker plans from it alone,
+    :func:`elastic.worker.rescale.plan_rescale`).
+
+    ``mapping[old_rank]`` is the new rank, or -1 for a rank that leaves; ``lost`` are old ranks
+    whose weights are gone (dead processes): they take no part and their experts are copied
+    from a surviving replica or reloaded from the canonical source.
+    """
+
+    generation: int
+    new_size: int
+    mapping: tuple[int, ...]
+    lost: tuple[int, ...] = ()
+    #: "old": move over the old group first, then replace it (a scale down: the leaving ranks
+    #: send); "new": form the new group first and move over it (a scale up, a recovery)
+    execute_on: Literal["old", "new"] = "new"
+    #: a scale keeps the request batch (joining ranks get it, KV caches included, from a survivor);
+    #: a recovery drops it: survivors' caches may be mid-step, the coordinator replays the requests
+    keep_requests: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.mapping:
+            raise ValueError("a rescale needs a mapping of at least one old rank")
+        if self.new_size < 1:
+            raise ValueError(f"a rescale's new_size must be positive, got {self.new_size}")
+        kept = sorted(n for n in self.mapping if n >= 0)
+        if any(n >= self.new_size for n in kept) or len(set(kept)) != len(kept):
+            raise ValueError(f"mapping {self.mapping} names a new rank twice or one outside 0..{self.new_size - 1}")
+        if any(not 0 <= r < len(self.mapping) for r in self.lost):
+            raise ValueError(f"lost {self.lost} names a rank outside the old group of {len(self.mapping)}")
+        if self.execute_on not in ("old", "new"):
+            raise ValueError(f"execute_on must be 'old' or 'new', got {self.execute_on!r}")
+
+    @property
+    def old_size(self) -> int:
+        return len(self.mapping)
+
+    @property
+    def survivors(self) -> tuple[int, ...]:
+        """The new ranks of the old ranks that stay (lost ranks do not)."""
+        return tuple(n for old, n in enumerate(self.mapping) if n >= 0 and old not in self.lost)
+
+    @property
+    def source(self) -> int:
+        """The lowest surviving rank in the new group: it sends the state the new group starts from."""
+        if not self.survivors:
+            raise ValueError(f"no rank survives mapping {self.mapping} (lost {self.lost})")
+        return min(self.survivors)
+
+    @property
+    def joining(self) -> bool:
+        """Whether fresh ranks join (the new group has more ranks than survive)."""
+        return self.new_size > len(self.survivors)
+
+
+@dataclass(frozen=True)
 class Prepare(Command):
     """The prepare sub-phase of ``draining`` (sent once every rank drained): everything of the
-    rescale that can happen while the old group still decodes.
+    rescale ``spec`` that can happen while the old group still decodes.
 
     Every rank of the old group, at the same agreed step, stops its (drained, idle) async EPLB
     thread and computes the new placement and every layer's plan from the same window; the
     ranks of the new group (survivors and the joining ranks standing by) form generation
-    ``generation`` as a standby group; then the network part of the plan moves ahead of the
+    ``spec.generation`` as a standby group; then the network part of the plan moves ahead of the
     pause, a layer at a time at agreed steps, paced so decoding keeps its throughput
     (``prestage_share`` of the wall time at most). A joining rank receives into its fresh
     weights; a survivor into spare memory, at most ``prestage_max_bytes`` (layers that do not
@@ -62,10 +119,7 @@ class Prepare(Command):
     over the old group (the leaving ranks send).
     """
 
-    generation: int = 0
-    new_size: int = 0
-    mapping: tuple[int, ...] = ()
-    execute_on: Literal["old", "new"] = "new"
+    spec: RescaleSpec = field(kw_only=True)
     prestage_max_bytes: int = 0
     prestage_share: float = 0.1
     #: a rank holds the next layer only while the layers left, back to back at its pace so far,
@@ -78,32 +132,19 @@ class Prepare(Command):
 class Suppress(Command):
     """Stop and join the async EPLB thread; report when it is gone.
 
-    ``new_size``/``mapping`` announce the scale down that follows (empty: nothing announced):
-    every rank computes the new placement right then, at the same step and from the same
-    window, while it still decodes, so the rescale's pause only moves weights.
+    ``announced``: the scale down that follows (None: nothing announced). Every rank computes
+    its new placement right then, at the same step and from the same window, while it still
+    decodes, so the rescale's pause only moves weights.
     """
 
-    new_size: int = 0
-    mapping: tuple[int, ...] = ()
+    announced: RescaleSpec | None = None
 
 
 @dataclass(frozen=True)
 class Rescale(Command):
-    """Move experts by the rank mapping and replace the process groups with a new generation.
+    """Move experts as ``spec`` says and replace the process groups with its generation."""
 
-    ``mapping[old_rank]`` is the new rank, or -1 for a rank that leaves; ``lost`` are old ranks
-    whose weights are gone (dead processes): they take no part and their experts are copied
-    from a surviving replica or reloaded from the canonical source.
-    """
-
-    generation: int = 0
-    new_size: int = 0
-    mapping: tuple[int, ...] = ()
-    lost: tuple[int, ...] = ()
-    execute_on: Literal["old", "new"] = "new"
-    #: a scale keeps the request batch (joining ranks get it, KV caches included, from a survivor);
-    #: a recovery drops it: survivors' caches may be mid-step, the coordinator replays the requests
-    keep_requests: bool = True  # "old": move over the old group first (scale down); "new": form the new group first
+    spec: RescaleSpec = field(kw_only=True)
     #: a Prepare of this very scale succeeded on every rank: switch to the standby group, move
     #: only what was not pre-transferred, copy the pre-transferred slots in place
     prepared: bool = False
@@ -154,7 +195,7 @@ class RequestSpec:
     """One completion request as every rank decodes it: the prompt's token ids and how to decode.
 
     Decoding is deterministic on every rank and on every replay: greedy at ``temperature`` 0,
-    otherwise a sample drawn with a generator seeded by ``(seed, position)``.
+    otherwise a sample drawn with a generator seeded by ``(seed, position)`` (:mod:`elastic.core.sampling`).
     """
 
     request_id: str
@@ -162,8 +203,17 @@ class RequestSpec:
     max_tokens: int
     temperature: float = 0.0
     seed: int = 0
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # with the model's EOS ids unless the request ignores EOS
     logprobs: int | None = None  # None: no log-probabilities; n: the chosen token's and the top n
+    # vLLM's sampling parameters, at their neutral values by default (elastic.core.sampling applies them)
+    min_tokens: int = 0  # no stop token before this many tokens
+    top_p: float = 1.0
+    top_k: int = 0  # 0: every token
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)

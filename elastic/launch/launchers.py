@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from elastic.core.errors import InvalidRankMapping
 from elastic.core.mapping import RankMapping
-from elastic.worker.process import WorkerSpec, worker_main
+from elastic.core.worker_spec import WorkerSpec
+from elastic.worker.process import worker_main
 
 if TYPE_CHECKING:
     from elastic.deployment import LauncherConfig

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from elastic.core.mapping import RankMapping
+from elastic.core.worker_spec import WorkerSpec
 from elastic.launch.launchers import StoreChannelLauncher, plan_resize
-from elastic.worker.process import WorkerSpec
 
 if TYPE_CHECKING:
     from elastic.deployment import LauncherConfig

@@ -551,7 +551,7 @@ class TrafficRun:
 
     def start(self) -> TrafficRun:
         from elastic.service.api import BackgroundServer, create_app
-        from elastic.serving.loadgen import LoadConfig, run_load
+        from elastic.service.loadgen import LoadConfig, run_load
 
         assert self.scenario.traffic is not None  # built only for a scenario with traffic
         t = self.scenario.traffic
@@ -571,7 +571,7 @@ class TrafficRun:
 
     def stop(self, timeout: float) -> None:
         """No new request; the ones in flight finish (bounded); then summarize and check the tokens."""
-        from elastic.serving.loadgen import check_tokens, summarize
+        from elastic.service.loadgen import check_tokens, summarize
 
         self._stop.set()
         self.thread.join(timeout)

@@ -250,8 +250,9 @@ def _on_pool(threads: int, *, refuse_when_full: bool) -> Callable[[Callable[...,
 
 class RequireApiKey:
     """ASGI middleware: every request that changes something (any method but GET, HEAD, OPTIONS)
-    must carry ``Authorization: Bearer KEY``, as vLLM's ``--api-key`` asks; otherwise 401 and
-    nothing is read or done. Reading (state, metrics, operations) stays open."""
+    must carry ``Authorization: Bearer KEY``, as vLLM's ``--api-key`` asks, and so must every ``/v1/``
+    route, reads included; otherwise 401 and nothing is read or done. Reading the control plane
+    (state, metrics, operations) stays open."""
 
     SAFE = frozenset({"GET", "HEAD", "OPTIONS"})
 
@@ -260,7 +261,7 @@ class RequireApiKey:
         self._expected = f"Bearer {key}".encode()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["method"] not in self.SAFE:
+        if scope["type"] == "http" and (scope["method"] not in self.SAFE or scope["path"].startswith("/v1/")):
             given = dict(scope.get("headers") or ()).get(b"authorization", b"")
             if not hmac.compare_digest(given, self._expected):
                 response = JSONResponse({"error": "unauthorized", "message": (
@@ -283,7 +284,8 @@ def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: 
     reads = _on_pool(READ_THREADS, refuse_when_full=False)
     registry = build_registry(controller, autoscaler)
     app.state.controller, app.state.autoscaler, app.state.hooks, app.state.registry = controller, autoscaler, hooks, registry
-    app.add_middleware(BodyLimit)  # an oversized body is refused (422) before it is read and parsed
+    body_limits: dict[str, int] = {}  # a path prefix's own limit (/v1/: the model's context, set by its routes)
+    app.add_middleware(BodyLimit, prefixes=body_limits)  # an oversized body is refused before it is read and parsed
     if api_key:
         app.add_middleware(RequireApiKey, key=api_key)  # outermost: checked before the body is read
 
@@ -477,9 +479,11 @@ def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: 
         return {"now": time.time(), "windows": sorted((dict(w) for w in windows), key=lambda w: w["started_at"])}
 
     if getattr(controller, "requests", None) is not None:
-        from elastic.serving.openai import completion_routes
+        from elastic.service.completions import RequestIdHeader, completion_routes
+        from elastic.service.metrics import ServingMetrics
 
-        app.include_router(completion_routes(controller))
+        app.include_router(completion_routes(controller, ServingMetrics(registry), body_limits))
+        app.add_middleware(RequestIdHeader)  # x-request-id on every response
 
     # -- autoscaler ---------------------------------------------------------------------------
     def need_autoscaler() -> Autoscaler | JSONResponse:

@@ -28,7 +28,7 @@ from prometheus_client.registry import Collector
 
 from elastic.core.machine import Phase
 
-__all__ = ["CoordinatorCollector", "OperationRecorder", "build_registry", "PREFIX"]
+__all__ = ["CoordinatorCollector", "OperationRecorder", "RequestTimer", "ServingMetrics", "build_registry", "PREFIX"]
 
 PREFIX = "elastic_ep_"
 OPERATION_STATUSES = ("pending", "running", "succeeded", "failed", "noop")
@@ -232,6 +232,73 @@ class OperationRecorder:
         outcome = {"rebalance_finished": "finished", "rebalance_failed": "failed"}.get(str(data.get("kind")))
         if outcome is not None:
             self.rebalance_seconds.labels(outcome=outcome).observe(float(data["seconds"]))
+
+
+#: TTFT and end-to-end latency buckets (seconds), and inter-token gaps (vLLM's spans)
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                   40.0, 80.0, 160.0)
+TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                     0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+
+
+class ServingMetrics:
+    """Latencies and token counts of completion requests, as the HTTP front end sees them
+    (vLLM's ``time_to_first_token``, ``inter_token_latency``, ``e2e_request_latency``,
+    ``prompt_tokens`` and ``generation_tokens``, in this project's namespace)."""
+
+    def __init__(self, registry: CollectorRegistry, clock: Any = None):
+        import time
+
+        self.clock = clock or time.monotonic
+        self.ttft = Histogram(PREFIX + "request_time_to_first_token_seconds",
+                              "from a request's arrival to its first token", registry=registry, buckets=LATENCY_BUCKETS)
+        self.inter_token = Histogram(PREFIX + "request_inter_token_seconds", "between two tokens of one request",
+                                     registry=registry, buckets=TOKEN_GAP_BUCKETS)
+        self.e2e = Histogram(PREFIX + "request_e2e_seconds", "from a request's arrival to its last token",
+                             registry=registry, buckets=LATENCY_BUCKETS)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "prompt tokens of the requests answered",
+                                     registry=registry)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "tokens generated for the requests answered",
+                                         registry=registry)
+
+    def timer(self) -> RequestTimer:
+        return RequestTimer(self)
+
+
+class RequestTimer:
+    """One request's clock: :meth:`update` on every look at its choices (objects with a
+    ``completion``), :meth:`finish` once when answered."""
+
+    def __init__(self, metrics: ServingMetrics):
+        self.metrics = metrics
+        self.started = metrics.clock()
+        self._seen: dict[str, tuple[int, float]] = {}  # request id -> (tokens seen, when the last came)
+        self._finished = False
+
+    def update(self, choices: Any) -> None:
+        now = self.metrics.clock()
+        for ch in choices:
+            c = ch.completion
+            count, last = self._seen.get(c.id, (0, self.started))
+            new = len(c.tokens) - count
+            if new <= 0:
+                continue
+            if count == 0:
+                self.metrics.ttft.observe(now - self.started)
+                new, last = new - 1, now  # tokens that came with the first one: no gap
+            for _ in range(new):
+                self.metrics.inter_token.observe((now - last) / max(new, 1))
+            self._seen[c.id] = (len(c.tokens), now)
+
+    def finish(self, choices: Any) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        self.update(choices)
+        self.metrics.e2e.observe(self.metrics.clock() - self.started)
+        prompts = {getattr(ch, "prompt_index", ch.completion.id): len(ch.completion.spec.prompt) for ch in choices}
+        self.metrics.prompt_tokens.inc(sum(prompts.values()))
+        self.metrics.generation_tokens.inc(sum(len(ch.completion.tokens) for ch in choices))
 
 
 def build_registry(coordinator: Any, autoscaler: Any = None) -> CollectorRegistry:

@@ -657,17 +657,23 @@ class BodyLimit:
     """ASGI middleware: a request body over ``limit`` bytes gets 422 before it is read (Content-Length)
     or as soon as the streamed part passes the limit (chunked), in the API's error shape."""
 
-    def __init__(self, app: Any, limit: int = MAX_BODY_BYTES):
+    def __init__(self, app: Any, limit: int = MAX_BODY_BYTES, prefixes: dict[str, int] | None = None):
         self.app = app
-        self.limit = limit
+        self.default = limit
+        self.prefixes = prefixes if prefixes is not None else {}  # path prefix -> its own limit (read per request)
+        self.limit = limit  # the default (the message names it)
 
-    def message(self) -> str:
-        return f"body: larger than the {format_bytes(self.limit)} a request may have; send the fields of the request only"
+    def limit_for(self, path: str) -> int:
+        return next((v for k, v in self.prefixes.items() if path.startswith(k)), self.default)
 
-    async def _refuse(self, send: Any) -> None:
+    def message(self, limit: int | None = None) -> str:
+        return (f"body: larger than the {format_bytes(limit or self.limit)} a request may have; send the fields of the "
+                "request only")
+
+    async def _refuse(self, send: Any, limit: int | None = None) -> None:
         import json
 
-        body = json.dumps({"error": "invalid_request", "message": self.message(), "errors": []}).encode()
+        body = json.dumps({"error": "invalid_request", "message": self.message(limit), "errors": []}).encode()
         await send({"type": "http.response.start", "status": 422,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
@@ -677,8 +683,9 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.limit):
-            await self._refuse(send)
+        limit = self.limit_for(scope.get("path", ""))
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            await self._refuse(send, limit)
             return
         received = 0
         started = False
@@ -688,8 +695,8 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.limit:
-                    raise BodyTooLarge(self.message())
+                if received > limit:
+                    raise BodyTooLarge(self.message(limit))
             return message
 
         async def watched_send(message: Any) -> None:
@@ -701,4 +708,4 @@ class BodyLimit:
             await self.app(scope, limited_receive, watched_send)
         except BodyTooLarge:  # raised before FastAPI read the body (it converts those into a 400 itself)
             if not started:
-                await self._refuse(send)
+                await self._refuse(send, limit)

@@ -25,18 +25,17 @@ KV cache to a joining rank (a scale never restarts a request from its prompt).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from elastic.core import sampling
 from elastic.core.protocol import RequestSpec, TokenOut
-from eplb.trace import seed_for
+from elastic.core.sampling import GREEDY_BELOW
 
 __all__ = ["GREEDY_BELOW", "RequestBatch", "StepTokens"]
-
-#: a temperature below this decodes greedily (vLLM's sampling epsilon)
-GREEDY_BELOW = 1e-5
 
 
 @dataclass
@@ -55,17 +54,19 @@ class StepTokens:
     seconds: float
 
 
-def choose(spec: RequestSpec, logits: torch.Tensor, position: int) -> tuple[int, float | None, tuple[tuple[int, float], ...]]:
-    """The token at ``position`` from ``logits [V]``: greedy at temperature 0, else a seeded sample;
-    with its log-probability and the top ``spec.logprobs`` alternatives when asked for."""
+def choose(spec: RequestSpec, logits: torch.Tensor, position: int,
+           generated: Sequence[int] = ()) -> tuple[int, float | None, tuple[tuple[int, float], ...]]:
+    """The token at ``position`` from ``logits [V]`` (``generated``: the tokens before it): greedy at
+    temperature 0, else a seeded sample, after the request's sampling parameters
+    (:mod:`elastic.core.sampling`); with its log-probability and the top ``spec.logprobs``
+    alternatives when asked for (of the model's own distribution, as vLLM reports them)."""
+    adjusted = logits if sampling.neutral(spec, position) else sampling.adjusted_logits(spec, logits, generated)
     if spec.temperature < GREEDY_BELOW:
-        token = int(logits.argmax())
+        token = int(adjusted.argmax())
     else:
         # float64: logits / a small temperature stay finite (float32 overflowed to NaN probabilities,
         # which broke the group on every rank at once)
-        probs = torch.softmax(logits.double() / spec.temperature, dim=-1)
-        g = torch.Generator().manual_seed(seed_for(spec.seed, "sample", position))
-        token = int(torch.multinomial(probs, 1, generator=g)) if bool(torch.isfinite(probs).all()) else int(logits.argmax())
+        token = sampling.sample(spec, adjusted, position)
     if spec.logprobs is None:
         return token, None, ()
     logp = torch.log_softmax(logits.float(), dim=-1)
@@ -118,10 +119,11 @@ class RequestBatch:
                 assert r.last is not None  # prefilled: a token to feed
                 logits, r.cache = self.model.next_logits(r.last[:, None], r.cache)
             position = len(r.generated)
-            token, logprob, top = choose(r.spec, logits[0], position)
+            token, logprob, top = choose(r.spec, logits[0], position, r.generated)
             r.generated.append(token)
             r.last = torch.tensor([token], dtype=torch.long)
-            finish = "stop" if token in r.spec.stop_token_ids else "length" if position + 1 >= r.spec.max_tokens else None
+            stop = token in r.spec.stop_token_ids and position + 1 > r.spec.min_tokens
+            finish = "stop" if stop else "length" if position + 1 >= r.spec.max_tokens else None
             out.append(TokenOut(rid, position, token, logprob, top, finish))
             if finish is not None:
                 del self.running[rid]

@@ -129,9 +129,7 @@ class Preparation:
 
     def matches(self, rescale: p.Rescale) -> bool:
         """Whether ``rescale`` is the scale this preparation was made for."""
-        c = self.command
-        return (rescale.prepared and not rescale.lost and (c.generation, c.new_size, c.mapping, c.execute_on)
-                == (rescale.generation, rescale.new_size, rescale.mapping, rescale.execute_on))
+        return rescale.prepared and not rescale.spec.lost and self.command.spec == rescale.spec
 
     def done(self, now_at: float, now: float) -> p.PrepareDone:
         return p.PrepareDone(

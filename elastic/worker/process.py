@@ -24,7 +24,6 @@ import threading
 import time
 import traceback
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -32,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.core import protocol as p
-from elastic.core.config import ServingConfig
+from elastic.core.worker_spec import WorkerSpec  # noqa: F401 - re-exported (it moved to core)
 from elastic.service.logs import configure as configure_logging
 from elastic.serving.batch import RequestBatch
 from elastic.worker.groups import (
@@ -50,13 +49,12 @@ from elastic.worker.prepare import PREPARE_WORDS, Preparation
 from eplb.algorithm import warm_up
 from eplb.communicator import make_communicator
 from eplb.config import EPLBConfig
-from eplb.model import ModelShape
 from eplb.models.config import HFModelConfig
 from eplb.models.serving import DecodeBatches, build_model, model_info
 from eplb.placement import Placement
 from eplb.plan import LayerPlan, holders_from_mapping, plan_layer, prestage_layers
 from eplb.state import CONTROL_WORDS, EPLBState, LoadWindow, TransferHooks, placement_for
-from eplb.trace import PhasedTrace, TraceConfig
+from eplb.trace import PhasedTrace
 from eplb.transfer import TransferTimeout, commit_layer, execute_layer, materialize
 
 log = logging.getLogger("elastic.worker.process")
@@ -67,39 +65,6 @@ SWITCHED_KEY = "elastic-switched"
 PRESTAGE_LAYER_KEY = "elastic-prestage-layer"
 #: decode steps in the steady pace a prepare keeps (``Preparation.steady_step_s``)
 STEADY_STEPS = 32
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Everything a worker process needs to start (picklable)."""
-
-    rank: int
-    size: int
-    generation: int
-    store_host: str
-    store_port: int
-    shape: ModelShape | HFModelConfig  # the model: the reference MoE or a Hugging Face MoE
-    eplb: EPLBConfig
-    trace: tuple[tuple[int, TraceConfig], ...]
-    seed: int = 0
-    num_physical: int = 0  # physical slots at this generation
-    backend: str = "gloo"
-    collective_timeout_s: float = 30.0
-    join_timeout_s: float = 60.0
-    heartbeat_s: float = 0.1
-    step_delay_s: float = 0.0  # optional pacing of the decode loop (replays at a readable speed)
-    # a rank launched ahead of a scale-up: it prepares its weights while the old group still
-    # decodes and waits (at most standby_timeout_s) for its Rescale, the first command it runs
-    joining: bool = False
-    standby_timeout_s: float = 120.0
-    standby_seq: int = 0  # the seq its "ready" report carries (PhaseDone, phase "Standby")
-    faults: tuple[Any, ...] = field(default_factory=tuple)  # fault injections (tests, scenarios)
-    serving: ServingConfig = field(default_factory=ServingConfig)  # the request batch (a real model)
-    # the first group's placement, [layers][slots] (eplb.initial_placement); None: the static one
-    initial_placement: tuple[tuple[int, ...], ...] | None = None
-    # the process that built the spec, i.e. the coordinator (the launcher pickles the spec as it is):
-    # a worker that descends from it exits when it dies (elastic.worker.lifetime)
-    coordinator_pid: int = field(default_factory=os.getpid)
 
 
 class BrokenGroup(RuntimeError):
@@ -175,7 +140,7 @@ class Worker:
         self.faults = FaultInjector(spec.faults, lambda: (self.rank, self.generation))
         self._prepared_weights: list[list[torch.Tensor]] | None = None  # a joining rank's, allocated while standing by
         # (announced scale down, maps then, its placement and layer plans), from Suppress to Rescale
-        self._announced: tuple[p.Rescale, Placement, Placement, list[LayerPlan]] | None = None
+        self._announced: tuple[p.RescaleSpec, Placement, Placement, list[LayerPlan]] | None = None
         self.preparation: Preparation | None = None  # a scale's prepare sub-phase, from its Prepare to the switch
         # when the last decode steps ended: the steady pace a prepare's pacing keeps
         self._step_ends: collections.deque[float] = collections.deque(maxlen=STEADY_STEPS + 1)
@@ -399,8 +364,8 @@ class Worker:
             raise RuntimeError("prepare before the drain finished: a transfer is still in flight")
         self._discard_preparation()
         started_at, started = time.monotonic(), time.perf_counter()
-        new_rank = command.mapping[self.rank]
-        scale_up = command.execute_on == "new"
+        new_rank = command.spec.mapping[self.rank]
+        scale_up = command.spec.execute_on == "new"
         with self._busy(p.WorkerMode.DRAINING):  # joining the thread, the rendezvous: busy, not silent
             if not self.eplb.stop_worker(timeout=self.spec.collective_timeout_s):
                 raise TimeoutError("the async EPLB thread did not stop in time")
@@ -423,7 +388,7 @@ class Worker:
         try:
             base = self.eplb.placement
             mark = time.perf_counter()
-            rescale = self._rescale_of(command)
+            rescale = command.spec
             placement = self._next_placement(rescale, base, base.physical_to_logical)
             # a scale up runs on the standby group: planned once it formed, with its hosts (as the joining ranks do)
             plans = None if scale_up else self._layer_plans(rescale, base.physical_to_logical, placement)
@@ -438,9 +403,9 @@ class Worker:
                 # the joining ranks learn the maps from the lowest survivor, and a Hugging Face
                 # model's replicated weights too, over the standby group
                 payload: list[Any] = [{"base": base.physical_to_logical, "placement": placement.physical_to_logical}]
-                source = self._plan_source(command)
+                source = command.spec.source
                 dist.broadcast_object_list(payload, group=standby.pg, group_src=source)
-                if self.decoder is not None and command.new_size > len(self._survivors(command)):
+                if self.decoder is not None and command.spec.joining:
                     self.model.sync_non_expert(src=source, group=standby.pg, timeout=self.spec.collective_timeout_s)
             group_seconds = time.perf_counter() - mark
             self.preparation = self._preparation(command, new_rank if scale_up else self.rank, new_rank, standby, base,
@@ -461,13 +426,13 @@ class Worker:
             mark = time.perf_counter()
             standby = self._form_standby(command, self.rank)
             payload: list[Any] = [None]
-            source = self._plan_source(command)
+            source = command.spec.source
             dist.broadcast_object_list(payload, group=standby.pg, group_src=source)
             base = Placement.from_physical_to_logical(payload[0]["base"], self.sizes.num_logical_experts)
             placement = Placement.from_physical_to_logical(payload[0]["placement"], self.sizes.num_logical_experts)
             # built on the old maps (as rank 0 of the old group: the same slots per rank); the new
             # placement is installed at adoption
-            self.model = build_model(spec.shape, base, 0, len(command.mapping), seed=spec.seed,
+            self.model = build_model(spec.shape, base, 0, len(command.spec.mapping), seed=spec.seed,
                                      timeout=spec.collective_timeout_s, joining=True)
             self.model.replace_weights([])
             self._start_decoder()
@@ -475,7 +440,7 @@ class Worker:
                 self.non_expert_sync = self.model.sync_non_expert(src=source, group=standby.pg,
                                                                   timeout=spec.collective_timeout_s)
             group_seconds = time.perf_counter() - mark
-            rescale = self._rescale_of(command)
+            rescale = command.spec
             plans = self._layer_plans(rescale, base.physical_to_logical, placement, hosts=standby.hosts)
             prep = self._preparation(command, self.rank, self.rank, standby, base, placement, plans, started_at, started)
             prep.group_seconds = group_seconds
@@ -486,7 +451,7 @@ class Worker:
             wait_s = max(1.0, spec.standby_timeout_s)
             for index, layer in enumerate(prep.layers):
                 self.progress = ("pre-transfer", index, len(prep.layers))
-                self._wait_for_layer_start(command.generation, index, wait_s)
+                self._wait_for_layer_start(command.spec.generation, index, wait_s)
                 self.faults.mid_prestage(index)
                 self.faults.before_layer(layer)
                 mark = time.perf_counter()
@@ -522,8 +487,8 @@ class Worker:
     def _announce_layer_start(self, prep: Preparation) -> None:
         """An old rank of a scale up tells the joining ranks it starts the next pre-transfer layer
         (every old rank sets the same key; they start it at the same agreed step)."""
-        if prep.command.execute_on == "new":
-            dist.PrefixStore(f"elastic/gen{prep.command.generation}/", self.store).set(
+        if prep.command.spec.execute_on == "new":
+            dist.PrefixStore(f"elastic/gen{prep.command.spec.generation}/", self.store).set(
                 f"{PRESTAGE_LAYER_KEY}{prep.next_index}", "1")
 
     def _advance_preparation(self, words: list[int]) -> None:
@@ -586,23 +551,8 @@ class Worker:
         finally:
             prep.spent += time.perf_counter() - mark
 
-    def _rescale_of(self, command: p.Prepare) -> p.Rescale:
-        """The rescale a Prepare prepares, as the planning functions take it."""
-        return p.Rescale(seq=command.seq, generation=command.generation, new_size=command.new_size,
-                         mapping=command.mapping, execute_on=command.execute_on)
-
-    @staticmethod
-    def _survivors(command: p.Prepare | p.Rescale) -> list[int]:
-        """The new ranks of the old ranks that stay (a rescale's lost ranks do not)."""
-        lost = command.lost if isinstance(command, p.Rescale) else ()
-        return [n for old, n in enumerate(command.mapping) if n >= 0 and old not in lost]
-
-    def _plan_source(self, command: p.Prepare) -> int:
-        """The lowest surviving rank (in the new group): it sends the maps to the joining ranks."""
-        return min(self._survivors(command))
-
     def _form_standby(self, command: p.Prepare, new_rank: int) -> StandbyGroup:
-        return StandbyGroup.form(self.store, command.generation, new_rank, command.new_size, backend=self.spec.backend,
+        return StandbyGroup.form(self.store, command.spec.generation, new_rank, command.spec.new_size, backend=self.spec.backend,
                                  timeout_s=self.spec.collective_timeout_s, rendezvous_timeout_s=self.spec.join_timeout_s)
 
     def _preparation(self, command: p.Prepare, executing_rank: int, new_rank: int, standby: StandbyGroup | None,
@@ -610,20 +560,20 @@ class Worker:
                      started: float) -> Preparation:
         """The preparation record, with the layers that move ahead (the same on every rank): the
         ranks that keep serving receive into spare memory, within the budget."""
-        if command.execute_on == "new":
-            bounded = self._survivors(command)
+        if command.spec.execute_on == "new":
+            bounded = list(command.spec.survivors)
         else:
-            bounded = [old for old, n in enumerate(command.mapping) if n >= 0]
+            bounded = [old for old, n in enumerate(command.spec.mapping) if n >= 0]
         layers = prestage_layers(plans, self.sizes.expert_bytes, command.prestage_max_bytes, bounded)
         return Preparation(command=command, executing_rank=executing_rank, new_rank=new_rank, standby=standby,
                            base=base, placement=placement, plans=plans, layers=layers,
-                           group=standby.pg if command.execute_on == "new" and standby is not None else None,
+                           group=standby.pg if command.spec.execute_on == "new" and standby is not None else None,
                            started_at=started_at, started=started)
 
     def _comm_for_prepare(self, command: p.Prepare) -> None:
         """The pre-transfer of a scale up moves over the standby generation: bind the communicator to it."""
-        if command.execute_on == "new":
-            self.comm.bind(command.generation, dist.PrefixStore(f"elastic/gen{command.generation}/", self.store))
+        if command.spec.execute_on == "new":
+            self.comm.bind(command.spec.generation, dist.PrefixStore(f"elastic/gen{command.spec.generation}/", self.store))
             if self.model.expert_weights():
                 self.comm.set_weights(self.model.expert_weights())
 
@@ -681,13 +631,13 @@ class Worker:
         self.mode = p.WorkerMode.SUPPRESSED
         joined = time.perf_counter() - started
         self._announced = None
-        if command.mapping and self.preparation is None:  # a scale down follows: its placement is computed now
-            announced = p.Rescale(seq=command.seq, new_size=command.new_size, mapping=command.mapping, execute_on="old")
+        announced = command.announced
+        if announced is not None and self.preparation is None:  # a scale down follows: its placement is computed now
             base = self.eplb.placement
             placement = self._next_placement(announced, base, base.physical_to_logical)
             plans = self._layer_plans(announced, base.physical_to_logical, placement)
             self._announced = (announced, base, placement, plans)
-        self._done(command, p.SuppressDone(join_seconds=joined, threads=_thread_names(), announced=bool(command.mapping),
+        self._done(command, p.SuppressDone(join_seconds=joined, threads=_thread_names(), announced=command.announced is not None,
                                            placement_seconds=time.perf_counter() - started - joined))
 
     def _on_rescale(self, command: p.Rescale) -> None:
@@ -811,24 +761,24 @@ class Worker:
             self._rescale_blocking(cmd, fresh=fresh)
 
     def _rescale_blocking(self, cmd: p.Rescale, *, fresh: bool) -> None:
-        """Redistribute experts by ``cmd.mapping`` and move to generation ``cmd.generation``."""
+        """Redistribute experts by ``cmd.spec.mapping`` and move to generation ``cmd.spec.generation``."""
         started = time.perf_counter()
         if self._eplb is not None and self._eplb.running:
             raise RuntimeError("rescale while the async EPLB worker runs: suppress it first")
-        new_rank = cmd.mapping[self.rank] if not fresh else self.rank
+        new_rank = cmd.spec.mapping[self.rank] if not fresh else self.rank
         prep = self._take_preparation(cmd)  # a prepared scale: the standby group and what moved ahead
-        if not cmd.keep_requests and self.requests is not None:
+        if not cmd.spec.keep_requests and self.requests is not None:
             self.requests.clear()  # a recovery: the coordinator replays every request from its prompt
         # group destroy + rendezvous; redistribution (wall, and this process's CPU incl. gloo threads)
         timing: dict[str, Any] = {"group_seconds": 0.0, "transfer_seconds": 0.0, "transfer_cpu_seconds": 0.0,
                                   "prepared": prep is not None}
-        if cmd.execute_on == "old":
+        if cmd.spec.execute_on == "old":
             # scale down: every expert a leaving rank holds that the new placement needs is
             # sent out over the old group, and only then is the group replaced.
             # Drained: every rank committed the same layers, so its own maps are everyone's.
             base, diverged = self.eplb.placement, []
             held = base.physical_to_logical
-            announced = self._prepared_plan(prep, base) if prep is not None else self._announced_plan(cmd, base)
+            announced = self._prepared_plan(prep, base) if prep is not None else self._announced_plan(cmd.spec, base)
             timing["announced"] = announced is not None  # placement and plans made at Suppress (or Prepare)
             new_placement, new_weights, bytes_moved, undo = self._move_experts(cmd, base, held, self.rank, timing,
                                                                                announced, prep)
@@ -848,7 +798,7 @@ class Worker:
                     self._switch_to(prep.standby)
                     dist.barrier()  # every survivor holds the new placement before any adopts it
                     if new_rank == 0:  # the leaving ranks may go now
-                        dist.PrefixStore(f"elastic/gen{cmd.generation}/", self.store).set(SWITCHED_KEY, "1")
+                        dist.PrefixStore(f"elastic/gen{cmd.spec.generation}/", self.store).set(SWITCHED_KEY, "1")
                 else:
                     self._destroy_group()
                     self.group = self._join(cmd, new_rank)
@@ -903,7 +853,7 @@ class Worker:
 
     def _join(self, cmd: p.Rescale, new_rank: int) -> GroupGeneration:
         spec = self.spec
-        return GroupGeneration.join(self.store, cmd.generation, new_rank, cmd.new_size, backend=spec.backend,
+        return GroupGeneration.join(self.store, cmd.spec.generation, new_rank, cmd.spec.new_size, backend=spec.backend,
                                     timeout_s=spec.collective_timeout_s, rendezvous_timeout_s=spec.join_timeout_s)
 
     def _move_experts(self, cmd: p.Rescale, base: Placement, held: torch.Tensor, executing_rank: int,
@@ -913,14 +863,14 @@ class Worker:
         all-or-nothing barrier, timed into ``timing``; returns ``(placement, weights, bytes, undo log)``.
         With ``prep``, its layers moved ahead of the pause and are only finished here."""
         mark, cpu = time.perf_counter(), time.process_time()
-        new_placement, plans = announced or (self._next_placement(cmd, base, held), None)
+        new_placement, plans = announced or (self._next_placement(cmd.spec, base, held), None)
         timing["placement_seconds"] = time.perf_counter() - mark
         weights, received, undo, networked, copied = self._redistribute(cmd, held, new_placement, executing_rank,
                                                                         plans=plans, prestaged=prep)
         timing["copy_bytes"] = copied
         timing["prestaged_layers"] = 0 if prep is None else len(prep.layers)
         barrier = time.perf_counter()
-        if networked or (prep is not None and cmd.execute_on == "new"):
+        if networked or (prep is not None and cmd.spec.execute_on == "new"):
             # every rank's transfers are done before anyone tears the group down or adopts;
             # without network transfers, the next rendezvous (or Resume) is that meeting point
             self._barrier_or_undo(undo)
@@ -949,7 +899,7 @@ class Worker:
         survivor holds is reloaded). A survivor's own placement stays untouched until it adopts
         the new one, so a failed attempt leaves its maps matching its weights.
         """
-        survivors = self._survivors(cmd)
+        survivors = cmd.spec.survivors
         source = min(survivors)
         payload: list[Any] = [None]
         if new_rank == source:
@@ -962,12 +912,12 @@ class Worker:
                 "stats": self.eplb.stats,
                 "steps_since_rebalance": self.eplb.steps_since_rebalance,
                 # the request batch with its KV caches: a joining rank goes on decoding it
-                "requests": self.requests.export() if cmd.keep_requests and self.requests is not None else [],
+                "requests": self.requests.export() if cmd.spec.keep_requests and self.requests is not None else [],
             }]
         dist.broadcast_object_list(payload, src=source)
         state = payload[0]
         source_started = time.perf_counter() - state["elapsed"]  # on this rank's clock, to a broadcast's latency
-        own: list[Any] = [None] * cmd.new_size
+        own: list[Any] = [None] * cmd.spec.new_size
         base = Placement.from_physical_to_logical(state["p2l"], self.sizes.num_logical_experts)
         if prepared:
             # drained, the EPLB off since Prepare: every survivor holds the base maps (checked here,
@@ -978,7 +928,7 @@ class Worker:
             dist.all_gather_object(own, None if fresh else (self.rank, self.eplb.placement.physical_to_logical))
         self.step = state["step"]
         held = base.physical_to_logical.clone()
-        per_rank = held.shape[1] // len(cmd.mapping)
+        per_rank = held.shape[1] // len(cmd.spec.mapping)
         for entry in own:
             if entry is not None:
                 old_rank, rows = entry
@@ -989,11 +939,11 @@ class Worker:
                 # other weights from the lowest survivor (below)
                 # built on the old maps (as rank 0 of the old group: the same slots per rank); the new
                 # placement is installed at adoption
-                self.model = build_model(self.spec.shape, base, 0, len(cmd.mapping), seed=self.spec.seed,
+                self.model = build_model(self.spec.shape, base, 0, len(cmd.spec.mapping), seed=self.spec.seed,
                                          timeout=self.spec.collective_timeout_s, joining=True)
                 self.model.replace_weights([])
                 self._start_decoder()
-            self.eplb = EPLBState(self.spec.eplb, self.model, base, new_rank, cmd.new_size, on_event=self._eplb_event,
+            self.eplb = EPLBState(self.spec.eplb, self.model, base, new_rank, cmd.spec.new_size, on_event=self._eplb_event,
                                   hooks=self._hooks(), communicator=self.comm)
             self.eplb.carry_over(LoadWindow.from_state(state["window"]), state["stats"], state["steps_since_rebalance"])
         else:
@@ -1002,12 +952,12 @@ class Worker:
             self.requests.restore(state["requests"])  # every rank of the new group, the same batch
         if self.decoder is not None:
             self.decoder.batch_index = state["batch_index"]  # every rank goes on with the same batches
-            if cmd.new_size > len(survivors) and not prepared:  # fresh ranks: the replicated weights from a survivor
+            if cmd.spec.new_size > len(survivors) and not prepared:  # fresh ranks: the replicated weights from a survivor
                 self.non_expert_sync = self.model.sync_non_expert(src=source, group=None,
                                                                   timeout=self.spec.collective_timeout_s)
         return base, held, source_started
 
-    def _announced_plan(self, cmd: p.Rescale, base: Placement) -> tuple[Placement, list[LayerPlan]] | None:
+    def _announced_plan(self, cmd: p.RescaleSpec, base: Placement) -> tuple[Placement, list[LayerPlan]] | None:
         """The placement and layer plans computed at Suppress for this very scale down, if nothing
         changed since (same mapping and size, same maps: the EPLB was off); None otherwise."""
         announced, self._announced = self._announced, None
@@ -1018,7 +968,7 @@ class Worker:
             return None
         return placement, plans
 
-    def _layer_plans(self, cmd: p.Rescale, held: torch.Tensor, new_placement: Placement,
+    def _layer_plans(self, cmd: p.RescaleSpec, held: torch.Tensor, new_placement: Placement,
                      hosts: tuple[str, ...] | None = None) -> list[LayerPlan]:
         """Every layer's transfer plan from the ``held`` rows to ``new_placement`` (pure), senders
         on the receiver's host first. ``hosts``: those of the executing group, the same list on
@@ -1031,7 +981,7 @@ class Worker:
                            hosts=hosts or None)
                 for layer in range(held.shape[0])]
 
-    def _next_placement(self, cmd: p.Rescale, old: Placement, held: torch.Tensor) -> Placement:
+    def _next_placement(self, cmd: p.RescaleSpec, old: Placement, held: torch.Tensor) -> Placement:
         """The placement for the new group: same slots per rank, a policy run on the carried window,
         slot-aligned to what the surviving ranks hold (``held``), so they keep those slots in place."""
         per_rank = old.num_physical // len(cmd.mapping)
@@ -1062,11 +1012,11 @@ class Worker:
         network before the pause: a survivor makes their staging from its received rows
         (the whole new layer, swapped in), a joining rank already holds them, a leaving rank sent them.
         """
-        per_rank = held.shape[1] // len(cmd.mapping)
-        plans = self._layer_plans(cmd, held, new_placement) if plans is None else plans
+        per_rank = held.shape[1] // len(cmd.spec.mapping)
+        plans = self._layer_plans(cmd.spec, held, new_placement) if plans is None else plans
         ahead = set(prestaged.layers) if prestaged is not None else set()
         rows = prestaged.received if prestaged is not None else {}
-        my_new_rank = executing_rank if cmd.execute_on == "new" else cmd.mapping[self.rank]
+        my_new_rank = executing_rank if cmd.spec.execute_on == "new" else cmd.spec.mapping[self.rank]
         old_weights = self.model.expert_weights() if self.model.expert_weights() else None
         in_place = my_new_rank >= 0 and old_weights is not None
         networked = any(plan.num_transfers for layer, plan in enumerate(plans) if layer not in ahead)
@@ -1149,7 +1099,7 @@ class Worker:
     def _comm_for_rescale(self, cmd: p.Rescale, incoming, staging) -> None:
         """Before a rescale's first transfer: bind the executing generation; register the weights a
         fresh rank fills (``incoming``, published with the metadata) or a survivor's staging."""
-        executing = cmd.generation if cmd.execute_on == "new" else self.generation
+        executing = cmd.spec.generation if cmd.spec.execute_on == "new" else self.generation
         self.comm.bind(executing, dist.PrefixStore(f"elastic/gen{executing}/", self.store))
         if self.model.expert_weights():
             self.comm.set_weights(self.model.expert_weights())
@@ -1170,7 +1120,7 @@ class Worker:
     def _await_switch(self, cmd: p.Rescale) -> None:
         """A leaving rank of a prepared scale down waits (at most a collective timeout) until the
         survivors' switch is over or abandoned, then leaves."""
-        prefix = dist.PrefixStore(f"elastic/gen{cmd.generation}/", self.store)
+        prefix = dist.PrefixStore(f"elastic/gen{cmd.spec.generation}/", self.store)
         deadline = time.monotonic() + self.spec.collective_timeout_s
         while time.monotonic() < deadline:
             try:
@@ -1205,8 +1155,8 @@ class Worker:
         return self.spec.eplb.model_copy(update={"policy_options": {**options, "num_nodes": num_nodes_of(hosts)}})
 
     def _adopt(self, new_rank: int, cmd: p.Rescale, placement: Placement, weights) -> None:
-        self.rank, self.size, self.generation = new_rank, cmd.new_size, cmd.generation
-        self.model.install_placement(placement, new_rank, cmd.new_size)
+        self.rank, self.size, self.generation = new_rank, cmd.spec.new_size, cmd.spec.generation
+        self.model.install_placement(placement, new_rank, cmd.spec.new_size)
         self.comm.adopt_incoming()  # registrations follow the tensors (old ones deregistered first)
         # tensors a switch swapped out are freed at Resume, not here: giving back a few GiB is kernel
         # work that would lengthen the pause
@@ -1220,7 +1170,7 @@ class Worker:
             self.model.take_load()
         # the EPLB stays off until Resume restarts it on the new group; a broken group's EPLB
         # subgroup is released now (a healthy one went with its group)
-        self.eplb.adopt(placement, new_rank, cmd.new_size)
+        self.eplb.adopt(placement, new_rank, cmd.spec.new_size)
 
     # -- the decode loop -------------------------------------------------------------------
     def _sync(self) -> list[int]:

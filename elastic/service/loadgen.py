@@ -77,7 +77,8 @@ class Retryable(Exception):
 
 
 async def _attempt(client: httpx.AsyncClient, cfg: LoadConfig, model: str, rec: RequestRecord) -> None:
-    body = {"model": model, "prompt": rec.prompt, "max_tokens": rec.max_tokens, "temperature": 0, "stream": True}
+    body = {"model": model, "prompt": rec.prompt, "max_tokens": rec.max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}  # every request runs its max_tokens, as vLLM's benchmark asks
     rec.attempt_started_at = time.time()
     tokens: list[int] = []
     times: list[float] = []

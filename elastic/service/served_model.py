@@ -1,0 +1,118 @@
+"""What the completion routes know of the served model: name, vocabulary, context, tokenizer, EOS.
+
+Text is detokenized the way vLLM returns it: incrementally, with the last prompt tokens as
+context (so ``prompt + text`` joins, and a SentencePiece first token keeps its space), with
+special tokens skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from eplb.models.config import HFModelConfig
+
+__all__ = ["ServedModel", "TextView"]
+
+CONTEXT_TOKENS = 6  # the prompt tokens decoded before the output (a word's pieces, a leading space)
+
+
+@dataclass
+class ServedModel:
+    """What the API needs to know of the model: its name, vocabulary, context and tokenizer."""
+
+    spec: HFModelConfig
+    name: str
+
+    @classmethod
+    def of(cls, spec: HFModelConfig, name: str | None) -> ServedModel:
+        default = os.path.basename(os.path.normpath(spec.path)) if spec.path else f"{spec.architecture}-tiny-seed{spec.seed}"
+        return cls(spec, name or default)
+
+    @cached_property
+    def hf_config(self) -> Any:
+        from eplb.models.hf import open_source
+
+        return open_source(self.spec).config
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    @property
+    def max_model_len(self) -> int:
+        return int(getattr(self.hf_config, "max_position_embeddings", 0) or 1 << 30)
+
+    @property
+    def root(self) -> str:
+        return self.spec.path or self.name
+
+    @cached_property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The checkpoint's EOS ids: ``generation_config.json``'s ``eos_token_id`` (one or several),
+        else the config's; none for a random model without either."""
+        found: Any = None
+        if self.spec.path is not None:
+            path = os.path.join(self.spec.path, "generation_config.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    found = json.load(f).get("eos_token_id")
+        if found is None:
+            found = getattr(self.hf_config, "eos_token_id", None)
+        ids = [found] if isinstance(found, int) else list(found or [])
+        return tuple(int(t) for t in ids if isinstance(t, int) and 0 <= t < self.vocab_size)
+
+    @cached_property
+    def tokenizer(self) -> Any:
+        """The checkpoint's tokenizer (``tokenizer.json`` or ``tokenizer_config.json`` in its
+        directory), read offline; None for a random model or a checkpoint without one."""
+        if self.spec.path is None or not any(os.path.exists(os.path.join(self.spec.path, f))
+                                             for f in ("tokenizer.json", "tokenizer_config.json")):
+            return None
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.spec.path, local_files_only=True)
+
+    def detokenize(self, tokens: list[int], skip_special: bool = True) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=skip_special) if self.tokenizer is not None else ""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=add_special_tokens)]
+
+    def token_text(self, token: int) -> str:
+        return self.detokenize([token], skip_special=False) if self.tokenizer is not None else str(token)
+
+    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any]) -> str:
+        """The messages rendered with the tokenizer's chat template; ValueError when there is none."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template (chat_template in tokenizer_config.json): "
+                             "use /v1/completions")
+        return str(self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                      **kwargs))
+
+
+class TextView:
+    """The text of one choice's tokens, detokenized with the prompt's last tokens as context, cut
+    before the first stop string when the request stopped on one."""
+
+    def __init__(self, served: ServedModel, prompt: tuple[int, ...], stops: tuple[str, ...], skip_special: bool = True):
+        self.served, self.stops, self.skip = served, stops, skip_special
+        self.context = list(prompt[-CONTEXT_TOKENS:])
+        self.prefix = served.detokenize(self.context, skip_special) if served.tokenizer is not None else ""
+
+    def text(self, tokens: list[int], *, final: bool) -> str:
+        if self.served.tokenizer is None:
+            return ""
+        full = self.served.detokenize(self.context + tokens, self.skip)
+        text = full[len(self.prefix):] if full.startswith(self.prefix) else self.served.detokenize(tokens, self.skip)
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            return text[: min(hits)]
+        if not final:  # a stop string may be forming, or a character's bytes be incomplete: hold them back
+            hold = max((len(s) - 1 for s in self.stops), default=0)
+            text = text[: len(text) - hold] if hold else text
+            text = text.rstrip("\ufffd")
+        return text

@@ -1,0 +1,236 @@
+"""The server as OpenAI's and vLLM's clients see it: the official ``openai`` package, vLLM's
+benchmark request bodies, EOS, ``n``, lists of prompts, chat templates, the probe routes.
+
+Real workers, real groups, real HTTP, on a ``save_pretrained`` checkpoint with an offline
+word-level tokenizer that carries a chat template and a ``generation_config.json`` EOS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import openai
+import pytest
+import torch
+
+from elastic.coordinator import Coordinator
+from elastic.deployment import DeploymentConfig
+from elastic.service.api import BackgroundServer, create_app
+from eplb.models.hf import unsharded
+from tests.test_completions_text import write_tokenizer
+from tests.test_hf_models import write_checkpoint
+
+TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w0{% endif %}"
+EOS_PROMPT = "w9 w8 w7"  # its greedy output's 4th token is made the checkpoint's EOS
+
+
+class Served:
+    def __init__(self, url: str, model: str, reference, tokenizer, eos: int, coordinator: Coordinator):
+        self.url, self.model, self.reference, self.tokenizer, self.eos = url, model, reference, tokenizer, eos
+        self.coordinator = coordinator
+        self.http = httpx.Client(base_url=url, timeout=120)
+        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def greedy(self, ids: list[int], n: int, *, stop_at_eos: bool = True) -> list[int]:
+        tokens = self.reference.generate(torch.tensor([ids]), n)[0][0].tolist()
+        if stop_at_eos and self.eos in tokens:
+            tokens = tokens[: tokens.index(self.eos) + 1]
+        return tokens
+
+    def text_after(self, prompt_ids: list[int], tokens: list[int]) -> str:
+        """vLLM's text: the output detokenized with the prompt as context."""
+        whole = self.tokenizer.decode(prompt_ids + tokens, skip_special_tokens=True)
+        return whole[len(self.tokenizer.decode(prompt_ids, skip_special_tokens=True)):]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("ckpt"))
+    write_checkpoint("qwen3_moe", path)
+    write_tokenizer(path)
+    config_path = os.path.join(path, "tokenizer_config.json")
+    with open(config_path) as f:
+        tok_config = json.load(f)
+    with open(config_path, "w") as f:
+        json.dump({**tok_config, "chat_template": TEMPLATE}, f)
+    torch.set_num_threads(1)
+    spec = {"kind": "hf", "path": path}
+    reference = unsharded(spec)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    eos = reference.generate(torch.tensor([tokenizer.encode(EOS_PROMPT)]), 8)[0][0].tolist()[3]
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [eos], "_from_model_config": False}, f)
+    config = DeploymentConfig.model_validate({
+        "model": spec, "ep_size": 2, "max_ep_size": 2, "heartbeat_s": 0.05,
+        "eplb": {"num_redundant_experts": 4}, "timeouts": {"collective": 6, "heartbeat": 8, "worker_start": 120},
+        "serving": {"background_load": False, "max_batch": 4, "max_queue": 8, "max_tokens_limit": 64}})
+    with Coordinator(config) as c, BackgroundServer(create_app(c)) as server:
+        c.wait_for_step(3, timeout=60)
+        model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+        s = Served(server.url, model, reference, tokenizer, eos, c)
+        yield s
+        s.http.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_the_openai_client_gets_completions_streamed_or_not_with_text_in_context(served):
+    prompt = "w5 w17 w3 w99"
+    ids = served.tokenizer.encode(prompt)
+    expected = served.greedy(ids, 8)
+    answer = served.client.completions.create(model=served.model, prompt=prompt, max_tokens=8, temperature=0,
+                                              logprobs=1)
+    choice = answer.choices[0]
+    assert choice.token_ids == expected and choice.text == served.text_after(ids, expected)  # type: ignore[attr-defined]
+    assert served.tokenizer.decode(ids + expected) == prompt + choice.text  # the prompt and the text join
+    assert choice.logprobs.text_offset == [sum(len(t) for t in choice.logprobs.tokens[:i]) for i in range(len(expected))]
+    assert answer.usage.prompt_tokens == len(ids) and answer.usage.completion_tokens == len(expected)
+    chunks = list(served.client.completions.create(model=served.model, prompt=prompt, max_tokens=8, temperature=0,
+                                                   stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected)
+    echoed = served.client.completions.create(model=served.model, prompt=prompt, max_tokens=8, temperature=0, echo=True)
+    assert echoed.choices[0].text == prompt + choice.text
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_the_openai_client_gets_chat_completions_from_the_chat_template_streamed_or_not(served):
+    messages = [{"role": "user", "content": "w4 w5 w6"}]
+    ids = served.tokenizer.encode(served.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                                       add_generation_prompt=True),
+                                  add_special_tokens=False)
+    expected = served.greedy(ids, 6)
+    answer = served.client.chat.completions.create(model=served.model, messages=messages, max_tokens=6, temperature=0)
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.choices[0].message.content == served.text_after(ids, expected)
+    assert answer.usage.prompt_tokens == len(ids)
+    chunks = list(served.client.chat.completions.create(model=served.model, messages=messages, max_tokens=6,
+                                                        temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == answer.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == answer.choices[0].finish_reason
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_an_error_reaches_the_openai_client_with_its_message_and_changes_nothing(served):
+    before = served.coordinator.requests.stats()
+    with pytest.raises(openai.BadRequestError) as bad:
+        served.client.completions.create(model=served.model, prompt="w1", max_tokens=4, temperature=7)
+    assert bad.value.status_code == 400 and "temperature" in str(bad.value) and bad.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError) as missing:
+        served.client.completions.create(model="gpt-4", prompt="w1", max_tokens=4)
+    assert "gpt-4" in str(missing.value) and served.model in str(missing.value)
+    with pytest.raises(openai.BadRequestError) as unsupported:
+        served.client.completions.create(model=served.model, prompt="w1", max_tokens=4, suffix="w2")
+    assert "suffix" in str(unsupported.value)
+    # an unknown field is ignored and named in a header, as vLLM ignores it
+    r = served.http.post("/v1/completions", json={"model": served.model, "prompt": "w1", "max_tokens": 2,
+                                                  "temperature": 0, "ignore_eos": True, "frobnicate": 1})
+    assert r.status_code == 200 and r.headers["x-ignored-fields"] == "frobnicate"
+    after = served.coordinator.requests.stats()
+    assert (after["running"], after["queued"]) == (before["running"], before["queued"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_a_request_stops_at_the_checkpoints_eos_unless_it_ignores_it(served):
+    ids = served.tokenizer.encode(EOS_PROMPT)
+    full = served.greedy(ids, 8, stop_at_eos=False)
+    assert full[3] == served.eos
+    body = {"model": served.model, "prompt": EOS_PROMPT, "max_tokens": 8, "temperature": 0}
+    stopped = served.http.post("/v1/completions", json=body).json()["choices"][0]
+    assert stopped["token_ids"] == full[:4] and stopped["finish_reason"] == "stop"
+    ignored = served.http.post("/v1/completions", json={**body, "ignore_eos": True}).json()["choices"][0]
+    assert ignored["token_ids"] == full and ignored["finish_reason"] == "length"
+    at_least = served.http.post("/v1/completions", json={**body, "min_tokens": 6}).json()["choices"][0]
+    assert len(at_least["token_ids"]) >= 6 and served.eos not in at_least["token_ids"][:6]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_n_choices_with_a_seed_repeat_and_a_list_of_prompts_gets_a_choice_each(served):
+    body = {"model": served.model, "prompt": "w1 w2 w3", "max_tokens": 6, "temperature": 1.0, "seed": 5, "n": 2,
+            "ignore_eos": True, "top_k": 40, "top_p": 0.95, "repetition_penalty": 1.2}
+    first = served.http.post("/v1/completions", json=body).json()
+    again = served.http.post("/v1/completions", json=body).json()
+    tokens = [c["token_ids"] for c in first["choices"]]
+    assert [c["index"] for c in first["choices"]] == [0, 1] and len(tokens[0]) == 6
+    assert tokens == [c["token_ids"] for c in again["choices"]]
+    assert tokens[0] != tokens[1]  # each choice samples with its own seed
+    prompts = ["w10 w11", "w20 w21 w22"]
+    many = served.client.completions.create(model=served.model, prompt=prompts, max_tokens=5, temperature=0)
+    for choice, prompt in zip(many.choices, prompts):
+        ids = served.tokenizer.encode(prompt)
+        assert choice.token_ids == served.greedy(ids, 5)  # type: ignore[attr-defined]
+    assert [c.index for c in many.choices] == [0, 1]
+    assert many.usage.prompt_tokens == sum(len(served.tokenizer.encode(p)) for p in prompts)
+
+
+def vllm_benchmark_body(model: str, prompt: str, output_len: int) -> dict:
+    """What vLLM's benchmark client (``vllm bench serve --backend openai``) posts to /v1/completions."""
+    return {"model": model, "prompt": prompt, "temperature": 0.0, "repetition_penalty": 1.0, "max_tokens": output_len,
+            "logprobs": None, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_vllm_benchmark_request_bodies_are_served_with_usage_and_every_token(served):
+    for prompt in ("w3 w4 w5 w6 w7", EOS_PROMPT):
+        events = []
+        with served.http.stream("POST", "/v1/completions", json=vllm_benchmark_body(served.model, prompt, 10),
+                                headers={"Authorization": "Bearer None", "x-request-id": "bench-1"}) as r:
+            assert r.status_code == 200 and r.headers["x-request-id"] == "bench-1"
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        ids = served.tokenizer.encode(prompt)
+        expected = served.greedy(ids, 10, stop_at_eos=False)  # ignore_eos: every token asked for
+        assert [t for c in chunks if c["choices"] for t in c["choices"][0]["token_ids"]] == expected
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == served.text_after(ids, expected)
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 10
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_the_probe_routes_metrics_request_ids_and_a_body_past_64_kib(served):
+    http = served.http
+    assert http.get("/health").status_code == 200 and http.post("/ping").status_code == 200
+    assert http.get("/version").json()["version"]
+    model = http.get("/v1/models").json()["data"][0]
+    assert model["root"] and model["max_model_len"] == 128
+    tokens = http.post("/tokenize", json={"prompt": "w1 w2"}).json()
+    assert tokens["tokens"] == served.tokenizer.encode("w1 w2") and tokens["count"] == 2
+    assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"] == "w1 w2"
+    for r in (http.get("/state"), http.get("/v1/models"), http.post("/tokenize", json={})):
+        assert r.headers.get("x-request-id"), r.url
+    assert http.get("/state", headers={"x-request-id": "mine"}).headers["x-request-id"] == "mine"
+    # a body past the control plane's 64 KiB limit is taken on /v1 (the limit follows max_model_len)
+    padded = json.dumps({"model": served.model, "prompt": "w1", "max_tokens": 3, "temperature": 0,
+                         "ignore_eos": True}).replace(",", "," + " " * 20_000)
+    assert len(padded) > 64 << 10
+    r = http.post("/v1/completions", content=padded, headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {s.name: s.value for f in text_string_to_metric_families(http.get("/metrics").text) for s in f.samples}
+    for name in ("elastic_ep_request_time_to_first_token_seconds_count", "elastic_ep_request_e2e_seconds_count",
+                 "elastic_ep_request_inter_token_seconds_count", "elastic_ep_prompt_tokens_total",
+                 "elastic_ep_generation_tokens_total"):
+        assert samples[name] > 0, name
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_an_api_key_guards_every_v1_route_reads_included(served):
+    with BackgroundServer(create_app(served.coordinator, api_key="sesame")) as guarded:
+        assert httpx.get(f"{guarded.url}/v1/models").status_code == 401
+        assert httpx.get(f"{guarded.url}/state").status_code == 200  # the control plane's reads stay open
+        client = openai.OpenAI(base_url=f"{guarded.url}/v1", api_key="sesame", max_retries=0)
+        assert client.models.list().data[0].id == served.model
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{guarded.url}/v1", api_key="wrong", max_retries=0).models.list()
