@@ -52,6 +52,71 @@ def test_auto_recovery_budget_is_per_incident_and_comes_back_after_a_success():
         assert_consistent(c, 2)
 
 
+def _forkserver_pid() -> int | None:
+    import multiprocessing.forkserver as forkserver
+
+    return forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
+
+
+def _exhaust_fds() -> list[int]:
+    """Open /dev/null until this process has no descriptor left; returns them (close to give back)."""
+    import os
+
+    held = []
+    try:
+        while True:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        return held
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_a_launch_that_runs_out_of_descriptors_or_breaks_the_forkserver_leaves_the_group_serving():
+    """1. A scale whose launch fails with EMFILE is a failed operation; the group lives on, and
+    (recovered if the failure failed it) scales afterwards.
+    2. A request cut off between the forkserver's connect and its send (what EMFILE inside
+    ``Process.start`` does) makes the forkserver exit. The workers used to die with it (a
+    parent-death signal); ``recover`` then had nobody to recover with. Now they serve on, and the
+    next scale starts a new forkserver."""
+    import multiprocessing.forkserver as forkserver
+    import os
+    import socket
+
+    config = small_config(timeouts=FAST_LOSS)
+    with running(config) as c:
+        c.wait_for_step(5)
+        workers = [w.handle for w in c.live_workers()]
+        held = _exhaust_fds()
+        try:
+            op = c.scale(3, timeout=30)
+        finally:
+            for fd in held:
+                os.close(fd)
+        assert op.status == "failed" and "Too many open files" in (op.error or ""), (op.status, op.error)
+        if c.machine.state.value == "failed":
+            recovery = c.recover(timeout=60)
+            assert recovery.status == "succeeded", recovery.error
+        assert all(w.is_alive() for w in workers), "a worker died of the failed launch"
+        before = _forkserver_pid()
+        assert before is not None
+        with socket.socket(socket.AF_UNIX) as broken:  # connect, then nothing: the forkserver's EOFError
+            broken.connect(forkserver._forkserver._forkserver_address)  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 60  # one restarted by a launch above may still be loading torch
+        while _running(before):
+            assert time.monotonic() < deadline, "the forkserver survived a broken request: the test cannot tell"
+            time.sleep(0.05)
+        time.sleep(1.0)  # a parent-death signal or a watch of the ancestry would have ended them by now
+        assert all(w.is_alive() for w in workers), "the workers died with the forkserver"
+        assert c.machine.state.value == "running", c.machine.failure_reason
+        step = c.snapshot()["step"]
+        c.wait_for_step(step + 5, timeout=20)
+        op = c.scale(3, timeout=90)
+        assert op.status == "succeeded", op.error
+        assert _forkserver_pid() not in (None, before)
+        assert_consistent(c, 3)
+
+
 # -- hosts in network namespaces (the fixture of tests/test_scaleout.py) -------------------------
 
 from tests.test_scaleout import NETNS, STORE_IP, _ip, two_hosts  # noqa: E402,F401 - the fixture

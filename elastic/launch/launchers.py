@@ -29,6 +29,7 @@ import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import queue
+import select
 import signal
 import subprocess
 import sys
@@ -83,11 +84,20 @@ class Launcher(Protocol):
 
 @dataclass
 class LocalWorker:
+    """A worker process forked by the forkserver.
+
+    Its liveness is read from a pidfd of the worker itself, not from the forkserver's status
+    pipe: if the forkserver dies (a launch that failed half-way for lack of descriptors made it
+    exit), ``multiprocessing`` reports every one of its children dead with exit code 255,
+    although the workers (which no longer die with it) go on serving.
+    """
+
     rank: int
     inbox: Any
     process: mp.process.BaseProcess
     host: str = "localhost"
     outbox: Any = None  # its reports' queue (read through WorkerReports)
+    pidfd: int | None = None  # readable once the worker has exited (None: no pidfd here)
 
     @property
     def pid(self) -> int:
@@ -95,24 +105,44 @@ class LocalWorker:
         assert pid is not None  # LocalLauncher.launch starts the process before it makes its LocalWorker
         return pid
 
+    def _exited(self, timeout: float) -> bool:
+        if self.pidfd is None:
+            self.process.join(timeout)
+            return not self.process.is_alive()
+        ready, _, _ = select.select([self.pidfd], [], [], max(0.0, timeout))
+        return bool(ready)
+
     def is_alive(self) -> bool:
-        return self.process.is_alive()
+        return not self._exited(0.0)
 
     def join(self, timeout: float) -> bool:
-        self.process.join(timeout)
-        return not self.process.is_alive()
+        return self._exited(timeout)
 
     def kill(self) -> None:
-        if self.process.is_alive():
+        if self.is_alive():
             try:
                 os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:  # it died (and was reaped by the forkserver) since is_alive()
                 pass
-            self.process.join(5)
+            self._exited(5)
 
     def stall(self) -> None:
         """Freeze the process (SIGSTOP): alive but not answering. For fault injection."""
         os.kill(self.pid, signal.SIGSTOP)
+
+    def release(self) -> None:
+        """Close what this process holds for the worker (its pidfd)."""
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+
+def _pidfd(pid: int) -> int | None:
+    """A pidfd of ``pid`` (Linux 5.3+), or None where there is none."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
 
 
 class WorkerReports:
@@ -201,15 +231,24 @@ class LocalLauncher:
         return self._reports
 
     def launch(self, spec: WorkerSpec) -> LocalWorker:
+        """Start a worker. A launch that fails (``EMFILE``, ``ENOMEM``) raises and leaves nothing
+        behind: its queues are closed, the running workers are untouched (they do not depend on the
+        forkserver), and a forkserver that died of it is started again by the next launch."""
         inbox, outbox = self._ctx.Queue(), self._ctx.Queue()
         process = self._ctx.Process(target=worker_main, args=(spec, inbox, outbox),
                                     name=f"ep-worker-g{spec.generation}-r{spec.rank}", daemon=True)
-        process.start()
+        try:
+            process.start()
+        except BaseException:
+            for q in (inbox, outbox):
+                q.cancel_join_thread()
+                q.close()
+            raise
         # the worker holds the write end now: without this process's copy, a worker that dies
         # mid-write gives its reader EOF instead of a read that waits for the rest forever
         outbox._writer.close()  # type: ignore[attr-defined]  # multiprocessing.Queue keeps its ends private
         self._reports.add(outbox)
-        worker = LocalWorker(spec.rank, inbox, process, outbox=outbox)
+        worker = LocalWorker(spec.rank, inbox, process, outbox=outbox, pidfd=_pidfd(process.pid or 0))
         self._workers.append(worker)
         return worker
 
@@ -222,11 +261,16 @@ class LocalLauncher:
         handle.inbox.close()
         if handle.outbox is not None:
             self._reports.remove(handle.outbox)
-        handle.process.close()
+        handle.release()
+        try:
+            handle.process.close()
+        except ValueError:  # the forkserver has not passed its exit status on yet: the GC closes it
+            pass
 
     def shutdown(self) -> None:
         for worker in self._workers:
             worker.kill()
+            worker.release()
         self._workers.clear()
         self._reports.close()
 
