@@ -312,3 +312,61 @@ def test_healthz_and_state_answer_while_every_control_thread_waits_on_a_stalled_
             os.kill(stalled.pid, signal.SIGCONT)
             for t in callers:
                 t.join(30)
+
+
+# -- NIXL: one connection per peer, whatever the number of generations ---------------------------
+
+def _sockets() -> int:
+    import os
+
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            continue
+    return count
+
+
+def body_nixl_generations(rank: int, world_size: int, generations: int) -> list[int]:
+    """One moving layer per group generation on the same NIXL agent; this rank's sockets after each."""
+    from eplb.communicator import NixlCommunicator
+    from eplb.plan import plan_layer
+    from eplb.transfer import execute_layer
+    from tests.test_communicators import _test_store
+    from tests.test_transfer import expert_weights, garbage, make_case, slot_weights
+
+    comm = NixlCommunicator()
+    case = next(c for c in (make_case(layer, 99) for layer in range(40)) if c[0] == "rebalance")
+    _kind, old_row, new_row, s_old, s_new, old_holder, new_holder, max_ops = case
+    plan = plan_layer(old_row, new_row, s_old, s_new, old_holder, new_holder)
+    rp = plan.for_rank(rank)
+    old = slot_weights(0, old_row[rp.old_rank * s_old:(rp.old_rank + 1) * s_old])
+    staging = garbage(s_new)
+    comm.set_weights([old])
+    comm.add_buffer(staging)
+    counts = []
+    for generation in range(generations):
+        comm.bind(generation, _test_store(f"nixl-generations-{generation}"))
+        execute_layer(plan, rank, old, staging, timeout=20.0, max_ops_per_batch=max_ops, layer=0,
+                      reload_fn=lambda e: expert_weights(0, e), communicator=comm)
+        counts.append(_sockets())
+    comm.close()
+    return counts
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_nixl_ranks_keep_one_connection_per_peer_across_generations():
+    """Six generations of the same ranks, a moving layer each: a rank's sockets stay flat after the
+    first (NIXL's remove_remote_agent left each generation's UCX socket open: +1 per peer per
+    generation, the 38 -> 99 fds of a worker over 20 scale cycles)."""
+    from eplb.communicator import nixl_available
+    from tests.distributed import run_distributed
+    from tests.test_transfer import WORLD
+
+    if not nixl_available():
+        pytest.skip("NIXL is not installed (pip install '.[nixl]')")
+    results = run_distributed(body_nixl_generations, WORLD, args=(6,), timeout=80)
+    for rank, counts in enumerate(results):
+        assert counts[-1] <= counts[1], f"rank {rank}'s sockets grew over the generations: {counts}"
