@@ -201,6 +201,43 @@ def test_a_worker_cut_off_by_a_partition_leaves_once_it_heals(two_hosts):  # noq
                 os.kill(pid, signal.SIGKILL)
 
 
+REMOTE = ["ip", "netns", "exec", "{host}", "{python}", "-m", "elastic.launch.remote_worker", "--store", "{store}",
+          "--worker-id", "{worker_id}"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_recovery_places_the_fresh_rank_on_a_live_host_and_the_lost_host_comes_back(two_hosts):  # noqa: F811
+    """Two hosts, a rank on each, and one rank alone cannot hold the model. Host 1 is cut off:
+    the recovery's fresh rank must go to host 0 (it went back to host 1 by the fixed layout, and
+    every attempt waited out the worker start and failed). Once host 1 answers a probe again, a
+    scale up places a rank there again."""
+    hosts = [{"name": ns, "env": {"GLOO_SOCKET_IFNAME": inside}} for ns, (inside, _) in two_hosts.items()]
+    config = _host_config(hosts, REMOTE, auto_recover=True, max_auto_recoveries=1,
+                          timeouts=dict(collective=5, heartbeat=6, worker_start=40, draining=60))
+    with running(config) as c:
+        c.wait_for_step(5)
+        assert [w.handle.host for w in c.live_workers()] == list(NETNS)
+        generation = c.machine.generation
+        _ip("link", "set", NETNS[1], "down")
+        try:
+            _wait_running_at(c, 2, generation, 60)
+            assert [w.handle.host for w in c.live_workers()] == [NETNS[0], NETNS[0]]
+            assert c.launcher.lost == {NETNS[1]}
+        finally:
+            _ip("link", "set", NETNS[1], "up")
+        deadline = time.monotonic() + 30
+        while not c.launcher._probe(next(h for h in c.launcher.options.hosts if h.name == NETNS[1])):
+            assert time.monotonic() < deadline, "host 1 never answered a probe after the heal"
+            time.sleep(0.5)
+        c.launcher._probed.clear()  # the next layout probes host 1 at once (else within PROBE_EVERY_S)
+        op = c.scale(3, timeout=90)
+        assert op.status == "succeeded", op.error
+        assert c.launcher.lost == set()
+        assert sorted(w.handle.host for w in c.live_workers()) == [NETNS[0], NETNS[0], NETNS[1]]
+        assert_consistent(c, 3)
+
+
 # -- the HTTP server ------------------------------------------------------------------------------
 
 def _closed_by_server(sock, within: float) -> bool:

@@ -51,7 +51,7 @@ from elastic.core.phases import SERVING_PHASES
 from elastic.core.worker_spec import WorkerSpec
 from elastic.deployment import DeploymentConfig
 from elastic.launch.factory import make_launcher
-from elastic.launch.launchers import Launcher, WorkerHandle, plan_mapping
+from elastic.launch.launchers import Launcher, WorkerHandle, note_lost_worker, plan_mapping
 from elastic.serving.engine import Completion, RequestEngine
 from elastic.worker.groups import abort_generation, open_store
 from elastic.worker.liveness import WATCH_MARGIN_S
@@ -561,6 +561,7 @@ class Coordinator:
                 for w in lost:  # logged in every state: one lost while failed is left out of the recovery
                     log.warning("worker rank %d (pid %d, generation %d) lost in %s: %s", w.rank, w.handle.pid,
                                 w.generation, self.machine.state.value, w.lost_reason)
+                    note_lost_worker(self.launcher, w.handle)  # its host is left out until seen again
                 if lost and self.machine.state not in (Phase.FAILED,):
                     reason = "; ".join(f"rank {w.rank} (pid {w.handle.pid}) {w.lost_reason}" for w in lost)
                     try:

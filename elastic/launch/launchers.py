@@ -486,15 +486,78 @@ class CommandWorker:
                 pass
 
 
+def live_hosts(hosts: Sequence[tuple[str, int | None]], lost: set[str] | frozenset[str]) -> list[tuple[str, int | None]]:
+    """The hosts a layout may use: every one not lost. Refuses (``ValueError``) when none is left."""
+    live = [h for h in hosts if h[0] not in lost]
+    if not live:
+        raise ValueError(f"every host is lost ({', '.join(sorted(lost))}): no host to place a worker on until "
+                         "one is reachable again")
+    return live
+
+
+def note_lost_worker(launcher: Any, handle: Any) -> None:
+    """Tell a launcher that chooses hosts that ``handle``'s worker was lost (its host may be gone)."""
+    mark = getattr(launcher, "host_lost", None)
+    host = getattr(handle, "host", None)
+    if mark is not None and host is not None:
+        mark(host)
+
+
 class CommandLauncher(StoreChannelLauncher):
-    """Each worker a process from ``options.template``, on ``options.hosts`` (filled evenly)."""
+    """Each worker a process from ``options.template``, on ``options.hosts`` (filled evenly).
+
+    A host whose worker was lost is *lost* (:meth:`host_lost`): layouts leave it out, so a
+    recovery's fresh ranks go where capacity is alive, until the host is seen again. It is seen
+    again when a probe succeeds: before a layout, every lost host not probed in the last
+    ``PROBE_EVERY_S`` is probed by running the command template with ``--probe`` appended (the
+    worker's command line then only connects to the coordinator's store and exits 0); a host that
+    answers is back at once."""
+
+    PROBE_EVERY_S = 5.0
+    PROBE_TIMEOUT_S = 5.0
 
     def __init__(self, options: LauncherConfig, capacity: int):
         super().__init__(options, capacity)
         self._planned: dict[int, str] = {}
+        self.lost: set[str] = set()
+        self._probed: dict[str, float] = {}  # host -> when it was last probed (monotonic)
+
+    def host_lost(self, host: str) -> None:
+        if host not in self.lost and any(h.name == host for h in self.options.hosts):
+            log.warning("host %s lost a worker: no new worker goes there until a probe reaches it", host)
+            self.lost.add(host)
+            self._probed.pop(host, None)
+
+    def _probe(self, host: Any) -> bool:
+        if self._address is None:
+            return True  # nothing launched yet, so nothing was lost through this store
+        store_host, store_port = self._address
+        fields = dict(host=host.name, store=_store_address(store_host, store_port), store_host=store_host,
+                      store_port=store_port, worker_id=0, python=sys.executable)
+        argv = [arg.format(**fields) for arg in self.options.template] + ["--probe"]
+        try:
+            done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=self.PROBE_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            log.info("probe of host %s: %s", host.name, exc)
+            return False
+        if done.returncode != 0:
+            log.info("probe of host %s exited %d: %s", host.name, done.returncode,
+                     done.stderr.decode(errors="replace").strip()[-300:])
+        return done.returncode == 0
+
+    def _seen_again(self) -> None:
+        now = time.monotonic()
+        for host in self.options.hosts:
+            if host.name in self.lost and now - self._probed.get(host.name, -1e9) >= self.PROBE_EVERY_S:
+                self._probed[host.name] = now
+                if self._probe(host):
+                    log.info("host %s answered its probe: it takes workers again", host.name)
+                    self.lost.discard(host.name)
 
     def layout(self, size: int) -> list[str]:
-        return balanced_layout([(h.name, h.slots) for h in self.options.hosts], size)
+        if self.lost:
+            self._seen_again()
+        return balanced_layout(live_hosts([(h.name, h.slots) for h in self.options.hosts], self.lost), size)
 
     def plan_resize(self, hosts: Sequence[str], new_size: int) -> RankMapping:
         mapping, joining = plan_resize(hosts, new_size, self.layout(new_size))
