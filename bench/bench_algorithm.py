@@ -14,7 +14,9 @@ Loads. Each family is a model of real expert load (:data:`FAMILIES`): per window
 that ``e`` is among the first ``k`` arrivals of the exponential race behind Gumbel top-``k``,
 so ``pi_e <= 1`` and no expert gets more than one pick per token), and its count is
 ``Binomial(tokens, pi_e)``. So every family carries the sampling noise of a real window
-(4096 tokens per layer per window on the DeepSeek-V3 shapes; 2048 for ``noisy``).
+(4096 tokens per layer per window on the DeepSeek-V3 shapes; 2048 for ``noisy``). The ``mn-1k``,
+``mn-4k`` and ``mn-16k`` families sample a fixed Zipf profile as a multinomial of
+``tokens * top_k`` picks at 1024, 4096 and 16384 tokens per window: only the noise changes.
 
 Seeds. ``tune`` seeds (0, 1, 2) are the ones the algorithm's constants were chosen on;
 ``held-out`` seeds (1000, 1001, 1002) were never looked at while tuning. The bench prints
@@ -22,7 +24,10 @@ both; the targets are checked on ``held-out``.
 
 Per shape, family and seed, ``windows + 2`` consecutive windows. Each policy places from
 window 0 (from the static placement), then rebalances once per window ``t = 1..windows`` from
-its own previous placement, and is scored on the window it was built from:
+its own previous placement, fitted to the estimate of window ``t`` (``--smoothing a``: the
+adaptive exponential average :func:`eplb.estimate.smoothed_load` of windows ``0..t`` with weight
+``a``, 0.3 by default, chosen on the tune seeds; ``1``: window ``t`` alone; ``migration_aware``
+then gets ``noise=smoothed_noise(a)``), and is scored on that estimate (fitted) and on window ``t + 1``:
 
 - ``bal``: balancedness (mean GPU load / max GPU load), mean over layers and windows;
   ``worst``: the worst layer of any window;
@@ -30,7 +35,11 @@ its own previous placement, and is scored on the window it was built from:
   :func:`eplb.bounds.peak_lower_bound` (a proven lower bound on the peak GPU load that accounts
   for the ``S`` slots per GPU); ``bal/opt`` (mean) and ``worst/opt`` (worst layer) compare each
   layer with it. Since ``opt`` can only be too optimistic, ``bal/opt`` can only be too low;
-- ``next``: balancedness of the placement on the following window (what serving sees);
+- ``next``: balancedness of the placement on the following window (what serving sees), the
+  measure of record;
+- ``ceiling``: ``next`` of ``default`` fitted to the generator's *expected* load of that window
+  (no online policy can expect to beat it by more than noise; on the non-stationary families it
+  is an oracle that knows where the load goes); ``gap`` = ``ceiling - next``;
 - ``ms``: median CPU ms of one call for all layers, the slowest of float32, bfloat16, int64
   and float64 input (``default``; the others time their own input only);
 - ``copies``: (GPU, expert) pairs new on a GPU per rebalance, as a share of the slots.
@@ -58,6 +67,7 @@ import torch
 
 from eplb.algorithm import cross_gpu_copies, rebalance_experts
 from eplb.bounds import optimal_peak, peak_lower_bound
+from eplb.estimate import smoothed_load, smoothed_noise
 from eplb.placement import Placement
 from eplb.trace import seed_for
 
@@ -90,6 +100,12 @@ SHAPES = {
 }
 SEEDS = {"tune": (0, 1, 2), "held-out": (1000, 1001, 1002)}
 POLICIES = ("static", "default", "hierarchical", "hierarchical_spill", "migration_aware")
+# the estimate's weight of the last window (eplb.estimate.smoothed_load, adaptive): chosen on the tune
+# seeds 0-2, ds-32, default's next window on mn-1k, zipf, drift and burst (mean of the four):
+# 1.0 (last window) 0.7624; a plain average (no adaptation) 0.5 -> 0.7667, 0.3 -> 0.7600 (drift
+# losing 0.018 / 0.045); adaptive 0.5 -> 0.7682, 0.3 -> 0.7710, 0.2 -> 0.7712. 0.3 kept: tied with
+# 0.2 within the seeds' scatter, and it follows a moving load sooner
+DEFAULT_SMOOTHING = 0.3
 DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.float64)
 
 
@@ -177,12 +193,20 @@ def fam_noisy(rng, b, n, w):
     return np.broadcast_to(_zipf(rng, b, n, 0.8, 1.4), (w, b, n))
 
 
+def fam_profile(rng, b, n, w):
+    """A fixed Zipf profile (``s`` uniform in [0.8, 1.4] per layer, random ranking) whose windows
+    are multinomial samples of ``tokens * top_k`` routed picks (the ``mn-*`` families, at 1/4, 1
+    and 4 times the shape's tokens per window): only the window-to-window noise changes. Stationary."""
+    return np.broadcast_to(_zipf(rng, b, n, 0.8, 1.4), (w, b, n))
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
     make: Callable[[np.random.Generator, int, int, int], np.ndarray]
     stationary: bool
     token_share: float = 1.0  # tokens per window as a share of the shape's
+    multinomial: bool = False  # windows are multinomial samples of tokens * top_k picks (else top-k inclusion)
 
     @property
     def doc(self) -> str:
@@ -200,6 +224,9 @@ FAMILIES = {
         Family("uniform", fam_uniform, True),
         Family("sparse", fam_sparse, True),
         Family("noisy", fam_noisy, True, token_share=0.5),
+        Family("mn-1k", fam_profile, True, token_share=0.25, multinomial=True),
+        Family("mn-4k", fam_profile, True, token_share=1.0, multinomial=True),
+        Family("mn-16k", fam_profile, True, token_share=4.0, multinomial=True),
     )
 }
 
@@ -220,13 +247,36 @@ def inclusion_probabilities(popularity: np.ndarray, top_k: int) -> np.ndarray:
     return 1 - np.exp(-hi[..., None] * p)
 
 
-def family_loads(family: Family, shape: Shape, windows: int, seed: int) -> list[torch.Tensor]:
-    """``windows + 2`` int64 token-count loads ``[layers, experts]`` of one family and seed."""
+@dataclass(frozen=True)
+class Windows:
+    """One family and seed: sampled int64 token counts ``[layers, experts]`` per window, and the
+    generator's expected counts (float64) of each window."""
+
+    loads: list[torch.Tensor]
+    expected: list[torch.Tensor]
+
+
+def family_windows(family: Family, shape: Shape, windows: int, seed: int) -> Windows:
+    """``windows + 2`` windows of one family and seed (samples and expectations)."""
     rng = np.random.default_rng(seed_for(seed, family.name, shape.layers, shape.experts))
     pop = family.make(rng, shape.layers, shape.experts, windows + 2)
-    pi = inclusion_probabilities(pop, shape.top_k)
     tokens = max(1, int(shape.tokens * family.token_share))
-    return [torch.from_numpy(rng.binomial(tokens, pi[t]).astype(np.int64)) for t in range(windows + 2)]
+    if family.multinomial:
+        p = pop / pop.sum(axis=-1, keepdims=True)
+        picks = tokens * shape.top_k
+        loads = [np.stack([rng.multinomial(picks, p[t, layer]) for layer in range(shape.layers)]) for t in range(windows + 2)]
+        expected = [picks * p[t] for t in range(windows + 2)]
+    else:
+        pi = inclusion_probabilities(pop, shape.top_k)
+        loads = [rng.binomial(tokens, pi[t]) for t in range(windows + 2)]
+        expected = [tokens * pi[t] for t in range(windows + 2)]
+    return Windows([torch.from_numpy(x.astype(np.int64)) for x in loads],
+                   [torch.from_numpy(np.asarray(x, dtype=np.float64)) for x in expected])
+
+
+def family_loads(family: Family, shape: Shape, windows: int, seed: int) -> list[torch.Tensor]:
+    """``windows + 2`` int64 token-count loads ``[layers, experts]`` of one family and seed."""
+    return family_windows(family, shape, windows, seed).loads
 
 
 # --------------------------------------------------------------------------------------------
@@ -234,10 +284,12 @@ def family_loads(family: Family, shape: Shape, windows: int, seed: int) -> list[
 # --------------------------------------------------------------------------------------------
 
 
-def _call(policy: str, load: torch.Tensor, shape: Shape, previous: torch.Tensor | None) -> torch.Tensor:
+def _call(policy: str, load: torch.Tensor, shape: Shape, previous: torch.Tensor | None,
+          options: dict[str, Any] | None = None) -> torch.Tensor:
     if policy == "static":
         return Placement.static(shape.layers, shape.experts, shape.slots).physical_to_logical
-    return rebalance_experts(load, shape.slots, shape.groups, shape.nodes, shape.gpus, policy=policy, previous=previous)[0]
+    opts = options if policy == "migration_aware" and options else {}
+    return rebalance_experts(load, shape.slots, shape.groups, shape.nodes, shape.gpus, policy=policy, previous=previous, **opts)[0]
 
 
 def _gpu_peak(p2l: torch.Tensor, load: torch.Tensor, gpus: int) -> np.ndarray:
@@ -249,38 +301,66 @@ def _gpu_peak(p2l: torch.Tensor, load: torch.Tensor, gpus: int) -> np.ndarray:
     return per_slot.reshape(p.shape[0], gpus, -1).sum(axis=2).max(axis=1)
 
 
-def run_seed(policies: list[str], shape: Shape, loads: list[torch.Tensor], repeat: int) -> dict[str, dict[str, list]]:
-    """Every policy over the windows of one seed; raw per-window, per-layer figures."""
-    g = shape.gpus
-    mean = [ld.double().sum(dim=1).numpy() / g for ld in loads]
+def _bal(p2l: torch.Tensor, load: torch.Tensor, gpus: int) -> np.ndarray:
+    """``[layers]`` balancedness of ``p2l`` on ``load``."""
+    peak = _gpu_peak(p2l, load, gpus)
+    mean = load.double().sum(dim=1).numpy() / gpus
+    return np.where(peak > 0, mean / np.maximum(peak, 1e-300), 1.0)
+
+
+def estimates(loads: list[torch.Tensor], smoothing: float) -> list[torch.Tensor]:
+    """The load each rebalance is fitted to: the last window (``smoothing`` 1) or the
+    exponential average :func:`eplb.estimate.smoothed_load` of the windows so far."""
+    if smoothing >= 1.0:
+        return list(loads)
+    out: list[torch.Tensor] = []
+    for ld in loads:
+        out.append(smoothed_load(out[-1] if out else None, ld, smoothing))
+    return out
+
+
+def _timed(policy: str, x: torch.Tensor, shape: Shape, cur: torch.Tensor, options: dict[str, Any], repeat: int) -> list[float]:
+    """Median-free: the fastest of ``repeat`` calls, ms, per input dtype (``default``: four dtypes)."""
+    dtypes = DTYPES if policy == "default" else (x.dtype,)
+    per_dtype = []
+    for dt in dtypes:
+        xd = x.to(dt) if dt != x.dtype else x
+        times = []
+        for _ in range(max(1, repeat)):
+            c0 = time.thread_time()
+            _call(policy, xd, shape, cur, options)
+            times.append(time.thread_time() - c0)
+        per_dtype.append(1000 * min(times))
+    return per_dtype
+
+
+def run_seed(policies: list[str], shape: Shape, win: Windows, repeat: int, smoothing: float = 1.0) -> dict[str, dict[str, list]]:
+    """Every policy over the windows of one seed; raw per-window, per-layer figures. Each
+    rebalance ``t`` is fitted to the estimate of window ``t`` (:func:`estimates`) and scored on
+    it (fitted: ``bal``, ``opt``) and on window ``t + 1`` (next); ``ceiling``: ``default`` fitted to the generator's
+    expected load of window ``t + 1``, scored on that window."""
+    loads, g = win.loads, shape.gpus
+    est = estimates(loads, smoothing)
+    options: dict[str, Any] = {} if smoothing >= 1.0 else {"noise": smoothed_noise(smoothing)}
     bound: list[np.ndarray | None] = [None] * len(loads)
+    ceiling = [_bal(_call("default", win.expected[t + 1], shape, None), loads[t + 1], g) for t in range(1, len(loads) - 1)]
     out: dict[str, dict[str, list]] = {}
     for policy in policies:
-        rec: dict[str, list] = {k: [] for k in ("bal", "ratio", "opt", "next", "copies", "cpu")}
-        cur = _call(policy, loads[0], shape, Placement.static(shape.layers, shape.experts, shape.slots).physical_to_logical)
+        rec: dict[str, list] = {k: [] for k in ("bal", "ratio", "opt", "next", "ceiling", "copies", "cpu")}
+        cur = _call(policy, est[0], shape, Placement.static(shape.layers, shape.experts, shape.slots).physical_to_logical, options)
         for t in range(1, len(loads) - 1):
-            dtypes = DTYPES if policy == "default" else (loads[t].dtype,)
-            per_dtype = []
-            for dt in dtypes:
-                x = loads[t].to(dt)
-                times = []
-                for _ in range(max(1, repeat)):
-                    c0 = time.thread_time()
-                    new = _call(policy, x, shape, cur)
-                    times.append(time.thread_time() - c0)
-                per_dtype.append(1000 * min(times))
-            rec["cpu"].append(per_dtype)
-            new = _call(policy, loads[t], shape, cur)
-            peak = _gpu_peak(new, loads[t], g)
+            rec["cpu"].append(_timed(policy, est[t], shape, cur, options, repeat))
+            new = _call(policy, est[t], shape, cur, options)
+            peak = _gpu_peak(new, est[t], g)  # fitted: on the load it was fitted to
             if bound[t] is None:  # the bound needs a reachable peak to start from: any policy's
-                bound[t] = peak_lower_bound(loads[t].double().numpy(), shape.slots, g, upper=peak)
+                bound[t] = peak_lower_bound(est[t].double().numpy(), shape.slots, g, upper=peak)
             lb = np.minimum(bound[t], peak)
-            safe = np.maximum(peak, 1e-300)
-            rec["bal"].append(np.where(peak > 0, mean[t] / safe, 1.0))
-            rec["ratio"].append(np.where(peak > 0, lb / safe, 1.0))
-            rec["opt"].append(np.where(lb > 0, mean[t] / np.maximum(lb, 1e-300), 1.0))
-            nxt = _gpu_peak(new, loads[t + 1], g)
-            rec["next"].append(np.where(nxt > 0, mean[t + 1] / np.maximum(nxt, 1e-300), 1.0))
+            mean = est[t].double().sum(dim=1).numpy() / g
+            rec["bal"].append(_bal(new, est[t], g))
+            rec["ratio"].append(np.where(peak > 0, lb / np.maximum(peak, 1e-300), 1.0))
+            rec["opt"].append(np.where(lb > 0, mean / np.maximum(lb, 1e-300), 1.0))
+            rec["next"].append(_bal(new, loads[t + 1], g))
+            rec["ceiling"].append(ceiling[t - 1])
             rec["copies"].append(cross_gpu_copies(cur, new, g).double().numpy() / shape.slots)
             cur = new
         out[policy] = rec
@@ -290,7 +370,7 @@ def run_seed(policies: list[str], shape: Shape, loads: list[torch.Tensor], repea
 def summarize(raw: list[dict[str, dict[str, list]]], policy: str) -> dict[str, Any]:
     """Aggregate one policy over seeds: means over layers and windows, worst layers."""
     cat = {k: np.concatenate([np.concatenate(r[policy][k]) if k != "cpu" else np.asarray(r[policy][k]).ravel()
-                              for r in raw]) for k in ("bal", "ratio", "opt", "next", "copies")}
+                              for r in raw]) for k in ("bal", "ratio", "opt", "next", "ceiling", "copies")}
     cpu = np.concatenate([np.asarray(r[policy]["cpu"]) for r in raw])  # [windows, dtypes]
     allowed = cat["opt"] >= 0.90 - 1e-12
     return {
@@ -302,6 +382,8 @@ def summarize(raw: list[dict[str, dict[str, list]]], policy: str) -> dict[str, A
         "bal_over_opt": float(cat["ratio"].mean()),
         "worst_over_opt": float(cat["ratio"].min()),
         "next_balancedness": float(cat["next"].mean()),
+        "ceiling": float(cat["ceiling"].mean()),
+        "next_gap": float(cat["ceiling"].mean() - cat["next"].mean()),
         "cpu_ms_per_dtype": [float(np.median(cpu[:, i])) for i in range(cpu.shape[1])],
         "cpu_ms": float(np.median(cpu, axis=0).max()),
         "copies_share": float(cat["copies"].mean()),
@@ -333,13 +415,19 @@ def check_targets(results: dict) -> list[dict[str, Any]]:
                     add(f"{shape_name} {fam} default worst layer (where opt >= 0.90)", d["worst_where_opt_allows_0.90"], ">=", 0.90)
                     add(f"{shape_name} {fam} default CPU ms, slowest dtype", d["cpu_ms"], "<=", 10.0)
             m = rows.get("migration_aware")
+            stationary = FAMILIES[fam].stationary
+            for name, row in (("default", d), ("migration_aware", m)):
+                if row and stationary:
+                    add(f"{shape_name} {fam} {name} next-window gap to the ceiling", row["next_gap"], "<=", 0.02)
             if m and d:
-                if FAMILIES[fam].stationary:
-                    add(f"{shape_name} {fam} migration_aware copies share", m["copies_share"], "<=", 0.05)
+                add(f"{shape_name} {fam} migration_aware CPU ms", m["cpu_ms"], "<=", 20.0)
+                if stationary:
+                    add(f"{shape_name} {fam} migration_aware copies share", m["copies_share"], "<=", 0.03)
                 if fam == "drift":
                     ratio = m["copies_share"] / max(d["copies_share"], 1e-12)
                     add(f"{shape_name} {fam} migration_aware copies / default's", ratio, "<=", 0.25)
-                add(f"{shape_name} {fam} migration_aware next - default next", m["next_balancedness"] - d["next_balancedness"], ">=", -0.01)
+                add(f"{shape_name} {fam} migration_aware next - default next", m["next_balancedness"] - d["next_balancedness"],
+                    ">=", -0.005 if stationary else -0.01)
     return out
 
 
@@ -385,12 +473,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default="tune,held-out", help="comma list of tune, held-out (default: both)")
     ap.add_argument("--windows", type=int, default=4, help="rebalances per seed, each from the previous placement (default 4)")
     ap.add_argument("--repeat", type=int, default=2, help="timed calls per window and dtype; the fastest counts (default 2)")
+    ap.add_argument("--smoothing", type=float, default=DEFAULT_SMOOTHING,
+                    help="weight of the last window in the load estimate (eplb.estimate.smoothed_load); 1: the last "
+                         f"window alone (default {DEFAULT_SMOOTHING})")
     ap.add_argument("--ilp", type=int, default=0, help="also solve this many layers per family exactly on reduced shapes")
     ap.add_argument("--ilp-time", type=float, default=20.0, help="HiGHS time limit per layer, s (default 20)")
     ap.add_argument("--json", type=Path, help="write every number here")
     args = ap.parse_args(argv)
     if args.windows < 1:
         raise SystemExit("--windows must be >= 1")
+    if not 0.0 < args.smoothing <= 1.0:
+        raise SystemExit("--smoothing must be in (0, 1]")
     shapes = _parse_list(args.shape, tuple(SHAPES), "shape")
     families = _parse_list(args.family, tuple(FAMILIES), "family")
     policies = _parse_list(args.policy, POLICIES, "policy")
@@ -411,10 +504,10 @@ def main(argv: list[str] | None = None) -> int:
             table = Table(title=f"{seed_set} seeds {SEEDS[seed_set]}: {shape.name}, {shape.layers} layers, {shape.experts} "
                           f"experts, {shape.slots} slots, {shape.gpus} GPUs, {shape.nodes} nodes, top-{shape.top_k}, "
                           f"{shape.tokens} tokens/window, {args.windows} rebalances per seed")
-            for col in ("family", "policy", "bal/opt", "worst/opt", "bal", "worst", "opt", "next", "cpu ms", "copies"):
+            for col in ("family", "policy", "bal/opt", "worst/opt", "bal", "worst", "opt", "next", "ceiling", "gap", "cpu ms", "copies"):
                 table.add_column(col, justify="left" if col in ("family", "policy") else "right")
             for fam in families:
-                raw = [run_seed(policies, shape, family_loads(FAMILIES[fam], shape, args.windows, seed), args.repeat)
+                raw = [run_seed(policies, shape, family_windows(FAMILIES[fam], shape, args.windows, seed), args.repeat, args.smoothing)
                        for seed in SEEDS[seed_set]]
                 for policy in policies:
                     row = summarize(raw, policy)
@@ -422,7 +515,8 @@ def main(argv: list[str] | None = None) -> int:
                     table.add_row(
                         fam, policy, f"{row['bal_over_opt']:.4f}", f"{row['worst_over_opt']:.3f}",
                         f"{row['balancedness']:.4f}", f"{row['worst_layer']:.3f}", f"{row['opt_balancedness']:.4f}",
-                        f"{row['next_balancedness']:.4f}", f"{row['cpu_ms']:.1f}", f"{100 * row['copies_share']:.1f}%",
+                        f"{row['next_balancedness']:.4f}", f"{row['ceiling']:.4f}", f"{row['next_gap']:+.4f}",
+                        f"{row['cpu_ms']:.1f}", f"{100 * row['copies_share']:.1f}%",
                     )
                 table.add_section()
             console.print(table)
@@ -452,12 +546,13 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
     console.print(f"{elapsed:.1f} s; reproduce: python -m bench.bench_algorithm --shape {','.join(shapes)} "
                   f"--family {','.join(families)} --policy {','.join(policies)} --seeds {','.join(seed_sets)} "
-                  f"--windows {args.windows}" + (f" --ilp {args.ilp}" if args.ilp else ""))
+                  f"--windows {args.windows} --smoothing {args.smoothing}" + (f" --ilp {args.ilp}" if args.ilp else ""))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         payload = {
             "config": {"shapes": {s: SHAPES[s].__dict__ for s in shapes}, "families": {f: FAMILIES[f].doc for f in families},
                        "policies": policies, "seeds": {s: SEEDS[s] for s in seed_sets}, "windows": args.windows,
+                       "smoothing": args.smoothing,
                        "threads": torch.get_num_threads()},
             "results": results, "targets": targets, "ilp": ilp_rows, "elapsed_s": elapsed,
         }

@@ -581,3 +581,186 @@ def repair_counts(load, counts, half, num_gpus, max_iters):  # pragma: no cover 
             c[recv] += 1
             c[don] -= 1
     return counts
+
+
+@numba.njit(cache=True)
+def _layer_loads(w, cnt, se, gl):  # pragma: no cover - compiled
+    """GPU loads ``gl [G]`` of one layer ``se [G, S]`` with replica counts ``cnt``."""
+    g, s = se.shape
+    for x in range(g):
+        acc = 0.0
+        for k in range(s):
+            acc += w[se[x, k]] / cnt[se[x, k]]
+        gl[x] = acc
+
+
+@numba.njit(cache=True)
+def _best_replace(w, cnt, hc, se, gl, h, light, pref, prefer_share, m1, i1, m2):  # pragma: no cover - compiled
+    """:func:`improve`'s best replace move of one step: ``(estimate, slot on h, candidate)``;
+    ``-1`` for none (no candidate, or with ``pref`` none that lowers the peak). ``m1 / i1 / m2``:
+    scratch ``[L]`` for the two heaviest GPUs holding each expert."""
+    g, s = se.shape
+    peak = gl[h]
+    nq = light.shape[0] * s
+    # per candidate slot: what its GPU and the other holders of its expert f carry once f loses it
+    m1[:] = -np.inf
+    m2[:] = -np.inf
+    i1[:] = -1
+    for x in range(g):
+        for t in range(s):
+            f = se[x, t]
+            if i1[f] == x:
+                continue
+            if gl[x] > m1[f]:
+                m2[f], m1[f], i1[f] = m1[f], gl[x], x
+            elif gl[x] > m2[f]:
+                m2[f] = gl[x]
+    base = np.empty(nq)  # the candidate's GPU without the evicted replica
+    f_peak = np.empty(nq)
+    for j in range(light.shape[0]):
+        x = light[j]
+        for t in range(s):
+            q = j * s + t
+            f = se[x, t]
+            cf, wf = cnt[f], w[f]
+            lq = wf / cf
+            base[q] = gl[x] - lq
+            f_peak[q] = np.inf
+            if cf >= 2:
+                top = m2[f] if i1[f] == x else m1[f]
+                f_peak[q] = top + min(wf / (cf - 1) - lq, 1e300)
+    best_est, chosen, best_adj, bi, bq = np.inf, np.inf, np.inf, -1, -1
+    use_pref = pref.shape[0] > 0
+    for i in range(s):
+        e = se[h, i]
+        we, ce = w[e], cnt[e]
+        h_new = peak - we / ce + we / (ce + 1)
+        share = we / (ce + 1)
+        for j in range(light.shape[0]):
+            x = light[j]
+            if hc[x, e] > 0:
+                continue
+            for t in range(s):
+                q = j * s + t
+                est = max(max(h_new, base[q] + share), f_peak[q])
+                if not use_pref:
+                    if est < best_est:
+                        best_est, bi, bq = est, i, q
+                elif est < peak * (1 - 1e-12):
+                    f = se[x, t]
+                    pen = (1.0 if ce >= pref[e] else 0.0) + (1.0 if cnt[f] <= pref[f] else 0.0)
+                    adj = est + prefer_share * peak * pen
+                    if adj < best_adj:
+                        best_adj, chosen, bi, bq = adj, est, i, q
+    return (chosen if use_pref else best_est), bi, bq
+
+
+@numba.njit(cache=True)
+def _best_swap(w, cnt, hc, se, gl, h, light):  # pragma: no cover - compiled
+    """:func:`improve`'s best swap of one step: ``(estimate, slot on h, candidate)``."""
+    s = se.shape[1]
+    peak = gl[h]
+    best, bi, bq = np.inf, -1, -1
+    for i in range(s):
+        e = se[h, i]
+        le = w[e] / cnt[e]
+        for j in range(light.shape[0]):
+            x = light[j]
+            for t in range(s):
+                f = se[x, t]
+                if hc[x, e] > 0 or hc[h, f] > 0:
+                    continue
+                d = le - w[f] / cnt[f]
+                est = max(peak - d, gl[x] + d)
+                if est < best:
+                    best, bi, bq = est, i, j * s + t
+    return best, bi, bq
+
+
+@numba.njit(cache=True)
+def improve(slot_expert, load, target_peak, budget, max_steps, width, prefer, prefer_share):  # pragma: no cover - compiled
+    """``migration_aware``'s greedy moves, per layer of ``slot_expert [R, G, S]`` (in place), until
+    the peak is at most ``target_peak [R]``, the layer's ``budget [R]`` of copies is spent, no move
+    lowers the peak or ``max_steps`` moves are made. Each step, the heaviest GPU ``h`` against the
+    ``width`` lightest: a replace (1 copy: a slot of a light GPU whose expert ``f`` has >= 2
+    replicas takes an expert of ``h`` the GPU lacks) or a swap (2 copies), the largest drop of the
+    peak per copy on an estimate of the touched GPUs' loads; with ``prefer [R, L]`` (``[R, 0]``:
+    none) a replace that copies an expert with no fewer replicas than preferred, or evicts one with
+    no more, ranks as if ``prefer_share`` of the peak higher, each (among those that lower the
+    peak). A move is kept only if every GPU it changed ends below the old peak, recomputed exactly.
+    Returns the copies made per layer."""
+    rows, g, s = slot_expert.shape
+    n = load.shape[1]
+    k = max(1, min(width, g - 1))
+    made = np.zeros(rows, np.int64)
+    gl = np.empty(g)
+    gl_new = np.empty(g)
+    m1 = np.empty(n)
+    m2 = np.empty(n)
+    i1 = np.empty(n, np.int64)
+    for r in range(rows):
+        w = load[r]
+        se = slot_expert[r]
+        pref = prefer[r]
+        cnt = np.zeros(n, np.int64)
+        hc = np.zeros((g, n), np.int64)
+        for x in range(g):
+            for t in range(s):
+                cnt[se[x, t]] += 1
+                hc[x, se[x, t]] += 1
+        left = budget[r]
+        if not np.isfinite(target_peak[r]) or left < 1:
+            continue
+        for _ in range(max_steps):
+            _layer_loads(w, cnt, se, gl)
+            h = np.argmax(gl)
+            peak = gl[h]
+            if peak <= target_peak[r] * (1 + 1e-12):
+                break
+            light = np.argsort(gl, kind="mergesort")[:k].copy()
+            for j in range(k):
+                if light[j] == h:
+                    light[j] = light[0]
+            est_r, ri, rq = _best_replace(w, cnt, hc, se, gl, h, light, pref, prefer_share, m1, i1, m2)
+            gain_r = peak - est_r if ri >= 0 else -np.inf
+            gain_s = -np.inf
+            si, sq = -1, -1
+            if left >= 2:
+                est_s, si, sq = _best_swap(w, cnt, hc, se, gl, h, light)
+                gain_s = peak - est_s if si >= 0 else -np.inf
+            swap = gain_s / 2 > gain_r
+            if (gain_s if swap else gain_r) <= 1e-12 * max(peak, 1.0):
+                break
+            i, q = (si, sq) if swap else (ri, rq)
+            x, t = light[q // s], q % s
+            e, f = se[h, i], se[x, t]
+            se[x, t] = e
+            if swap:
+                se[h, i] = f
+            else:
+                cnt[e] += 1
+                cnt[f] -= 1
+            _layer_loads(w, cnt, se, gl_new)
+            ok = abs(gl_new[h] - gl[h]) > 1e-9 * max(peak, 1.0)
+            for y in range(g):
+                if abs(gl_new[y] - gl[y]) > 1e-9 * max(peak, 1.0) and gl_new[y] >= peak * (1 - 1e-12):
+                    ok = False
+            if not ok:  # undo, and this layer stops
+                se[x, t] = f
+                if swap:
+                    se[h, i] = e
+                else:
+                    cnt[e] -= 1
+                    cnt[f] += 1
+                break
+            hc[x, e] += 1
+            hc[x, f] -= 1
+            if swap:
+                hc[h, f] += 1
+                hc[h, e] -= 1
+            cost = 2 if swap else 1
+            left -= cost
+            made[r] += cost
+            if left < 1:
+                break
+    return made

@@ -185,39 +185,14 @@ def run_distributed(
         )
         for rank in range(world_size)
     ]
-    outcome: dict[int, tuple[str, Any, str]] = {}
     try:
         for p in procs:
             p.start()
-        while len(outcome) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            try:
-                rank, status, payload, tb = results.get(timeout=min(remaining, 0.5))
-            except queue_mod.Empty:
-                # A worker that died without reporting (killed, segfault) never will.
-                dead = [r for r, p in enumerate(procs) if r not in outcome and p.exitcode is not None]
-                for r in dead:
-                    try:  # it may have reported just before exiting
-                        rank, status, payload, tb = results.get(timeout=0.2)
-                        outcome[rank] = (status, payload, tb)
-                    except queue_mod.Empty:
-                        err = RemoteError(r, "ProcessDied", f"exit code {procs[r].exitcode}", "")
-                        outcome[r] = ("error", err, f"rank {r} died with exit code {procs[r].exitcode}")
-                continue
-            outcome[rank] = (status, payload, tb)
+        outcome = _collect(procs, results, deadline)
         for p in procs:
             p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=2.0)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=2.0)
+        _stop(procs)
         results.close()
         del store
 
@@ -229,3 +204,40 @@ def run_distributed(
         first = min(errors)
         raise DistributedTestError(errors, {r: outcome[r][2] for r in errors}) from errors[first]
     return [outcome[r][1] for r in range(world_size)]
+
+
+def _collect(procs: list[Any], results: Any, deadline: float) -> dict[int, tuple[str, Any, str]]:
+    """Each rank's ``(status, payload, traceback)`` until all reported or ``deadline``; a rank that
+    died without reporting counts as a ``ProcessDied`` error."""
+    outcome: dict[int, tuple[str, Any, str]] = {}
+    while len(outcome) < len(procs):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            rank, status, payload, tb = results.get(timeout=min(remaining, 0.5))
+        except queue_mod.Empty:
+            # A worker that died without reporting (killed, segfault) never will.
+            dead = [r for r, p in enumerate(procs) if r not in outcome and p.exitcode is not None]
+            for r in dead:
+                try:  # it may have reported just before exiting
+                    rank, status, payload, tb = results.get(timeout=0.2)
+                    outcome[rank] = (status, payload, tb)
+                except queue_mod.Empty:
+                    err = RemoteError(r, "ProcessDied", f"exit code {procs[r].exitcode}", "")
+                    outcome[r] = ("error", err, f"rank {r} died with exit code {procs[r].exitcode}")
+            continue
+        outcome[rank] = (status, payload, tb)
+    return outcome
+
+
+def _stop(procs: list[Any]) -> None:
+    """Terminate, then kill, every rank still alive; each join bounded."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=2.0)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=2.0)

@@ -442,10 +442,24 @@ class FakeController:
 
     def __init__(self, state: Phase):
         self.machine = SimpleNamespace(state=state, generation=4)
-        self.operations: dict = {}
+        self.requests = None
 
     def subscribe(self, callback):
         pass
+
+    def get_operation(self, operation_id):
+        return None
+
+    def list_operations(self, limit=None):
+        return []
+
+    def timeline_windows(self):
+        return []
+
+    def export_placement(self, timeout=30.0):
+        from elastic.core.errors import ScaleConflict
+
+        raise ScaleConflict(None, self.machine.state, (), trigger="export the placement")
 
     def snapshot(self):
         return {"state": self.machine.state.value, "generation": 4, "ep_size": 3, "num_physical": 12,

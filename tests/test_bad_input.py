@@ -271,8 +271,11 @@ class _Controller:
         from elastic.core.machine import Phase
 
         self.machine = SimpleNamespace(state=Phase.RUNNING, generation=0)
-        self.operations: dict = {}
+        self.requests = None
         self.scaled: list[int] = []
+
+    def list_operations(self, limit=None):
+        return []
 
     def subscribe(self, callback):  # the metrics registry listens; nothing happens here
         pass

@@ -18,12 +18,12 @@ import schemathesis
 import torch
 from hypothesis import HealthCheck, settings
 
+from elastic.control.requests import RequestEngine
 from elastic.coordinator import Coordinator, OperationStatus
 from elastic.core import protocol as p
 from elastic.core.config import ServingConfig
 from elastic.deployment import DeploymentConfig
 from elastic.service.api import BackgroundServer, create_app
-from elastic.serving.engine import RequestEngine
 from eplb.models.hf import unsharded
 from tests.conftest import TEST_SCALING
 
@@ -302,6 +302,29 @@ def test_requests_decode_through_a_scale_without_restarting_and_with_the_same_to
         "no request decoded across the pause", pause["started"], pause["ended"],
         [(s.times[0], s.times[-1]) for s in streams if s.times], c.get_operation(op.id)["phases"])
     assert c.requests.stats()["mismatched"] == 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_seeded_sample_with_vllms_parameters_is_the_same_at_every_ep_size(live):
+    body = {"model": live.model, "prompt": prompt_of(7), "max_tokens": 12, "temperature": 0.9, "seed": 11, "n": 2,
+            "top_k": 50, "top_p": 0.9, "min_p": 0.01, "repetition_penalty": 1.3, "frequency_penalty": 0.2,
+            "presence_penalty": 0.1, "logit_bias": {"5": 2.0}}
+
+    def sampled() -> list[list[int]]:
+        r = live.client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return [choice["token_ids"] for choice in r.json()["choices"]]
+
+    start = live.coordinator.snapshot()["ep_size"]
+    at_start = sampled()
+    assert len(at_start) == 2 and all(len(t) == 12 for t in at_start) and at_start[0] != at_start[1]
+    other = 3 if start != 3 else 2
+    try:
+        assert live.coordinator.scale(other, timeout=180).status == OperationStatus.SUCCEEDED
+        assert sampled() == at_start
+    finally:
+        live.coordinator.scale(start, timeout=180)
 
 
 @pytest.mark.multiprocess

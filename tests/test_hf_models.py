@@ -13,6 +13,8 @@ import costs seconds per process).
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -79,55 +81,18 @@ def body_architectures(rank: int, world_size: int, cases: list[tuple[str, str]])
         logical, physical = model.take_load()
         new = Placement.from_physical_to_logical(
             swap_rank_blocks(compute_placement(logical, s * world_size, world_size).physical_to_logical, world_size), L)
-        transfers = 0
-        for layer in range(layers):
-            weights = model.expert_weights()[layer]
-            staging = [torch.empty_like(t) for t in weights]
-            moved = move_layer(model, rank, layer, model.placement.physical_to_logical[layer],
-                               new.physical_to_logical[layer], s, s, weights, staging)
-            commit_layer(moved["plan"], staging, weights)
-            model.install_placement(model.placement.with_layer(layer, new.physical_to_logical[layer]), rank, world_size)
-            transfers += moved["transfers"]
-            model.decode_step(state)  # a step on a half-moved placement
+        transfers = _rebalance_while_serving(model, rank, world_size, s, new, state)
         while len(state.tokens) < 6:
             model.decode_step(state)
         serve_tokens, serve_logits = torch.stack(state.tokens, 1), torch.stack(state.logits, 1)
         checks["rebalance"] = model.probe().compare(ref)
 
         # rank 1's weights are lost: a fresh placement, experts only rank 1 held are reloaded
-        lost_placement = Placement.static(layers, L, s * world_size)
-        reloads = 0
-        fresh = model.allocate(s)
-        for layer in range(layers):
-            old_w = model.expert_weights()[layer]
-            if rank == 1:
-                moved = move_layer(model, rank, layer, model.placement.physical_to_logical[layer],
-                                   lost_placement.physical_to_logical[layer], s, s, None, fresh[layer],
-                                   old_holder=(0, -1), new_holder=(0, 1))
-                materialize(moved["plan"], None, fresh[layer])
-            else:
-                staging = [torch.empty_like(t) for t in old_w]
-                moved = move_layer(model, rank, layer, model.placement.physical_to_logical[layer],
-                                   lost_placement.physical_to_logical[layer], s, s, old_w, staging,
-                                   old_holder=(0, -1), new_holder=(0, 1))
-                commit_layer(moved["plan"], staging, old_w)
-            reloads += moved["reloads"]
-        if rank == 1:
-            model.replace_weights(fresh)
-        model.install_placement(lost_placement, rank, world_size)
+        reloads = _lose_rank_1(model, rank, world_size, s)
         checks["recovery"] = model.probe().compare(ref)
 
         # slots per rank 6 -> 8 (16 slots): new tensors, materialized from the old ones
-        s_new = 8
-        wider = compute_placement(logical, s_new * world_size, world_size)
-        new_weights = model.allocate(s_new)
-        for layer in range(layers):
-            moved = move_layer(model, rank, layer, model.placement.physical_to_logical[layer],
-                               wider.physical_to_logical[layer], s, s_new, model.expert_weights()[layer],
-                               new_weights[layer])
-            materialize(moved["plan"], model.expert_weights()[layer], new_weights[layer])
-        model.replace_weights(new_weights)
-        model.install_placement(wider, rank, world_size)
+        _widen(model, rank, world_size, logical, s, 8)
         checks["slots"] = model.probe().compare(ref)
 
         out[f"{arch}/{dtype}"] = {
@@ -138,6 +103,60 @@ def body_architectures(rank: int, world_size: int, cases: list[tuple[str, str]])
             "tokens_per_layer": (3 * 5 + 3) * info_top_k(spec),  # prefill + one step
         }
     return out
+
+
+def _rebalance_while_serving(model: Any, rank: int, world_size: int, s: int, new: Placement, state: Any) -> int:
+    """Move to ``new`` one layer per decode step, as the async EPLB does; the transfers made."""
+    transfers = 0
+    for layer in range(model.num_moe_layers):
+        weights = model.expert_weights()[layer]
+        staging = [torch.empty_like(t) for t in weights]
+        moved = move_layer(model, rank, layer, model.placement.physical_to_logical[layer],
+                           new.physical_to_logical[layer], s, s, weights, staging)
+        commit_layer(moved["plan"], staging, weights)
+        model.install_placement(model.placement.with_layer(layer, new.physical_to_logical[layer]), rank, world_size)
+        transfers += moved["transfers"]
+        model.decode_step(state)  # a step on a half-moved placement
+    return transfers
+
+
+def _lose_rank_1(model: Any, rank: int, world_size: int, s: int) -> int:
+    """Rank 1's weights are lost: a fresh static placement, experts only rank 1 held reloaded; the reloads."""
+    layers = model.num_moe_layers
+    lost_placement = Placement.static(layers, L, s * world_size)
+    reloads = 0
+    fresh = model.allocate(s)
+    for layer in range(layers):
+        old_w = model.expert_weights()[layer]
+        if rank == 1:
+            moved = move_layer(model, rank, layer, model.placement.physical_to_logical[layer],
+                               lost_placement.physical_to_logical[layer], s, s, None, fresh[layer],
+                               old_holder=(0, -1), new_holder=(0, 1))
+            materialize(moved["plan"], None, fresh[layer])
+        else:
+            staging = [torch.empty_like(t) for t in old_w]
+            moved = move_layer(model, rank, layer, model.placement.physical_to_logical[layer],
+                               lost_placement.physical_to_logical[layer], s, s, old_w, staging,
+                               old_holder=(0, -1), new_holder=(0, 1))
+            commit_layer(moved["plan"], staging, old_w)
+        reloads += moved["reloads"]
+    if rank == 1:
+        model.replace_weights(fresh)
+    model.install_placement(lost_placement, rank, world_size)
+    return reloads
+
+
+def _widen(model: Any, rank: int, world_size: int, logical: torch.Tensor, s: int, s_new: int) -> None:
+    """Slots per rank ``s`` -> ``s_new``: new tensors, materialized from the old ones."""
+    wider = compute_placement(logical, s_new * world_size, world_size)
+    new_weights = model.allocate(s_new)
+    for layer in range(model.num_moe_layers):
+        moved = move_layer(model, rank, layer, model.placement.physical_to_logical[layer],
+                           wider.physical_to_logical[layer], s, s_new, model.expert_weights()[layer],
+                           new_weights[layer])
+        materialize(moved["plan"], model.expert_weights()[layer], new_weights[layer])
+    model.replace_weights(new_weights)
+    model.install_placement(wider, rank, world_size)
 
 
 def info_top_k(spec: HFModelConfig) -> int:
@@ -200,7 +219,6 @@ def body_checkpoint(rank: int, world_size: int, paths: dict[str, str]) -> dict:
     import torch.distributed as dist
 
     from eplb.models.hf import HFMoE, describe, unsharded
-    from eplb.models.kernel import ReplicaDivergence
 
     torch.set_num_threads(1)
     out = {}
@@ -221,83 +239,106 @@ def body_checkpoint(rank: int, world_size: int, paths: dict[str, str]) -> dict:
         if rank == 1:
             model = HFMoE(spec, grown, 1, 2, materialize=False, load_non_expert=False, timeout=TIMEOUT)
         r["non_expert"] = model.sync_non_expert(src=0, group=None, timeout=TIMEOUT)
-        for layer in range(layers):
-            old_row = model.placement.physical_to_logical[layer] if rank == 0 else torch.arange(L)
-            if rank == 0:
-                weights = model.expert_weights()[layer]
-                staging = [torch.empty_like(t) for t in weights]
-                moved = move_layer(model, 0, layer, old_row, grown.physical_to_logical[layer], s, s, weights, staging,
-                                   old_holder=(0,), new_holder=(0, 1))
-                commit_layer(moved["plan"], staging, weights)
-            else:
-                weights = model.expert_weights()[layer]
-                moved = move_layer(model, 1, layer, old_row, grown.physical_to_logical[layer], s, s, None, weights,
-                                   old_holder=(0,), new_holder=(0, 1))
-                materialize(moved["plan"], None, weights)
-        if rank == 0:
-            model.install_placement(grown, 0, 2)
-            model.set_group(None)
+        _join_rank_1(model, rank, grown, s)
         r["joined_read"] = model.source.bytes_read if rank == 1 else None
         r["grown"] = model.probe().compare(ref)
 
         # rank 1 is lost; its replacement takes its slots: experts 6 and 7 were only there, so they are
         # reloaded from the directory, the others come from rank 0
-        before = model.source.expert_bytes_read
-        back = grown
-        reloads = 0
-        fresh = model.allocate(s)
-        for layer in range(layers):
-            if rank == 1:
-                moved = move_layer(model, 1, layer, grown.physical_to_logical[layer], back.physical_to_logical[layer],
-                                   s, s, None, fresh[layer], old_holder=(0, -1), new_holder=(0, 1))
-                materialize(moved["plan"], None, fresh[layer])
-            else:
-                weights = model.expert_weights()[layer]
-                staging = [torch.empty_like(t) for t in weights]
-                moved = move_layer(model, 0, layer, grown.physical_to_logical[layer], back.physical_to_logical[layer],
-                                   s, s, weights, staging, old_holder=(0, -1), new_holder=(0, 1))
-                commit_layer(moved["plan"], staging, weights)
-            reloads += moved["reloads"]
-        if rank == 1:
-            model.replace_weights(fresh)
-        model.install_placement(back, rank, 2)
-        r["reloads"] = reloads
-        r["reload_bytes"] = model.source.expert_bytes_read - before
+        _replace_rank_1(model, rank, grown, s, r)
         r["expert_bytes"] = describe(HFModelConfig(path=path)).expert_bytes
         r["layers"] = layers
         r["recovered"] = model.probe().compare(ref)
         r["verify"] = model.verify()
 
         # a wrong expert in one slot on purpose: the slot of rank 1 the probe batch uses most
-        model.generate(model.probe_batch(), 2)
-        physical = model.take_load()[1]
-        slot = int(physical[0, s:].argmax()) + s
-        if rank == 1:
-            expert = int(back.physical_to_logical[0, slot])
-            wrong = model.canonical_expert(0, (expert + 1) % L)
-            with torch.no_grad():
-                for t, w in zip(model.expert_weights()[0], wrong):
-                    t[slot - s].copy_(w)
-        r["wrong_slot"] = (0, slot)
-        r["tripped"] = model.probe().compare(ref)
-        r["tripped_verify"] = model.verify()
-        model.load_canonical()
-        r["repaired"] = model.probe().compare(ref)
+        _trip_a_slot(model, rank, grown, s, ref, r)
 
         # one replicated weight one ulp off on rank 1 (what another thread count or a bad copy does)
-        emb = model.model.get_input_embeddings().weight
-        if rank == 1:
-            with torch.no_grad():
-                emb.copy_(torch.nextafter(emb, torch.full_like(emb, float("inf"))))
-        for combine, limit in (("diverged", 1 << 20), ("diverged_two_step", 0)):  # one all_gather, then two
-            model.set_combine_one_shot_bytes(limit)
-            try:
-                model.probe()
-                r[combine] = "no error"
-            except ReplicaDivergence as exc:
-                r[combine] = f"{type(exc).__name__}: {exc}"
+        _diverge(model, rank, r)
         out[arch] = r
     return out
+
+
+def _join_rank_1(model: Any, rank: int, grown: Placement, s: int) -> None:
+    """Scale 1 -> 2: rank 0 moves to ``grown`` (keeping its experts), rank 1 receives or reloads its slots."""
+    for layer in range(model.num_moe_layers):
+        old_row = model.placement.physical_to_logical[layer] if rank == 0 else torch.arange(L)
+        if rank == 0:
+            weights = model.expert_weights()[layer]
+            staging = [torch.empty_like(t) for t in weights]
+            moved = move_layer(model, 0, layer, old_row, grown.physical_to_logical[layer], s, s, weights, staging,
+                               old_holder=(0,), new_holder=(0, 1))
+            commit_layer(moved["plan"], staging, weights)
+        else:
+            weights = model.expert_weights()[layer]
+            moved = move_layer(model, 1, layer, old_row, grown.physical_to_logical[layer], s, s, None, weights,
+                               old_holder=(0,), new_holder=(0, 1))
+            materialize(moved["plan"], None, weights)
+    if rank == 0:
+        model.install_placement(grown, 0, 2)
+        model.set_group(None)
+
+
+def _replace_rank_1(model: Any, rank: int, grown: Placement, s: int, r: dict) -> None:
+    """Rank 1 is lost; its replacement takes its slots (experts only it held reloaded from the directory)."""
+    layers = model.num_moe_layers
+    before = model.source.expert_bytes_read
+    back = grown
+    reloads = 0
+    fresh = model.allocate(s)
+    for layer in range(layers):
+        if rank == 1:
+            moved = move_layer(model, 1, layer, grown.physical_to_logical[layer], back.physical_to_logical[layer],
+                               s, s, None, fresh[layer], old_holder=(0, -1), new_holder=(0, 1))
+            materialize(moved["plan"], None, fresh[layer])
+        else:
+            weights = model.expert_weights()[layer]
+            staging = [torch.empty_like(t) for t in weights]
+            moved = move_layer(model, 0, layer, grown.physical_to_logical[layer], back.physical_to_logical[layer],
+                               s, s, weights, staging, old_holder=(0, -1), new_holder=(0, 1))
+            commit_layer(moved["plan"], staging, weights)
+        reloads += moved["reloads"]
+    if rank == 1:
+        model.replace_weights(fresh)
+    model.install_placement(back, rank, 2)
+    r["reloads"] = reloads
+    r["reload_bytes"] = model.source.expert_bytes_read - before
+
+
+def _trip_a_slot(model: Any, rank: int, back: Placement, s: int, ref: Any, r: dict) -> None:
+    """A wrong expert in rank 1's slot the probe batch uses most: the probe and verify trip, a reload repairs."""
+    model.generate(model.probe_batch(), 2)
+    physical = model.take_load()[1]
+    slot = int(physical[0, s:].argmax()) + s
+    if rank == 1:
+        expert = int(back.physical_to_logical[0, slot])
+        wrong = model.canonical_expert(0, (expert + 1) % L)
+        with torch.no_grad():
+            for t, w in zip(model.expert_weights()[0], wrong):
+                t[slot - s].copy_(w)
+    r["wrong_slot"] = (0, slot)
+    r["tripped"] = model.probe().compare(ref)
+    r["tripped_verify"] = model.verify()
+    model.load_canonical()
+    r["repaired"] = model.probe().compare(ref)
+
+
+def _diverge(model: Any, rank: int, r: dict) -> None:
+    """One replicated weight one ulp off on rank 1: both combine paths raise ReplicaDivergence."""
+    from eplb.models.kernel import ReplicaDivergence
+
+    emb = model.model.get_input_embeddings().weight
+    if rank == 1:
+        with torch.no_grad():
+            emb.copy_(torch.nextafter(emb, torch.full_like(emb, float("inf"))))
+    for combine, limit in (("diverged", 1 << 20), ("diverged_two_step", 0)):  # one all_gather, then two
+        model.set_combine_one_shot_bytes(limit)
+        try:
+            model.probe()
+            r[combine] = "no error"
+        except ReplicaDivergence as exc:
+            r[combine] = f"{type(exc).__name__}: {exc}"
 
 
 @pytest.fixture(scope="module")

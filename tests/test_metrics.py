@@ -19,7 +19,7 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from elastic.service.metrics import CoordinatorCollector, OperationRecorder
+from elastic.service.metrics import CoordinatorCollector, OperationRecorder, ServingMetrics
 from eplb.config import EPLBConfig
 from eplb.placement import Placement
 from eplb.state import EPLBState, balancedness_of, balancedness_summary, layer_balancedness
@@ -261,6 +261,7 @@ def test_the_readme_metrics_table_lists_every_exported_metric():
     registry = CollectorRegistry()
     registry.register(CoordinatorCollector(coordinator))
     OperationRecorder(registry)
+    ServingMetrics(registry)
     readme = (DASHBOARD.parent.parent.parent / "README.md").read_text()
     table = {m.group(1) for m in re.finditer(r"`(elastic_ep_\w+)`", readme)}
     exported = {m.name + ("_total" if m.type == "counter" else "") for m in registry.collect()}

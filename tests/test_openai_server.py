@@ -193,6 +193,11 @@ def test_vllm_benchmark_request_bodies_are_served_with_usage_and_every_token(ser
         assert [t for c in chunks if c["choices"] for t in c["choices"][0]["token_ids"]] == expected
         assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == served.text_after(ids, expected)
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 10
+    body = {**vllm_benchmark_body(served.model, "w1 w2", 4), "stream_options": {"continuous_usage_stats": True}}
+    with served.http.stream("POST", "/v1/completions", json=body) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert [c["usage"]["completion_tokens"] for c in chunks][-1] == 4  # the usage so far, in every chunk
+    assert all("usage" in c for c in chunks)
 
 
 @pytest.mark.multiprocess
@@ -232,5 +237,6 @@ def test_an_api_key_guards_every_v1_route_reads_included(served):
         assert httpx.get(f"{guarded.url}/state").status_code == 200  # the control plane's reads stay open
         client = openai.OpenAI(base_url=f"{guarded.url}/v1", api_key="sesame", max_retries=0)
         assert client.models.list().data[0].id == served.model
-        with pytest.raises(openai.AuthenticationError):
+        with pytest.raises(openai.AuthenticationError) as refused:
             openai.OpenAI(base_url=f"{guarded.url}/v1", api_key="wrong", max_retries=0).models.list()
+        assert "Authorization: Bearer" in str(refused.value)  # the client shows the message

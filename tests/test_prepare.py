@@ -321,9 +321,8 @@ def test_retiring_standby_ranks_never_raises_when_one_is_already_gone():
     """A standby rank that died on its own between the liveness check and the kill (a killed
     joining rank reaped by the forkserver) once made the operation's error handler raise, so the
     operation held the machine for good and recover() was refused."""
-    from types import SimpleNamespace
-
-    from elastic.control.coordinator import Coordinator, WorkerRecord
+    from elastic.control.executor import retire_standby
+    from elastic.control.registry import WorkerRecord
 
     class Gone:
         def kill(self) -> None:
@@ -337,7 +336,7 @@ def test_retiring_standby_ranks_never_raises_when_one_is_already_gone():
 
     alive = Alive()
     records = [WorkerRecord(Gone(), 2, 1, standby=True), WorkerRecord(alive, 3, 1, standby=True)]
-    Coordinator._retire_standby(SimpleNamespace(), records)  # type: ignore[arg-type]
+    retire_standby(records)  # type: ignore[arg-type]
     assert alive.killed and all(w.expected_exit for w in records)
 
 

@@ -46,7 +46,7 @@ def test_the_forkserver_preloads_transformers_only_for_a_hugging_face_model():
 
 
 # the compiled kernels eplb.algorithm.warm_up loads (a new kernel belongs here and in warm_up)
-EVERY_KERNEL = ("add_replicas", "bfd_pack", "fill_pack", "repair_counts", "replica_counts", "swap_refine", "take_counts")
+EVERY_KERNEL = ("add_replicas", "bfd_pack", "fill_pack", "improve", "repair_counts", "replica_counts", "swap_refine", "take_counts")
 
 
 def _what_a_forked_worker_finds_loaded(answers) -> None:

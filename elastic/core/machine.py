@@ -26,7 +26,8 @@ Rules the façade keeps
   never propagated. A subscriber may fire another trigger (the lock is re-entrant); that
   transition is delivered to subscribers after the current one. Subscribers must be quick
   and must not wait on a thread that needs the machine.
-- Time comes from an injected ``clock`` (``time.monotonic`` by default), so tests drive it.
+- Time comes from an injected :class:`~elastic.core.clock.Clock` (the real one by default; a
+  ``() -> seconds`` function is accepted too), so tests drive it.
 
 Generation
 ----------
@@ -40,7 +41,8 @@ Recovery
 --------
 ``recover``: ``failed -> rescaling``. Recovery is a rescale of whatever is alive: fix the
 rank mapping (``RankMapping.without(lost)`` or back to the old size), form a new group,
-reload or copy the experts that were lost, verify weights. That is exactly the work of
+reload or copy the experts that were lost, and check that every rank reports the same new
+maps (one digest; the weights themselves are checked bit-exactly only by ``Verify``). That is exactly the work of
 ``rescaling``, so the coordinator reuses one path (``rescaled`` -> ``resuming`` ->
 ``resumed``) instead of a second one, and the same deadlines apply. Entering ``failed``
 already implies EPLB is off on every rank that is alive (the coordinator stops it when it
@@ -52,7 +54,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
@@ -62,9 +63,10 @@ from typing import Any, cast
 from transitions import MachineError
 from transitions.extensions import LockedMachine
 
+from elastic.core.clock import Clock, as_clock
 from elastic.core.config import TimeoutsConfig
 from elastic.core.errors import InvalidScaleRequest, InvalidTransition, PhaseTimeout, ScaleConflict, StaleGeneration
-from elastic.core.phases import Phase
+from elastic.core.phases import Phase, Trigger
 
 __all__ = [
     "EDGES",
@@ -74,6 +76,7 @@ __all__ = [
     "ScaleMachine",
     "SubscriberError",
     "Transition",
+    "Trigger",
     "allowed_triggers",
     "reachable_from",
     "transitions_of",
@@ -86,44 +89,45 @@ logger = logging.getLogger("elastic.core.machine")
 class Edge:
     """One row of the table: ``trigger`` moves ``source`` to ``dest``."""
 
-    trigger: str
+    trigger: Trigger
     source: Phase
     dest: Phase
 
 
 P = Phase
+T = Trigger
 
 #: THE table. One edge per (trigger, source); the comment says when the coordinator fires it.
 EDGES: tuple[Edge, ...] = (
     # a scale operation begins (operator/API/autoscaler request, or a rank lost while serving)
-    Edge("request_scale", P.RUNNING, P.DRAINING),
+    Edge(T.REQUEST_SCALE, P.RUNNING, P.DRAINING),
     # every in-flight EPLB layer transfer has committed on every rank; no new rebalance started
-    Edge("drained", P.DRAINING, P.SUPPRESSED),
+    Edge(T.DRAINED, P.DRAINING, P.SUPPRESSED),
     # the EPLB worker thread is joined on every rank and the rank mapping is fixed
-    Edge("suppressed", P.SUPPRESSED, P.RESCALING),
-    # the new group (generation g) is formed and the experts are redistributed and verified
-    Edge("rescaled", P.RESCALING, P.RESUMING),
+    Edge(T.SUPPRESSED, P.SUPPRESSED, P.RESCALING),
+    # the new group (generation g) is formed, the experts redistributed and every rank reports the same maps
+    Edge(T.RESCALED, P.RESCALING, P.RESUMING),
     # the EPLB group is rebuilt and the async worker restarted on every rank of the new group
-    Edge("resumed", P.RESUMING, P.RUNNING),
+    Edge(T.RESUMED, P.RESUMING, P.RUNNING),
     # a worker was lost or a collective failed while serving and no rescale can absorb it yet
-    Edge("fail", P.RUNNING, P.FAILED),
+    Edge(T.FAIL, P.RUNNING, P.FAILED),
     # draining overran its deadline, or a rank died / a commit failed mid-drain
-    Edge("fail", P.DRAINING, P.FAILED),
+    Edge(T.FAIL, P.DRAINING, P.FAILED),
     # a rank could not join its EPLB thread in time, or died
-    Edge("fail", P.SUPPRESSED, P.FAILED),
-    # group formation, a transfer, a worker start or weight verification failed or timed out
-    Edge("fail", P.RESCALING, P.FAILED),
+    Edge(T.FAIL, P.SUPPRESSED, P.FAILED),
+    # group formation, a transfer or a worker start failed or timed out, or the ranks' new maps differ
+    Edge(T.FAIL, P.RESCALING, P.FAILED),
     # the EPLB group or worker could not be restarted in time
-    Edge("fail", P.RESUMING, P.FAILED),
+    Edge(T.FAIL, P.RESUMING, P.FAILED),
     # roll back to a consistent group by rescaling the living ranks (see module docstring)
-    Edge("recover", P.FAILED, P.RESCALING),
+    Edge(T.RECOVER, P.FAILED, P.RESCALING),
 )
 
 #: Every trigger name, in table order.
-TRIGGERS: tuple[str, ...] = tuple(dict.fromkeys(e.trigger for e in EDGES))
+TRIGGERS: tuple[Trigger, ...] = tuple(dict.fromkeys(e.trigger for e in EDGES))
 
 
-def allowed_triggers(state: Phase | str) -> tuple[str, ...]:
+def allowed_triggers(state: Phase | str) -> tuple[Trigger, ...]:
     """Triggers the table accepts in ``state``, in table order."""
     s = Phase(state)
     return tuple(dict.fromkeys(e.trigger for e in EDGES if e.source is s))
@@ -142,7 +146,7 @@ def reachable_from(state: Phase | str) -> frozenset[Phase]:
     return frozenset(seen)
 
 
-def _dest(trigger: str, source: Phase) -> Phase | None:
+def _dest(trigger: Trigger | str, source: Phase) -> Phase | None:
     for e in EDGES:
         if e.trigger == trigger and e.source is source:
             return e.dest
@@ -156,7 +160,7 @@ class Transition:
     at: float
     source: Phase
     dest: Phase
-    trigger: str
+    trigger: Trigger
     generation: int
     reason: str
     operation_id: str | None
@@ -166,6 +170,7 @@ class Transition:
         d = asdict(self)
         d["source"] = self.source.value
         d["dest"] = self.dest.value
+        d["trigger"] = self.trigger.value
         return d
 
     def sentence(self) -> str:
@@ -197,7 +202,7 @@ class ScaleMachine:
 
     Args:
         timeouts: per-phase deadlines (:class:`~elastic.core.config.TimeoutsConfig`).
-        clock: seconds, monotonic; injected so tests drive time.
+        clock: the control plane's clock (:mod:`elastic.core.clock`); injected so tests drive time.
         generation: the generation of the group the machine starts with.
         history_limit: how many transitions :meth:`history` keeps (oldest dropped first).
         subscriber_error_limit: how many subscriber errors are kept.
@@ -207,7 +212,7 @@ class ScaleMachine:
         self,
         *,
         timeouts: TimeoutsConfig | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock | Callable[[], float] | None = None,
         generation: int = 0,
         history_limit: int = 1000,
         subscriber_error_limit: int = 100,
@@ -217,12 +222,12 @@ class ScaleMachine:
         if history_limit < 1:
             raise InvalidScaleRequest("history_limit", "must be at least 1", value=history_limit)
         self._timeouts = timeouts if timeouts is not None else TimeoutsConfig()
-        self._clock = clock
+        self._clock = as_clock(clock)
         self._lock = threading.RLock()
         self._generation = generation
         self._operation_id: str | None = None
         self._failure_reason: str | None = None
-        self._entered_at = float(clock())
+        self._entered_at = self._clock.monotonic()
         self._seq = 0
         self._history: deque[Transition] = deque(maxlen=history_limit)
         self._subscribers: list[Callable[[Transition], Any]] = []
@@ -234,7 +239,7 @@ class ScaleMachine:
             model=self._model,
             states=[p.value for p in Phase],
             initial=Phase.RUNNING.value,
-            transitions=[{"trigger": e.trigger, "source": e.source.value, "dest": e.dest.value} for e in EDGES],
+            transitions=[{"trigger": e.trigger.value, "source": e.source.value, "dest": e.dest.value} for e in EDGES],
             auto_transitions=False,
             ignore_invalid_triggers=False,
             # transitions' stub types machine_context as AbstractContextManager[None], but RLock.__enter__
@@ -273,7 +278,7 @@ class ScaleMachine:
     def timeouts(self) -> TimeoutsConfig:
         return self._timeouts
 
-    def allowed(self) -> tuple[str, ...]:
+    def allowed(self) -> tuple[Trigger, ...]:
         """Triggers the current phase accepts."""
         return allowed_triggers(self.state)
 
@@ -297,7 +302,7 @@ class ScaleMachine:
                 "failure_reason": self._failure_reason,
                 "entered_at": self._entered_at,
                 "deadline_s": self._timeouts.for_phase(self.state),
-                "allowed": list(self.allowed()),
+                "allowed": [t.value for t in self.allowed()],
             }
 
     # ------------------------------------------------------------------ subscribers
@@ -326,22 +331,22 @@ class ScaleMachine:
         """
         with self._lock:
             state = self.state
-            if _dest("request_scale", state) is None:
+            if _dest(T.REQUEST_SCALE, state) is None:
                 raise ScaleConflict(self._operation_id, state, self.allowed())
             op = _check_text("operation_id", operation_id)
-            return self._fire("request_scale", reason=_check_reason(reason, required=False), operation_id=op)
+            return self._fire(T.REQUEST_SCALE, reason=_check_reason(reason, required=False), operation_id=op)
 
     def drained(self, *, reason: str = "") -> Transition:
         """``draining -> suppressed``: every in-flight layer committed on every rank."""
         with self._lock:
-            self._require("drained")
-            return self._fire("drained", reason=_check_reason(reason, required=False))
+            self._require(T.DRAINED)
+            return self._fire(T.DRAINED, reason=_check_reason(reason, required=False))
 
     def suppressed(self, *, reason: str = "") -> Transition:
         """``suppressed -> rescaling``: EPLB threads joined on every rank; the mapping is fixed."""
         with self._lock:
-            self._require("suppressed")
-            return self._fire("suppressed", reason=_check_reason(reason, required=False))
+            self._require(T.SUPPRESSED)
+            return self._fire(T.SUPPRESSED, reason=_check_reason(reason, required=False))
 
     def rescaled(self, *, generation: int, reason: str = "") -> Transition:
         """``rescaling -> resuming``: group ``generation`` formed, experts redistributed.
@@ -350,24 +355,24 @@ class ScaleMachine:
         (else :class:`~elastic.core.errors.StaleGeneration`); it becomes the machine's generation.
         """
         with self._lock:
-            self._require("rescaled")
+            self._require(T.RESCALED)
             if isinstance(generation, bool) or not isinstance(generation, int):
                 raise InvalidScaleRequest("generation", "must be an integer", value=generation)
             if generation <= self._generation:
                 raise StaleGeneration(expected=self._generation + 1, actual=generation)
-            return self._fire("rescaled", reason=_check_reason(reason, required=False), generation=generation)
+            return self._fire(T.RESCALED, reason=_check_reason(reason, required=False), generation=generation)
 
     def resumed(self, *, reason: str = "") -> Transition:
         """``resuming -> running``: EPLB rebuilt and restarted everywhere; the operation is done."""
         with self._lock:
-            self._require("resumed")
-            return self._fire("resumed", reason=_check_reason(reason, required=False), end_operation=True)
+            self._require(T.RESUMED)
+            return self._fire(T.RESUMED, reason=_check_reason(reason, required=False), end_operation=True)
 
     def fail(self, *, reason: str) -> Transition:
         """Any phase but ``failed`` -> ``failed``, recording ``reason`` (required)."""
         with self._lock:
-            self._require("fail")
-            return self._fire("fail", reason=_check_reason(reason, required=True))
+            self._require(T.FAIL)
+            return self._fire(T.FAIL, reason=_check_reason(reason, required=True))
 
     def recover(self, *, operation_id: str | None = None, reason: str) -> Transition:
         """``failed -> rescaling``: roll back by rescaling the living ranks.
@@ -376,13 +381,28 @@ class ScaleMachine:
         is kept (or ``recover-<seq>`` when the failure happened outside an operation).
         """
         with self._lock:
-            self._require("recover")
+            self._require(T.RECOVER)
             r = _check_reason(reason, required=True)
             if operation_id is None:
                 op = self._operation_id or f"recover-{self._seq + 1}"
             else:
                 op = _check_text("operation_id", operation_id)
-            return self._fire("recover", reason=r, operation_id=op)
+            return self._fire(T.RECOVER, reason=r, operation_id=op)
+
+    def fire(self, trigger: Trigger, *, reason: str = "", generation: int | None = None) -> Transition:
+        """Fire an operation step's ``trigger`` (``drained``, ``suppressed``, ``rescaled``, ``resumed``)
+        through its typed method; ``generation`` goes with ``rescaled`` only."""
+        if trigger is T.RESCALED:
+            if generation is None:
+                raise InvalidScaleRequest("generation", "rescaled needs the new group's generation")
+            return self.rescaled(generation=generation, reason=reason)
+        if generation is not None:
+            raise InvalidScaleRequest("generation", f"only rescaled takes a generation, not {trigger}", value=generation)
+        steps = {T.DRAINED: self.drained, T.SUPPRESSED: self.suppressed, T.RESUMED: self.resumed}
+        if trigger not in steps:
+            raise InvalidScaleRequest("trigger", "an operation step fires drained, suppressed, rescaled or resumed",
+                                      value=trigger)
+        return steps[trigger](reason=reason)
 
     # ------------------------------------------------------------------ deadlines
 
@@ -396,7 +416,7 @@ class ScaleMachine:
             deadline = self._timeouts.for_phase(state)
             if deadline is None:
                 return None
-            t = float(self._clock() if now is None else now)
+            t = float(self._clock.monotonic() if now is None else now)
             elapsed = t - self._entered_at
             if elapsed > deadline:
                 return PhaseTimeout(state, deadline, elapsed_s=elapsed)
@@ -411,18 +431,18 @@ class ScaleMachine:
             timeout = self.check_deadline(now)
             if timeout is None:
                 return None
-            return self._fire("fail", reason=str(timeout), now=now)
+            return self._fire(T.FAIL, reason=str(timeout), now=now)
 
     # ------------------------------------------------------------------ internals
 
-    def _require(self, trigger: str) -> None:
+    def _require(self, trigger: Trigger) -> None:
         state = self.state
         if _dest(trigger, state) is None:
             raise InvalidTransition(state, trigger, self.allowed())
 
     def _fire(
         self,
-        trigger: str,
+        trigger: Trigger,
         *,
         reason: str,
         operation_id: str | None = None,
@@ -433,17 +453,17 @@ class ScaleMachine:
         """Fire ``trigger`` (already validated) and record it. Caller holds the lock."""
         source = self.state
         try:
-            ok = self._model.trigger(trigger)  # type: ignore[attr-defined]  # bound by transitions
+            ok = self._model.trigger(trigger.value)  # type: ignore[attr-defined]  # bound by transitions
         except MachineError as err:  # the table and the façade disagree: refuse, change nothing
             raise InvalidTransition(source, trigger, self.allowed()) from err
         if not ok:  # no conditions exist in the table, so this cannot happen; refuse loudly if it does
             raise InvalidTransition(source, trigger, self.allowed())
-        at = float(self._clock() if now is None else now)
+        at = float(self._clock.monotonic() if now is None else now)
         if generation is not None:
             self._generation = generation
         if operation_id is not None:
             self._operation_id = operation_id
-        if trigger == "fail":
+        if trigger is T.FAIL:
             self._failure_reason = reason
         self._entered_at = at
         self._seq += 1

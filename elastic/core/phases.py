@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-__all__ = ["OPERATION_PHASES", "Phase", "SERVING_PHASES"]
+__all__ = ["OPERATION_PHASES", "OperationKind", "OperationStage", "Phase", "SERVING_PHASES", "Trigger"]
 
 
 class Phase(StrEnum):
@@ -28,3 +28,31 @@ OPERATION_PHASES: tuple[Phase, ...] = (Phase.DRAINING, Phase.SUPPRESSED, Phase.R
 #: the states in which a healthy group decodes (only ``rescaling`` pauses it; in ``failed`` the
 #: workers' own reports tell, see ``Coordinator.snapshot()["serving"]``)
 SERVING_PHASES: frozenset[Phase] = frozenset({Phase.RUNNING, Phase.DRAINING, Phase.SUPPRESSED, Phase.RESUMING})
+
+
+class Trigger(StrEnum):
+    """The state machine's triggers (``core/machine.py``'s table names its edges with these)."""
+
+    REQUEST_SCALE = "request_scale"
+    DRAINED = "drained"
+    SUPPRESSED = "suppressed"
+    RESCALED = "rescaled"
+    RESUMED = "resumed"
+    FAIL = "fail"
+    RECOVER = "recover"
+
+
+class OperationKind(StrEnum):
+    """What an operation is: a scale asked for, or a recovery from ``failed``."""
+
+    SCALE = "scale"
+    RECOVER = "recover"
+
+
+class OperationStage(StrEnum):
+    """Where an operation stands outside the machine's phases (``Operation.phase`` before the
+    machine moves, and once it ended)."""
+
+    PENDING = "pending"
+    BEFORE_HOOKS = "before_hooks"
+    NOOP = "noop"

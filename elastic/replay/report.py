@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from elastic.core.phases import OPERATION_PHASES
+from elastic.core.phases import Phase as P
 
 if TYPE_CHECKING:
     from rich.console import JustifyMethod
@@ -36,16 +37,16 @@ class Recording(Protocol):
 
 __all__ = ["build_report", "evaluate", "report_json", "write_report", "plot_report", "render_summary", "LiveDisplay", "STATE_COLORS"]
 
-STATE_COLORS = {
-    "running": None,
-    "draining": "#f6c85f",
-    "suppressed": "#f28e2b",
-    "rescaling": "#e15759",
-    "resuming": "#4e79a7",
-    "failed": "#6b2d2d",
+STATE_COLORS: dict[str, str | None] = {
+    P.RUNNING: None,
+    P.DRAINING: "#f6c85f",
+    P.SUPPRESSED: "#f28e2b",
+    P.RESCALING: "#e15759",
+    P.RESUMING: "#4e79a7",
+    P.FAILED: "#6b2d2d",
 }
-STATE_STYLE = {"running": "green", "draining": "yellow", "suppressed": "dark_orange", "rescaling": "red",
-               "resuming": "blue", "failed": "bold red"}
+STATE_STYLE: dict[str, str] = {P.RUNNING: "green", P.DRAINING: "yellow", P.SUPPRESSED: "dark_orange", P.RESCALING: "red",
+               P.RESUMING: "blue", P.FAILED: "bold red"}
 PHASES = tuple(str(phase) for phase in OPERATION_PHASES)
 
 
@@ -79,7 +80,7 @@ def _rebalances(events: list[dict[str, Any]], samples: list[dict[str, Any]], tra
     """Pair the workers' rebalance events into rebalances (one per start step) with balancedness around them."""
     out: list[dict[str, Any]] = []
     current: dict[str, Any] | None = None
-    breaks = sorted(t["t"] for t in transitions if t["dest"] in ("rescaling", "failed"))
+    breaks = sorted(t["t"] for t in transitions if t["dest"] in (P.RESCALING, P.FAILED))
 
     def close(r: dict[str, Any], how: str) -> None:
         r.setdefault("outcome", how)
@@ -122,7 +123,11 @@ def _rebalances(events: list[dict[str, Any]], samples: list[dict[str, Any]], tra
                 current = None
     if current is not None:
         close(current, "unfinished")
-    # merge sync records that several ranks reported for the same step
+    return _around(_merge_sync(out), samples, window)
+
+
+def _merge_sync(out: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Merge the sync records that several ranks reported for the same step; in start order."""
     merged: list[dict[str, Any]] = []
     for r in out:
         if merged and r["mode"] == "sync" and merged[-1]["mode"] == "sync" and merged[-1]["start_step"] == r["start_step"]:
@@ -131,18 +136,22 @@ def _rebalances(events: list[dict[str, Any]], samples: list[dict[str, Any]], tra
             continue
         merged.append(r)
     merged.sort(key=lambda r: r["t_start"])
+    return merged
 
+
+def _around(merged: list[dict[str, Any]], samples: list[dict[str, Any]], window: int) -> list[dict[str, Any]]:
+    """Each rebalance's balancedness ``window`` steps before it and after it (up to the next one)."""
     by_step = {s["step"]: s for s in samples}
     starts = [r["start_step"] for r in merged]
     for i, r in enumerate(merged):
         before = [by_step[k]["balancedness"] for k in range(r["start_step"] - window, r["start_step"])
-                  if k in by_step and by_step[k]["state"] == "running"]
+                  if k in by_step and by_step[k]["state"] == P.RUNNING]
         r["balancedness_before"] = _mean(before)
         r["balancedness_after"] = None
         if r["outcome"] == "finished" and r["end_step"] is not None:
             stop = min([r["end_step"] + window] + [s for s in starts[i + 1:] if s > r["end_step"]])
             after = [by_step[k]["balancedness"] for k in range(r["end_step"] + 1, stop + 1)
-                     if k in by_step and by_step[k]["state"] == "running"]
+                     if k in by_step and by_step[k]["state"] == P.RUNNING]
             r["balancedness_after"] = _mean(after) if len(after) >= 2 else None
         r["index"] = i
         r["layers"] = sorted(x for x in r["layers"] if x is not None)
@@ -236,7 +245,7 @@ def evaluate(s: Scenario, report: dict[str, Any]) -> list[dict[str, Any]]:
               final.get("failure_reason") or "")
     if x.final_ep_size is not None:
         check("final_ep_size", x.final_ep_size, final.get("ep_size"), final.get("ep_size") == x.final_ep_size)
-    min_steps = x.min_steps if x.min_steps is not None else (s.steps if x.final_state not in ("failed",) else None)
+    min_steps = x.min_steps if x.min_steps is not None else (s.steps if x.final_state not in (P.FAILED,) else None)
     if min_steps is not None:
         check("steps", min_steps, final.get("step"), (final.get("step") or 0) >= min_steps)
     if x.events_ok and s.timeline:
@@ -248,7 +257,7 @@ def evaluate(s: Scenario, report: dict[str, Any]) -> list[dict[str, Any]]:
             detail = (detail + "; " if detail else "") + f"{missing} event(s) never ran"
         check("events_ok", True, f"{done - len(bad)}/{len(s.timeline)} ok", not bad and not missing, detail)
     verifications = report["verifications"]
-    ended_failed = final.get("state") == "failed"
+    ended_failed = final.get("state") == P.FAILED
     if not verifications and ended_failed and (x.no_lost_expert or x.all_slots_verified):
         # a broken group answers no Verify: nothing was verified, and nothing could be
         for name in ("no_lost_expert", "all_slots_verified"):
@@ -327,8 +336,8 @@ def _drain_checks(report: dict[str, Any]) -> list[dict[str, Any]]:
         if op["kind"] != "scale" or op["status"] == "noop":
             continue
         own = [t for t in report["transitions"] if t.get("operation_id") == op["id"]]
-        start = next((t["t"] for t in own if t["dest"] == "draining"), None)
-        end = next((t["t"] for t in own if t["source"] == "draining"), None)
+        start = next((t["t"] for t in own if t["dest"] == P.DRAINING), None)
+        end = next((t["t"] for t in own if t["source"] == P.DRAINING), None)
         if start is None or end is None:
             continue
         window = [e for e in report["worker_events"] if start <= e["t"] <= end]
@@ -398,31 +407,54 @@ def plot_report(report: dict[str, Any], path: str | Path) -> Path:
         "FAILED: " + ", ".join(e["name"] for e in report["expectations"] if not e["passed"])
     fig.suptitle(f"{name} — {verdict}", fontsize=12, color="black" if report["passed"] else "#b00020", x=0.01,
                  ha="left", fontweight="bold")
+    axes = (ax_bal, ax_time, ax_size)
+    bands = _plot_state_bands(report, steps, total, axes)
+    _plot_balancedness(report, samples, steps, ax_bal)
+    _plot_step_time(samples, steps, ax_time)
+    _plot_size(samples, steps, total, ax_size)
+    n_rows = _plot_marks(_place_marks(_timeline_marks(report), total), axes)
+    handles = [Patch(color=c, alpha=0.5, label=s) for s, c in STATE_COLORS.items()
+               if c is not None and any(b[0] == s for b in bands)]
+    if handles:
+        fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=8, frameon=False,
+                   bbox_to_anchor=(0.99, 0.995), title=None)
+    top = 1.0 - (0.38 + (10 + 17 * n_rows) / 72) / fig.get_figheight()  # the title line, then the label rows
+    fig.subplots_adjust(left=0.075, right=0.975, bottom=0.075, top=top, hspace=0.12)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
-    # state bands (zero-step phases such as rescaling get a minimum visible width)
+
+def _plot_state_bands(report: dict[str, Any], steps: list[int], total: int,
+                      axes: tuple[Any, Any, Any]) -> list[tuple[str, float, float]]:
+    """The state bands (zero-step phases such as rescaling get a minimum visible width)."""
+    ax_bal = axes[0]
     min_width = max(0.6, total * 0.004)
     bands: list[tuple[str, float, float]] = []
-    state, since = "running", 0.0
+    state: str = P.RUNNING
+    since = 0.0
     for t in report["transitions"]:
-        if state != "running":
+        if state != P.RUNNING:
             bands.append((state, since, t["step"]))
         state, since = t["dest"], t["step"]
     final_step = max(steps + [report["final"].get("step") or 0])
-    if state != "running":  # the run ended in this state: nothing more was decoded
-        bands.append((state, since, total if state == "failed" else max(final_step, since)))
-        if state == "failed" and total - since > total * 0.15:
+    if state != P.RUNNING:  # the run ended in this state: nothing more was decoded
+        bands.append((state, since, total if state == P.FAILED else max(final_step, since)))
+        if state == P.FAILED and total - since > total * 0.15:
             reason = (report["final"].get("failure_reason") or "").split(";")[0]
             ax_bal.text((since + total) / 2, 0.5, "failed\n" + (reason[:60] + ("…" if len(reason) > 60 else "")),
                         transform=ax_bal.get_xaxis_transform(), ha="center", va="center", fontsize=9,
-                        color=STATE_COLORS["failed"], zorder=5)
+                        color=STATE_COLORS[P.FAILED], zorder=5)
     for state, a, b in bands:
         if b - a < min_width:
             mid = (a + b) / 2
             a, b = mid - min_width / 2, mid + min_width / 2
-        for ax in (ax_bal, ax_time, ax_size):
+        for ax in axes:
             ax.axvspan(a, b, color=STATE_COLORS.get(state) or "#cccccc", alpha=0.35, lw=0, zorder=0)
+    return bands
 
-    # balancedness
+
+def _plot_balancedness(report: dict[str, Any], samples: list[dict[str, Any]], steps: list[int], ax_bal: Any) -> None:
     x_expect = report["scenario"]["config"]["expect"].get("min_balancedness_after_rebalance")
     if samples:
         bal = [x["balancedness"] for x in samples]
@@ -456,7 +488,8 @@ def plot_report(report: dict[str, Any], path: str | Path) -> Path:
         ax_bal.text(0.005, x_expect, f"expected after a rebalance ≥ {x_expect}", fontsize=7, va="bottom",
                     color="#3c6e35", transform=ax_bal.get_yaxis_transform())
 
-    # step time
+
+def _plot_step_time(samples: list[dict[str, Any]], steps: list[int], ax_time: Any) -> None:
     if samples:
         ms = [1000 * x["step_time"] for x in samples]
         ax_time.plot(steps, ms, color="#e8a29a", lw=0.8, label="per step (slowest rank)")
@@ -468,7 +501,8 @@ def plot_report(report: dict[str, Any], path: str | Path) -> Path:
     ax_time.set_ylabel("step time (ms)")
     ax_time.grid(alpha=0.3)
 
-    # EP size
+
+def _plot_size(samples: list[dict[str, Any]], steps: list[int], total: int, ax_size: Any) -> None:
     if samples:
         ax_size.step(steps, [x["ep_size"] for x in samples], where="post", color="#333333", lw=1.8)
         sizes = [x["ep_size"] for x in samples if x["ep_size"] is not None]
@@ -480,9 +514,17 @@ def plot_report(report: dict[str, Any], path: str | Path) -> Path:
     ax_size.grid(alpha=0.3)
     ax_size.set_xlim(0, total)
 
-    # timeline events: a vertical line through every panel and a label above the top panel;
-    # labels that would overlap go on further rows
-    colors = {"scale": "#1f3b73", "kill": "#b00020", "recover": "#2e7d32", "rebalance": "#6a3d9a", "autoscaler": "#555555"}
+
+MARK_COLORS = {"scale": "#1f3b73", "kill": "#b00020", "recover": "#2e7d32", "rebalance": "#6a3d9a",
+               "autoscaler": "#555555"}
+
+
+def _pause(op: dict[str, Any]) -> str:
+    return f", pause {1000 * op['paused_seconds']:.0f} ms" if op.get("paused_seconds") is not None else ""
+
+
+def _timeline_marks(report: dict[str, Any]) -> list[tuple[float, str, str, bool]]:
+    """(step, label, color, ok) of every timeline event, and of the operations nobody on the timeline asked for."""
     ops = {o["id"]: o for o in report["operations"]}
     marks = []
     for e in report["events"]:
@@ -491,27 +533,25 @@ def plot_report(report: dict[str, Any], path: str | Path) -> Path:
         if op is not None and op.get("start_step") is not None:
             step = op["start_step"]
         label = e["label"]
-        if e["action"] == "scale" and op is not None:
-            label = f"scale {op['from_size']}→{op['target_size']}"
-            if op.get("paused_seconds") is not None:
-                label += f", pause {1000 * op['paused_seconds']:.0f} ms"
-        elif e["action"] == "recover" and op is not None:
-            label = f"recover {op['from_size']}→{op['target_size']}"
-            if op.get("paused_seconds") is not None:
-                label += f", pause {1000 * op['paused_seconds']:.0f} ms"
+        if e["action"] in ("scale", "recover") and op is not None:
+            label = f"{e['action']} {op['from_size']}→{op['target_size']}{_pause(op)}"
         elif e["action"] == "kill":
             label = f"kill rank {e['event']['rank']}"
         if not e.get("ok"):
             label += " ✗ " + (e.get("status") or "failed")
-        marks.append((step, label, colors.get(e["action"], "#333333"), e.get("ok", False)))
-    for op in report["operations"]:  # operations nobody on the timeline asked for
+        marks.append((step, label, MARK_COLORS.get(e["action"], "#333333"), e.get("ok", False)))
+    for op in report["operations"]:
         if op.get("origin") in ("autoscaler", "auto-recover") and op.get("start_step") is not None:
-            label = f"{'autoscale' if op['origin'] == 'autoscaler' else 'auto-recover'} {op['from_size']}→{op['target_size']}"
-            if op.get("paused_seconds") is not None:
-                label += f", pause {1000 * op['paused_seconds']:.0f} ms"
+            origin = "autoscale" if op["origin"] == "autoscaler" else "auto-recover"
+            label = f"{origin} {op['from_size']}→{op['target_size']}{_pause(op)}"
             ok = op["status"] == "succeeded"
             marks.append((op["start_step"], label if ok else label + f" ✗ {op['status']}",
-                          colors["autoscaler" if op["origin"] == "autoscaler" else "recover"], ok))
+                          MARK_COLORS["autoscaler" if op["origin"] == "autoscaler" else "recover"], ok))
+    return marks
+
+
+def _place_marks(marks: list[tuple[float, str, str, bool]], total: int) -> list[tuple[float, str, str, bool, int]]:
+    """Each label's row: labels that would overlap go on further rows."""
     rows: list[tuple[float, float, int]] = []  # (x from, x to, row) of the labels placed
     placed = []
     for step, label, color, ok in sorted(marks, key=lambda m: m[0]):
@@ -521,27 +561,21 @@ def plot_report(report: dict[str, Any], path: str | Path) -> Path:
             row += 1
         rows.append((step, step + width, row))
         placed.append((step, label, color, ok, row))
-    n_rows = 1 + max((p[4] for p in placed), default=-1)
-    for step, label, color, ok, row in placed:
-        for ax in (ax_bal, ax_time, ax_size):
-            ax.axvline(step, color=color, ls="-" if ok else "--", lw=1.3, alpha=0.9, zorder=4)
-        note = ax_bal.annotate(label, xy=(step, 1.0), xycoords=("data", "axes fraction"), xytext=(0, 5 + 17 * row),
-                        textcoords="offset points", fontsize=8, color=color, va="bottom", ha="left",
-                        bbox=dict(boxstyle="round,pad=0.25", fc="white", ec=color, lw=0.7),
-                        arrowprops=dict(arrowstyle="-", color=color, lw=1.0, shrinkA=0, shrinkB=0), zorder=5,
-                        annotation_clip=False)
-        note.set_in_layout(False)  # the space above the top panel is reserved below
+    return placed
 
-    handles = [Patch(color=c, alpha=0.5, label=s) for s, c in STATE_COLORS.items()
-               if c is not None and any(b[0] == s for b in bands)]
-    if handles:
-        fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=8, frameon=False,
-                   bbox_to_anchor=(0.99, 0.995), title=None)
-    top = 1.0 - (0.38 + (10 + 17 * n_rows) / 72) / fig.get_figheight()  # the title line, then the label rows
-    fig.subplots_adjust(left=0.075, right=0.975, bottom=0.075, top=top, hspace=0.12)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+
+def _plot_marks(placed: list[tuple[float, str, str, bool, int]], axes: tuple[Any, Any, Any]) -> int:
+    """A vertical line through every panel and a label above the top panel; returns the rows used."""
+    for step, label, color, ok, row in placed:
+        for ax in axes:
+            ax.axvline(step, color=color, ls="-" if ok else "--", lw=1.3, alpha=0.9, zorder=4)
+        note = axes[0].annotate(label, xy=(step, 1.0), xycoords=("data", "axes fraction"), xytext=(0, 5 + 17 * row),
+                                textcoords="offset points", fontsize=8, color=color, va="bottom", ha="left",
+                                bbox=dict(boxstyle="round,pad=0.25", fc="white", ec=color, lw=0.7),
+                                arrowprops=dict(arrowstyle="-", color=color, lw=1.0, shrinkA=0, shrinkB=0), zorder=5,
+                                annotation_clip=False)
+        note.set_in_layout(False)  # the space above the top panel is reserved below
+    return 1 + max((p[4] for p in placed), default=-1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -619,6 +653,13 @@ class LiveDisplay:
 
 def render_summary(report: dict[str, Any], console: Any) -> None:
     """The end-of-run tables: timeline, operations, rebalances, verifications, expectations."""
+    for table in (_timeline_table, _operations_table, _rebalances_table, _verifications_table, _expectations_table):
+        rendered = table(report)
+        if rendered is not None:
+            console.print(rendered)
+
+
+def _timeline_table(report: dict[str, Any]) -> Any:
     from rich.table import Table
 
     timeline = Table(title="Timeline", title_justify="left", header_style="bold")
@@ -630,7 +671,7 @@ def render_summary(report: dict[str, Any], console: Any) -> None:
     trans = report["transitions"]
     for i, t in enumerate(trans):
         nxt = trans[i + 1]["t"] if i + 1 < len(trans) else None
-        lasted = _fmt_ms(nxt - t["t"]) if nxt is not None and t["dest"] != "running" else ""
+        lasted = _fmt_ms(nxt - t["t"]) if nxt is not None and t["dest"] != P.RUNNING else ""
         style = STATE_STYLE.get(t["dest"], "white")
         rows.append((t["t"], t["step"], f"{t['source']} → [{style}]{t['dest']}[/]", lasted,
                      f"{t['trigger']}, gen {t['generation']}: {_esc(t.get('reason', ''))}"))
@@ -640,7 +681,11 @@ def render_summary(report: dict[str, Any], console: Any) -> None:
                      _fmt_ms(e["t_end"] - e["t"]), _esc(e.get("detail", ""))))
     for t, step, what, lasted, detail in sorted(rows, key=lambda r: r[0]):
         timeline.add_row(f"{t:.2f}", str(step), what, lasted, detail)
-    console.print(timeline)
+    return timeline
+
+
+def _operations_table(report: dict[str, Any]) -> Any:
+    from rich.table import Table
 
     if report["operations"]:
         ops = Table(title="Operations (phase durations, decoding pause)", title_justify="left", header_style="bold")
@@ -652,7 +697,12 @@ def render_summary(report: dict[str, Any], console: Any) -> None:
             ops.add_row(o["id"], o["kind"], o.get("origin", ""), f"{o['from_size']} → {o['target_size']}", f"[{style}]{status}[/]",
                         *(_fmt_ms(o["phase_seconds"].get(ph)) if ph in o["phase_seconds"] else "—" for ph in PHASES),
                         _fmt_ms(o["paused_seconds"]), f"{o['bytes_moved'] / 2**20:.1f} MiB")
-        console.print(ops)
+        return ops
+    return None
+
+
+def _rebalances_table(report: dict[str, Any]) -> Any:
+    from rich.table import Table
 
     if report["rebalances"]:
         rb = Table(title=f"EPLB rebalances (balancedness: mean of {report['rebalance_window_steps']} steps before / after)",
@@ -668,7 +718,12 @@ def render_summary(report: dict[str, Any], console: Any) -> None:
                 arrow = " [green]▲[/]" if after > before + 0.005 else (" [red]▼[/]" if after < before - 0.005 else "")
             rb.add_row(str(r["index"]), r["mode"], steps, str(len(r["layers"])), outcome, _fmt_bal(before),
                        _fmt_bal(after) + arrow)
-        console.print(rb)
+        return rb
+    return None
+
+
+def _verifications_table(report: dict[str, Any]) -> Any:
+    from rich.table import Table
 
     if report["verifications"]:
         vt = Table(title="Verifications (every slot bit-exact on every rank)", title_justify="left", header_style="bold")
@@ -684,7 +739,12 @@ def render_summary(report: dict[str, Any], console: Any) -> None:
             vt.add_row(_esc(v["after"]), str(v["step"]), str(len(v["ranks"])),
                        f"[{'green' if v['mismatched'] == 0 else 'red'}]{v['mismatched']}[/]", str(v["replica_min"]),
                        "[green]agree[/]" if v["digests_agree"] else "[red]differ[/]", *output)
-        console.print(vt)
+        return vt
+    return None
+
+
+def _expectations_table(report: dict[str, Any]) -> Any:
+    from rich.table import Table
 
     ex = Table(title="Expectations", title_justify="left", header_style="bold")
     for col in ("", "expectation", "expected", "measured", "detail"):
@@ -692,4 +752,4 @@ def render_summary(report: dict[str, Any], console: Any) -> None:
     for e in report["expectations"]:
         ex.add_row("[green]✓[/]" if e["passed"] else "[red]✗[/]", e["name"], _esc(str(e["expected"])),
                    _esc(str(e["measured"])), _esc(e.get("detail", "")))
-    console.print(ex)
+    return ex

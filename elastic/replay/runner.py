@@ -15,13 +15,14 @@ import asyncio
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elastic.core.clock import Clock, RealClock
 from elastic.core.errors import ElasticError
+from elastic.core.phases import Phase as P
 from elastic.replay.scenario import (
     FAULT_EVENTS,
     AutoscalerEvent,
@@ -46,12 +47,13 @@ class Recorder:
     """Subscriber of the coordinator: files heartbeats, transitions, operations and worker events.
 
     Called on the coordinator's threads, so every method is quick and takes one lock. Times are
-    ``time.monotonic()`` (the state machine's clock), reported relative to ``t0``.
+    the control plane's clock (the state machine's), reported relative to ``t0``.
     """
 
     def __init__(self, t0: float, on_transition: Callable[[dict[str, Any]], None] | None = None,
-                 on_worker_error: Callable[[dict[str, Any]], None] | None = None):
+                 on_worker_error: Callable[[dict[str, Any]], None] | None = None, clock: Clock | None = None):
         self.t0 = t0
+        self.clock = clock or RealClock()
         self.on_worker_error = on_worker_error
         self.lock = threading.Lock()
         self.coordinator: Any = None
@@ -70,14 +72,14 @@ class Recorder:
         coordinator.subscribe(self)
 
     def __call__(self, kind: str, data: dict[str, Any]) -> None:
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if kind == "heartbeat":
             self._heartbeat(now, data)
         elif kind == "transition":
             with self.lock:
                 entry = {**data, "t": data["at"] - self.t0, "step": self.max_step}
                 self.transitions.append(entry)
-                if data["dest"] in ("rescaling", "failed"):
+                if data["dest"] in (P.RESCALING, P.FAILED):
                     self.open_rebalance.clear()  # nothing from the old group's EPLB survives
             if self.on_transition is not None:
                 self.on_transition(entry)
@@ -103,7 +105,7 @@ class Recorder:
         if step <= 0 or beat.get("state") == "broken":
             return
         coordinator = self.coordinator
-        state = coordinator.machine.state.value if coordinator is not None else "running"
+        state = coordinator.machine.state.value if coordinator is not None else P.RUNNING
         size = coordinator.size if coordinator is not None else None
         with self.lock:
             sample = self.steps.get(step)
@@ -178,12 +180,14 @@ class Replayer:
     def __init__(self, scenario: Scenario, *, on_transition: Callable[[dict[str, Any]], None] | None = None,
                  on_event: Callable[[dict[str, Any]], None] | None = None,
                  on_progress: Callable[[dict[str, Any]], None] | None = None,
-                 on_worker_error: Callable[[dict[str, Any]], None] | None = None):
+                 on_worker_error: Callable[[dict[str, Any]], None] | None = None, clock: Clock | None = None):
         self.scenario = scenario
         self.on_event = on_event
         self.on_progress = on_progress
-        self.t0 = time.monotonic()
-        self.recorder = Recorder(self.t0, on_transition=on_transition, on_worker_error=on_worker_error)
+        self.clock = clock or RealClock()  # the coordinator it starts reads the same one
+        self.t0 = self.clock.monotonic()
+        self.recorder = Recorder(self.t0, on_transition=on_transition, on_worker_error=on_worker_error,
+                                 clock=self.clock)
         self.coordinator: Any = None
         self.events: list[dict[str, Any]] = []
         self.verifications: list[dict[str, Any]] = []
@@ -196,7 +200,7 @@ class Replayer:
 
     # -- helpers ------------------------------------------------------------------------------
     def _now(self) -> float:
-        return time.monotonic() - self.t0
+        return self.clock.monotonic() - self.t0
 
     def _snapshot(self) -> dict[str, Any]:
         return self.coordinator.snapshot()
@@ -225,17 +229,17 @@ class Replayer:
         return t.draining + t.suppressed + t.rescaling + t.resuming + t.worker_start + 5.0
 
     def _wait_until(self, predicate: Callable[[], bool], timeout: float, poll: float = 0.02) -> bool:
-        deadline = min(time.monotonic() + timeout, self._deadline)
-        while time.monotonic() < deadline:
+        deadline = min(self.clock.monotonic() + timeout, self._deadline)
+        while self.clock.monotonic() < deadline:
             if predicate():
                 return True
-            time.sleep(poll)
+            self.clock.sleep(poll)
         return predicate()
 
     def _verify_unplanned(self, snap: dict[str, Any]) -> None:
         """Verify after every operation the timeline did not start (the autoscaler's, an auto-recovery)."""
         op = snap.get("operation")
-        if op is None or op["status"] != "succeeded" or op["id"] in self._verified_ops or snap["state"] != "running":
+        if op is None or op["status"] != "succeeded" or op["id"] in self._verified_ops or snap["state"] != P.RUNNING:
             return
         self._verified_ops.add(op["id"])
         if op["id"] not in {e.get("operation_id") for e in self.events}:
@@ -244,16 +248,16 @@ class Replayer:
     def _wait_step(self, step: int) -> str:
         """Until the slowest rank passed ``step``: "ok", "failed" (stuck in failed) or "timeout"."""
         failed_since: float | None = None
-        while time.monotonic() < self._deadline:
+        while self.clock.monotonic() < self._deadline:
             snap = self._snapshot()
             self._verify_unplanned(snap)
-            stuck = snap["state"] == "failed" and not self._op_running()
-            failed_since = (failed_since or time.monotonic()) if stuck else None
-            if failed_since is not None and (not self._recovering() or time.monotonic() - failed_since > 10.0):
+            stuck = snap["state"] == P.FAILED and not self._op_running()
+            failed_since = (failed_since or self.clock.monotonic()) if stuck else None
+            if failed_since is not None and (not self._recovering() or self.clock.monotonic() - failed_since > 10.0):
                 return "failed"  # nothing is going to recover it (auto-recovery gave up or was refused)
-            if snap["step"] >= step and snap["state"] != "failed":
+            if snap["step"] >= step and snap["state"] != P.FAILED:
                 return "ok"
-            time.sleep(0.02)
+            self.clock.sleep(0.02)
         return "timeout"
 
     def _recovering(self) -> bool:
@@ -263,7 +267,7 @@ class Replayer:
         if "auto_recover" in type(self.coordinator.config).model_fields:
             return True
         # a coordinator without auto-recovery: the replayer recovers for it
-        if self._state() == "failed" and not self._op_running():
+        if self._state() == P.FAILED and not self._op_running():
             self._recover_now(auto=True)
         return True
 
@@ -373,21 +377,21 @@ class Replayer:
 
     def _failures(self) -> int:
         with self.recorder.lock:
-            return sum(1 for t in self.recorder.transitions if t["dest"] == "failed")
+            return sum(1 for t in self.recorder.transitions if t["dest"] == P.FAILED)
 
     def _kill(self, event: Any, failed_before: int, what: str) -> _Outcome:
         """A fault that loses a rank (kill, long stall, dropped heartbeats): wait for the failure and the recovery."""
         def failed_now() -> bool:
             with self.recorder.lock:
-                return sum(1 for t in self.recorder.transitions if t["dest"] == "failed") > failed_before
+                return sum(1 for t in self.recorder.transitions if t["dest"] == P.FAILED) > failed_before
 
         if not self._wait_until(failed_now, self._failure_budget()):
             return _Outcome(False, f"{what} but the deployment did not fail")
         with self.recorder.lock:
-            reason = next(t["reason"] for t in reversed(self.recorder.transitions) if t["dest"] == "failed")
+            reason = next(t["reason"] for t in reversed(self.recorder.transitions) if t["dest"] == P.FAILED)
         if self.scenario.deployment.auto_recover:
             self._recovering()
-            recovered = self._wait_until(lambda: self._state() == "running" and not self._op_running(), self._phase_budget())
+            recovered = self._wait_until(lambda: self._state() == P.RUNNING and not self._op_running(), self._phase_budget())
             if not recovered:
                 return _Outcome(False, f"failed ({reason}) and did not recover by itself")
             self._await_replacement()
@@ -403,7 +407,7 @@ class Replayer:
         recovery = next((o for o in self.coordinator.list_operations() if o["kind"] == "recover"), None)
         if recovery is None or recovery["status"] != "succeeded" or recovery["target_size"] >= recovery["from_size"]:
             return
-        self._wait_until(lambda: self._state() == "running" and not self._op_running()
+        self._wait_until(lambda: self._state() == P.RUNNING and not self._op_running()
                          and self.coordinator.size >= recovery["from_size"], self._phase_budget())
 
     def _rebalance(self, event: RebalanceEvent) -> _Outcome:
@@ -430,7 +434,7 @@ class Replayer:
             entry: dict[str, Any] = {"index": index, "action": event.action, "label": event.label(), "at_step": event.at_step,
                      "event": event.model_dump(), "planned": plan[index]}
             if isinstance(event, RecoverEvent):
-                reached = "ok" if self._wait_until(lambda: self._state() == "failed", self._failure_budget()) else "timeout"
+                reached = "ok" if self._wait_until(lambda: self._state() == P.FAILED, self._failure_budget()) else "timeout"
             elif isinstance(event, KillEvent) and event.in_phase is not None:
                 reached = self._wait_step(event.at_step)  # armed: it fires in the next scale
             elif isinstance(event, FAULT_EVENTS):
@@ -478,8 +482,8 @@ class Replayer:
 
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         s = self.scenario
-        started_wall = time.time()
-        self.coordinator = Coordinator(s.deployment_config(), faults=s.fault_records())
+        started_wall = self.clock.wall()
+        self.coordinator = Coordinator(s.deployment_config(), faults=s.fault_records(), clock=self.clock)
         self.recorder.attach(self.coordinator)
         progress = threading.Thread(target=self._progress_loop, name="replay-progress", daemon=True)
         final: dict[str, Any] = {}
@@ -499,7 +503,7 @@ class Replayer:
             self._wait_until(lambda: not self._op_running(), self._phase_budget())
             if self.traffic is not None:
                 self.traffic.stop(timeout=self._phase_budget())
-            if self._state() != "failed":
+            if self._state() != P.FAILED:
                 self._verify(after="end of run")
             final = self._final()
             if self.on_progress is not None:
@@ -522,7 +526,7 @@ class Replayer:
                 self.traffic.close()
             if self.coordinator is not None:
                 self.coordinator.shutdown()
-        report = build_report(self, final=final, started_wall=started_wall, duration_s=time.monotonic() - self.t0)
+        report = build_report(self, final=final, started_wall=started_wall, duration_s=self.clock.monotonic() - self.t0)
         _fault_expectations(s, report)
         if self.traffic is not None:
             _traffic_expectations(s, report, self.traffic)
@@ -622,7 +626,7 @@ def _fault_expectations(s: Scenario, report: dict[str, Any]) -> None:
         out.append({"name": "min_refused_layers", "expected": x.min_refused_layers, "measured": len(refused),
                     "passed": len(refused) >= x.min_refused_layers, "detail": detail or "no rank refused a layer"})
     if x.min_failures is not None:
-        fails = [t for t in report["transitions"] if t["dest"] == "failed"]
+        fails = [t for t in report["transitions"] if t["dest"] == P.FAILED]
         out.append({"name": "min_failures", "expected": x.min_failures, "measured": len(fails),
                     "passed": len(fails) >= x.min_failures, "detail": "; ".join(str(t.get("reason")) for t in fails)})
     report["passed"] = all(e["passed"] for e in out)

@@ -25,8 +25,9 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 from pydantic_core import ErrorDetails
 
+from elastic.core.phases import Phase as P
 from elastic.deployment import DeploymentConfig, TracePhase
-from elastic.faults import CorruptBuffer, DelayTransfer, DropHeartbeats, Fault, KillRank, StallRank
+from elastic.faults import CorruptBuffer, DropHeartbeats, Fault, KillRank, StallRank
 from elastic.service.autoscaler import AutoscalerConfig
 from elastic.service.preflight import (
     InputError,
@@ -229,7 +230,7 @@ def _replay_defaults(deployment: dict[str, Any]) -> dict[str, Any]:
         if isinstance(given, dict):  # anything else is left for the schema to name
             out[section] = {**defaults, **given}
     return out
-STATES = ("running", "draining", "suppressed", "rescaling", "resuming", "failed")
+STATES = tuple(p.value for p in P)
 
 
 class Expectations(_Strict):
@@ -329,175 +330,225 @@ class Scenario(_Strict):
         timeouts = self.deployment.timeouts
         return seconds >= min(timeouts.collective, timeouts.heartbeat)
 
-    def has_delay(self) -> bool:
-        return any(isinstance(f, DelayTransfer) for f in self.faults)
-
 
 # ---------------------------------------------------------------------------------------------
 # the plan pass
 
 def _plan(s: Scenario) -> tuple[list[dict[str, Any]], list[ScenarioProblem | InputProblem]]:
-    problems: list[ScenarioProblem | InputProblem] = []
-    plan: list[dict[str, Any]] = []
+    """The plan pass: walk the timeline predicting size and generation, naming every problem found."""
+    walk = _Walk(s)
+    walk.check_inputs()
+    if walk.problems:
+        return walk.plan, walk.problems
+    walk.check_autoscaler_and_faults()
+    for i, event in enumerate(s.timeline):
+        walk.step(i, event)
+    walk.check_end()
+    return walk.plan, walk.problems
 
-    def problem(path: str, message: str) -> None:
-        problems.append(ScenarioProblem(path=path, message=message))
 
-    d = s.deployment  # its own validation already holds: sizes divide, ep_size <= max_ep_size, groups divide
-    experts, max_size = d.sizes.num_logical_experts, d.max_ep_size
-    problems.extend(policy_problems(d, "deployment.eplb.policy"))
-    if s.expect.identical_output and getattr(d.model, "kind", "reference") != "hf":
-        problem("expect.identical_output", "expected false or absent: it compares a real model's output with the "
-                "unsharded model (deployment.model.kind: hf); the reference model is checked slot by slot "
-                "(all_slots_verified)")
-    if s.traffic is not None and getattr(d.model, "kind", "reference") != "hf":
-        problem("traffic", "requests need a real model (deployment.model.kind: hf); the reference model decodes "
-                "its trace only")
-    if s.expect.no_failed_requests and s.traffic is None:
-        problem("expect.no_failed_requests", "expected false or absent: there is no traffic: section")
-    starts = [t.at_step for t in s.trace]
-    if starts[0] != 0:
-        problem("trace[0].at_step", f"expected 0 (the first regime starts the run), got {starts[0]}")
-    for i in range(1, len(starts)):
-        if starts[i] <= starts[i - 1]:
-            problem(f"trace[{i}].at_step", f"expected a step after trace[{i - 1}].at_step={starts[i - 1]}, got {starts[i]}")
-        elif starts[i] >= s.steps:
-            problem(f"trace[{i}].at_step", f"expected a step before the end of the run (steps={s.steps}), got {starts[i]}")
-    for i, t in enumerate(s.trace):
-        if t.top_k > experts:
-            problem(f"trace[{i}].top_k", f"expected at most deployment.model.num_experts={experts}, got {t.top_k}")
-    if problems:
-        return plan, problems
+class _Walk:
+    """The plan pass's state as it walks the timeline: the size and generation it predicts, whether
+    the deployment is failed (and by which event), the autoscaler, a kill armed for the next scale."""
 
-    per_rank = d.slots_per_rank
-    size, generation, failed, failed_by = d.ep_size, 0, False, None
-    autoscaler = s.autoscaler is not None and s.autoscaler.enabled
-    scaled_by_autoscaler = autoscaler  # from then on size and generation are decided at run time
-    previous_step = 0
-    if s.autoscaler is not None:
-        hi = s.autoscaler.max_size if s.autoscaler.max_size is not None else max_size
-        if hi > max_size:
-            problem("autoscaler.max_size", f"expected at most deployment.max_ep_size={max_size}, got {hi}")
-        if "min_size" in s.autoscaler.model_fields_set and per_rank * s.autoscaler.min_size < experts:
-            problem("autoscaler.min_size", f"expected a size whose {per_rank} slots per rank hold the "
-                    f"{experts} experts, got {s.autoscaler.min_size}")
+    def __init__(self, s: Scenario):
+        self.s = s
+        d = self.d = s.deployment  # its own validation already holds: sizes divide, ep_size <= max_ep_size
+        self.problems: list[ScenarioProblem | InputProblem] = []
+        self.plan: list[dict[str, Any]] = []
+        self.experts, self.max_size, self.per_rank = d.sizes.num_logical_experts, d.max_ep_size, d.slots_per_rank
+        self.size, self.generation = d.ep_size, 0
+        self.failed = False
+        self.failed_by: str | None = None
+        self.autoscaler = s.autoscaler is not None and s.autoscaler.enabled
+        self.scaled_by_autoscaler = self.autoscaler  # from then on size and generation are decided at run time
+        self.previous_step = 0
+        self.phase_kill: tuple[int, KillEvent] | None = None  # armed, waiting for the next scale event
 
-    def size_problem(n: int) -> str | None:
-        if n > max_size:
-            return f"expected at most deployment.max_ep_size={max_size}, got {n}"
-        if per_rank * n < experts:
-            return (f"expected a size whose {per_rank} slots per rank hold the {experts} experts "
-                    f"(at least {-(-experts // per_rank)}), got {n}")
+    def problem(self, path: str, message: str) -> None:
+        self.problems.append(ScenarioProblem(path=path, message=message))
+
+    def size_problem(self, n: int) -> str | None:
+        if n > self.max_size:
+            return f"expected at most deployment.max_ep_size={self.max_size}, got {n}"
+        if self.per_rank * n < self.experts:
+            return (f"expected a size whose {self.per_rank} slots per rank hold the {self.experts} experts "
+                    f"(at least {-(-self.experts // self.per_rank)}), got {n}")
         return None
 
-    for i, fault in enumerate(s.faults):
-        if fault.rank >= max_size:
-            problem(f"faults[{i}].rank", f"expected a rank below deployment.max_ep_size={max_size}, got {fault.rank}")
-        if isinstance(fault, CorruptBuffer) and not d.eplb.verify_transfers:
-            problem(f"faults[{i}]", "expected deployment.eplb.verify_transfers: true with a corrupt_buffer fault (only "
-                    "a verified transfer catches the corrupted layer), got false")
-        if isinstance(fault, KillRank) and fault.in_phase is not None and s.autoscaler is None \
-                and not any(isinstance(e, ScaleEvent) for e in s.timeline):
-            problem(f"faults[{i}].in_phase", f"expected a scale event in the timeline to die in (a {fault.in_phase} "
-                    "phase only happens during a scale), got none")
-    phase_kill: tuple[int, KillEvent] | None = None  # armed, waiting for the next scale event
+    def check_inputs(self) -> None:
+        """The sections' own consistency: expectations, traffic, the trace's regimes."""
+        s, d, problem = self.s, self.d, self.problem
+        self.problems.extend(policy_problems(d, "deployment.eplb.policy"))
+        if s.expect.identical_output and getattr(d.model, "kind", "reference") != "hf":
+            problem("expect.identical_output", "expected false or absent: it compares a real model's output with the "
+                    "unsharded model (deployment.model.kind: hf); the reference model is checked slot by slot "
+                    "(all_slots_verified)")
+        if s.traffic is not None and getattr(d.model, "kind", "reference") != "hf":
+            problem("traffic", "requests need a real model (deployment.model.kind: hf); the reference model decodes "
+                    "its trace only")
+        if s.expect.no_failed_requests and s.traffic is None:
+            problem("expect.no_failed_requests", "expected false or absent: there is no traffic: section")
+        starts = [t.at_step for t in s.trace]
+        if starts[0] != 0:
+            problem("trace[0].at_step", f"expected 0 (the first regime starts the run), got {starts[0]}")
+        for i in range(1, len(starts)):
+            if starts[i] <= starts[i - 1]:
+                problem(f"trace[{i}].at_step", f"expected a step after trace[{i - 1}].at_step={starts[i - 1]}, got {starts[i]}")
+            elif starts[i] >= s.steps:
+                problem(f"trace[{i}].at_step", f"expected a step before the end of the run (steps={s.steps}), got {starts[i]}")
+        for i, t in enumerate(s.trace):
+            if t.top_k > self.experts:
+                problem(f"trace[{i}].top_k", f"expected at most deployment.model.num_experts={self.experts}, got {t.top_k}")
 
-    for i, event in enumerate(s.timeline):
+    def check_autoscaler_and_faults(self) -> None:
+        s, problem, max_size = self.s, self.problem, self.max_size
+        if s.autoscaler is not None:
+            hi = s.autoscaler.max_size if s.autoscaler.max_size is not None else max_size
+            if hi > max_size:
+                problem("autoscaler.max_size", f"expected at most deployment.max_ep_size={max_size}, got {hi}")
+            if "min_size" in s.autoscaler.model_fields_set and self.per_rank * s.autoscaler.min_size < self.experts:
+                problem("autoscaler.min_size", f"expected a size whose {self.per_rank} slots per rank hold the "
+                        f"{self.experts} experts, got {s.autoscaler.min_size}")
+        for i, fault in enumerate(s.faults):
+            if fault.rank >= max_size:
+                problem(f"faults[{i}].rank", f"expected a rank below deployment.max_ep_size={max_size}, got {fault.rank}")
+            if isinstance(fault, CorruptBuffer) and not self.d.eplb.verify_transfers:
+                problem(f"faults[{i}]", "expected deployment.eplb.verify_transfers: true with a corrupt_buffer fault "
+                        "(only a verified transfer catches the corrupted layer), got false")
+            if isinstance(fault, KillRank) and fault.in_phase is not None and s.autoscaler is None \
+                    and not any(isinstance(e, ScaleEvent) for e in s.timeline):
+                problem(f"faults[{i}].in_phase", f"expected a scale event in the timeline to die in (a {fault.in_phase} "
+                        "phase only happens during a scale), got none")
+
+    def step(self, i: int, event: Any) -> None:
+        """One timeline event: its checks, and the size and generation after it."""
         where = f"timeline[{i}]"
-        entry = {"index": i, "action": event.action, "size_before": size, "generation": generation}
-        if phase_kill is not None and not isinstance(event, ScaleEvent):
-            k, kill = phase_kill
-            problem(f"timeline[{k}].in_phase", f"expected the next event to be a scale to die in (a {kill.in_phase} "
-                    f"phase only happens during a scale), got a {event.action} event")
-            phase_kill = None
-        if event.at_step > s.steps:
-            problem(f"{where}.at_step", f"expected a step within the run (steps={s.steps}), got {event.at_step}")
+        entry = {"index": i, "action": event.action, "size_before": self.size, "generation": self.generation}
+        if self.phase_kill is not None and not isinstance(event, ScaleEvent):
+            k, kill = self.phase_kill
+            self.problem(f"timeline[{k}].in_phase", f"expected the next event to be a scale to die in (a {kill.in_phase} "
+                         f"phase only happens during a scale), got a {event.action} event")
+            self.phase_kill = None
+        self._check_step(where, event)
+        if self.failed and not isinstance(event, RecoverEvent):
+            self.problem(where, f"expected a recover event first: the deployment is failed after {self.failed_by} "
+                         f"(or set deployment.auto_recover: true), got a {event.action} event")
+        elif isinstance(event, ScaleEvent):
+            self._scale(where, event, entry)
+        elif isinstance(event, KillEvent) and event.in_phase is not None:
+            self._arm_phase_kill(i, where, event)
+        elif isinstance(event, StallEvent) and not self.s.stall_loses_rank(event.seconds):
+            self._stall(where, event, entry)
+        elif isinstance(event, FAULT_EVENTS):
+            self._fault(where, event, entry)
+        elif isinstance(event, RecoverEvent):
+            self._recover(where)
+        elif isinstance(event, AutoscalerEvent):
+            if self.s.autoscaler is None:
+                self.problem(where, "expected an autoscaler: section in the scenario for this event to turn on or off, "
+                             "got none")
+            self.autoscaler = event.enabled
+            self.scaled_by_autoscaler = self.scaled_by_autoscaler or self.autoscaler
+        entry.update(size_after=self.size, autoscaler=self.autoscaler, predicted=not self.scaled_by_autoscaler)
+        self.plan.append(entry)
+
+    def _check_step(self, where: str, event: Any) -> None:
+        steps = self.s.steps
+        if event.at_step > steps:
+            self.problem(f"{where}.at_step", f"expected a step within the run (steps={steps}), got {event.at_step}")
         if isinstance(event, RecoverEvent) and "at_step" not in event.model_fields_set:
             pass  # a recover without a step fires as soon as the failure is seen
-        elif event.at_step < previous_step:
-            problem(f"{where}.at_step", f"expected events in step order (>= {previous_step}), got {event.at_step}")
-        elif event.at_step <= s.steps:  # (one out of range is reported once, not for every event after it)
-            previous_step = event.at_step
-        if failed and not isinstance(event, RecoverEvent):
-            problem(where, f"expected a recover event first: the deployment is failed after {failed_by} "
-                    f"(or set deployment.auto_recover: true), got a {event.action} event")
-        elif isinstance(event, ScaleEvent):
-            why = size_problem(event.to)
-            if why:
-                problem(f"{where}.to", why)
-            elif phase_kill is not None:
-                size, generation = _plan_phase_kill(s, phase_kill, event, size, generation, plan, problem, size_problem)
-                entry["phase_kill"] = phase_kill[0]
-                scaled_by_autoscaler = True  # generations after a failed attempt are decided at run time
-            elif event.to != size or scaled_by_autoscaler:
-                size, generation = event.to, generation + 1
-            phase_kill = None
-        elif isinstance(event, KillEvent) and event.in_phase is not None:
-            if not d.auto_recover:
-                problem(f"{where}.in_phase", "expected deployment.auto_recover: true with a kill in a phase (the failed scale "
-                        "is recovered by the coordinator itself), got false")
-            elif scaled_by_autoscaler and event.generation is None and s.autoscaler is not None:
-                problem(f"{where}.generation", "expected an explicit generation: the autoscaler may have scaled "
-                        "before this kill, so the timeline cannot tell which generation the rank dies in")
+        elif event.at_step < self.previous_step:
+            self.problem(f"{where}.at_step", f"expected events in step order (>= {self.previous_step}), got {event.at_step}")
+        elif event.at_step <= steps:  # (one out of range is reported once, not for every event after it)
+            self.previous_step = event.at_step
+
+    def _scale(self, where: str, event: ScaleEvent, entry: dict[str, Any]) -> None:
+        why = self.size_problem(event.to)
+        if why:
+            self.problem(f"{where}.to", why)
+        elif self.phase_kill is not None:
+            self.size, self.generation = _plan_phase_kill(self.s, self.phase_kill, event, self.size, self.generation,
+                                                          self.plan, self.problem, self.size_problem)
+            entry["phase_kill"] = self.phase_kill[0]
+            self.scaled_by_autoscaler = True  # generations after a failed attempt are decided at run time
+        elif event.to != self.size or self.scaled_by_autoscaler:
+            self.size, self.generation = event.to, self.generation + 1
+        self.phase_kill = None
+
+    def _arm_phase_kill(self, i: int, where: str, event: KillEvent) -> None:
+        if not self.d.auto_recover:
+            self.problem(f"{where}.in_phase", "expected deployment.auto_recover: true with a kill in a phase (the failed "
+                         "scale is recovered by the coordinator itself), got false")
+        elif self.scaled_by_autoscaler and event.generation is None and self.s.autoscaler is not None:
+            self.problem(f"{where}.generation", "expected an explicit generation: the autoscaler may have scaled "
+                         "before this kill, so the timeline cannot tell which generation the rank dies in")
+        else:
+            self.phase_kill = (i, event)
+
+    def _stall(self, where: str, event: StallEvent, entry: dict[str, Any]) -> None:
+        if not self.scaled_by_autoscaler and event.rank >= self.size:
+            self.problem(f"{where}.rank", f"expected a rank of the group of {self.size} at that point "
+                         f"(0..{self.size - 1}), got {event.rank}")
+        elif event.generation is not None:
+            self.generation = event.generation
+        entry["generation"] = self.generation
+        entry["loses_rank"] = False
+
+    def _fault(self, where: str, event: Any, entry: dict[str, Any]) -> None:
+        """A rank lost: recovered by the coordinator (auto_recover), or the deployment is failed."""
+        entry["loses_rank"] = True
+        size, auto = self.size, self.d.auto_recover
+        if self.scaled_by_autoscaler and event.generation is None:
+            self.problem(f"{where}.generation", "expected an explicit generation: the autoscaler may have scaled "
+                         "before this kill, so the timeline cannot tell which generation the rank dies in")
+        elif self.scaled_by_autoscaler:
+            self.failed, self.failed_by = (False, None) if auto else (True, where)
+        elif event.rank >= size:
+            self.problem(f"{where}.rank", f"expected a rank of the group of {size} at that point (0..{size - 1}), "
+                         f"got {event.rank}")
+        elif auto and (size - 1 < 1 or self.size_problem(size - 1)):
+            self.problem(where, f"expected a kill the survivors can recover from (auto_recover): {size - 1} rank(s) "
+                         "cannot hold the model")
+        else:
+            if event.generation is not None:
+                self.generation = event.generation
+            entry["generation"] = self.generation
+            if auto:
+                self.size, self.generation = size - 1, self.generation + 1
             else:
-                phase_kill = (i, event)
-        elif isinstance(event, StallEvent) and not s.stall_loses_rank(event.seconds):
-            if not scaled_by_autoscaler and event.rank >= size:
-                problem(f"{where}.rank", f"expected a rank of the group of {size} at that point (0..{size - 1}), got {event.rank}")
-            elif event.generation is not None:
-                generation = event.generation
-            entry["generation"] = generation
-            entry["loses_rank"] = False
-        elif isinstance(event, FAULT_EVENTS):
-            entry["loses_rank"] = True
-            if scaled_by_autoscaler and event.generation is None:
-                problem(f"{where}.generation", "expected an explicit generation: the autoscaler may have scaled "
-                        "before this kill, so the timeline cannot tell which generation the rank dies in")
-            elif scaled_by_autoscaler:
-                failed, failed_by = (False, None) if d.auto_recover else (True, where)
-            elif event.rank >= size:
-                problem(f"{where}.rank", f"expected a rank of the group of {size} at that point (0..{size - 1}), got {event.rank}")
-            elif d.auto_recover and (size - 1 < 1 or size_problem(size - 1)):
-                problem(where, f"expected a kill the survivors can recover from (auto_recover): {size - 1} rank(s) "
-                        "cannot hold the model")
-            else:
-                if event.generation is not None:
-                    generation = event.generation
-                entry["generation"] = generation
-                if d.auto_recover:
-                    size, generation = size - 1, generation + 1
-                else:
-                    failed, failed_by = True, where
-        elif isinstance(event, RecoverEvent):
-            if not failed:
-                problem(where, "expected a failure to recover from (a kill event before it, without auto_recover), got none")
-            elif size - 1 < 1 or size_problem(size - 1):
-                problem(where, f"expected survivors that can hold the model: {size - 1} rank(s) cannot")
-                failed = False
-            else:
-                size, generation, failed = size - 1, generation + 1, False
-        elif isinstance(event, AutoscalerEvent):
-            if s.autoscaler is None:
-                problem(where, "expected an autoscaler: section in the scenario for this event to turn on or off, got none")
-            autoscaler = event.enabled
-            scaled_by_autoscaler = scaled_by_autoscaler or autoscaler
-        entry.update(size_after=size, autoscaler=autoscaler, predicted=not scaled_by_autoscaler)
-        plan.append(entry)
-    if phase_kill is not None:
-        k, kill = phase_kill
-        problem(f"timeline[{k}].in_phase", f"expected a scale event after this kill to die in (a {kill.in_phase} "
-                "phase only happens during a scale), got none")
-    if failed and s.expect.final_state not in (None, "failed"):
-        problem("expect.final_state", f"expected 'failed' or null: {failed_by} leaves the deployment failed "
-                f"(add a recover event or deployment.auto_recover: true), got {s.expect.final_state!r}")
-    if not problems:
-        try:
-            s.deployment_config()
-        except ValidationError as exc:  # what the deployment still refuses with the scenario's trace as its load
-            for err in exc.errors():
-                text = err["msg"].removeprefix("Value error, ")
-                problem("trace" if "trace" in text else "deployment", f"the deployment with this trace is invalid: {text}")
-    return plan, problems
+                self.failed, self.failed_by = True, where
+
+    def _recover(self, where: str) -> None:
+        if not self.failed:
+            self.problem(where, "expected a failure to recover from (a kill event before it, without auto_recover), "
+                         "got none")
+        elif self.size - 1 < 1 or self.size_problem(self.size - 1):
+            self.problem(where, f"expected survivors that can hold the model: {self.size - 1} rank(s) cannot")
+            self.failed = False
+        else:
+            self.size, self.generation, self.failed = self.size - 1, self.generation + 1, False
+
+    def check_end(self) -> None:
+        """What the walk leaves: a kill still armed, a failed end, the deployment with the trace."""
+        s = self.s
+        if self.phase_kill is not None:
+            k, kill = self.phase_kill
+            self.problem(f"timeline[{k}].in_phase", f"expected a scale event after this kill to die in (a "
+                         f"{kill.in_phase} phase only happens during a scale), got none")
+        if self.failed and s.expect.final_state not in (None, P.FAILED):
+            self.problem("expect.final_state", f"expected 'failed' or null: {self.failed_by} leaves the deployment "
+                         "failed (add a recover event or deployment.auto_recover: true), got "
+                         f"{s.expect.final_state!r}")
+        if not self.problems:
+            try:
+                s.deployment_config()
+            except ValidationError as exc:  # what the deployment still refuses with the scenario's trace as its load
+                for err in exc.errors():
+                    text = err["msg"].removeprefix("Value error, ")
+                    self.problem("trace" if "trace" in text else "deployment",
+                                 f"the deployment with this trace is invalid: {text}")
 
 
 def _plan_phase_kill(s: Scenario, armed: tuple[int, KillEvent], scale: ScaleEvent, size: int, generation: int,
@@ -512,17 +563,17 @@ def _plan_phase_kill(s: Scenario, armed: tuple[int, KillEvent], scale: ScaleEven
     layers = s.deployment.sizes.num_moe_layers
     if kill.after_layers is not None and kill.after_layers >= layers:
         problem(f"{where}.after_layers", f"expected fewer than the model's {layers} layers, got {kill.after_layers}")
-    pretransfer = kill.in_phase == "draining" and kill.after_layers is not None
+    pretransfer = kill.in_phase == P.DRAINING and kill.after_layers is not None
     if pretransfer and not s.deployment.scaling.prepare:
         problem(f"{where}.after_layers", "expected deployment.scaling.prepare: true for a kill during the pre-transfer "
                 "(without it nothing moves in draining), got prepare: false")
     # which group the rank belongs to when the phase's command reaches it
-    joining = kill.in_phase in ("rescaling", "draining") and (kill.in_phase == "rescaling" or pretransfer) and kill.rank >= size
-    if kill.in_phase == "draining" and joining:  # a joining rank dies receiving: the old group stays whole
+    joining = kill.in_phase in (P.RESCALING, P.DRAINING) and (kill.in_phase == P.RESCALING or pretransfer) and kill.rank >= size
+    if kill.in_phase == P.DRAINING and joining:  # a joining rank dies receiving: the old group stays whole
         bound, gen, survivors = max(size, scale.to), generation + 1, size
-    elif kill.in_phase == "resuming":
+    elif kill.in_phase == P.RESUMING:
         bound, gen, survivors = scale.to, generation + 1, scale.to - 1
-    elif kill.in_phase == "rescaling":
+    elif kill.in_phase == P.RESCALING:
         bound, gen = max(size, scale.to), generation + 1 if joining else generation
         survivors = size if joining else size - 1  # the survivors of the last consistent generation
     else:

@@ -42,6 +42,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from elastic.control.plane import ControlPlane
 from elastic.core.errors import (
     ElasticError,
     InvalidCompletionRequest,
@@ -56,7 +57,7 @@ from elastic.core.errors import (
 from elastic.core.phases import SERVING_PHASES
 from elastic.service.autoscaler import Autoscaler
 from elastic.service.hooks import ScaleHooks
-from elastic.service.metrics import build_registry
+from elastic.service.metrics import ServingMetrics, build_registry
 from elastic.service.preflight import BodyLimit, BodyTooLarge
 
 __all__ = ["CONTROL_THREADS", "create_app"]
@@ -264,16 +265,19 @@ class RequireApiKey:
         if scope["type"] == "http" and (scope["method"] not in self.SAFE or scope["path"].startswith("/v1/")):
             given = dict(scope.get("headers") or ()).get(b"authorization", b"")
             if not hmac.compare_digest(given, self._expected):
-                response = JSONResponse({"error": "unauthorized", "message": (
-                    f"{scope['method']} {scope['path']} needs the header 'Authorization: Bearer <api key>' "
-                    "(serve --api-key or ELASTIC_EP_API_KEY)")}, status_code=401,
-                    headers={"WWW-Authenticate": "Bearer"})
+                message = (f"{scope['method']} {scope['path']} needs the header 'Authorization: Bearer <api key>' "
+                           "(serve --api-key or ELASTIC_EP_API_KEY)")
+                body: dict[str, Any] = {"error": "unauthorized", "message": message}
+                if scope["path"].startswith("/v1/"):  # the serving routes answer in OpenAI's shape
+                    body = {"error": {"message": message, "type": "authentication_error", "param": None,
+                                      "code": "unauthorized"}}
+                response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
-def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: ScaleHooks | None = None,
+def create_app(controller: ControlPlane, *, autoscaler: Autoscaler | None = None, hooks: ScaleHooks | None = None,
                title: str = "elastic-ep", api_key: str | None = None, control_threads: int = CONTROL_THREADS) -> FastAPI:
     """The scale API over ``controller`` (a :class:`~elastic.control.coordinator.Coordinator`); with
     ``api_key``, every request that changes something must present it (:class:`RequireApiKey`).
@@ -283,6 +287,7 @@ def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: 
     operations = _on_pool(control_threads, refuse_when_full=False)
     reads = _on_pool(READ_THREADS, refuse_when_full=False)
     registry = build_registry(controller, autoscaler)
+    serving_metrics = ServingMetrics(registry)  # exported (at 0) even without a model to serve: one dashboard
     app.state.controller, app.state.autoscaler, app.state.hooks, app.state.registry = controller, autoscaler, hooks, registry
     body_limits: dict[str, int] = {}  # a path prefix's own limit (/v1/: the model's context, set by its routes)
     app.add_middleware(BodyLimit, prefixes=body_limits)  # an oversized body is refused before it is read and parsed
@@ -296,11 +301,7 @@ def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: 
         return out
 
     def get_op(op_id: str) -> dict[str, Any] | None:
-        getter = getattr(controller, "get_operation", None)
-        if getter is not None:
-            return getter(op_id)
-        op = controller.operations.get(op_id)
-        return op.to_dict() if op is not None else None
+        return controller.get_operation(op_id)
 
     # -- error handlers: one body shape everywhere ----------------------------------------------
     @app.exception_handler(RequestValidationError)
@@ -377,12 +378,7 @@ def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: 
     @app.get("/operations", response_model=OperationList, tags=["scale"], responses={422: ERRORS[422]})
     def list_operations(limit: int = Query(50, ge=1, le=1000, description="newest first")) -> Any:
         """Recent operations, newest first."""
-        lister = getattr(controller, "list_operations", None)
-        if lister is not None:
-            ops = lister(limit)
-        else:
-            ops = sorted((o.to_dict() for o in list(controller.operations.values())),
-                         key=lambda o: o["created_at"], reverse=True)[:limit]
+        ops = controller.list_operations(limit)
         return {"operations": [view(op) for op in ops]}
 
     @app.post("/recover", status_code=202, response_model=OperationView, tags=["scale"],
@@ -420,17 +416,13 @@ def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: 
                         409: {"model": ErrorBody, "description": "not running: an operation is moving experts, or the "
                               "deployment failed"},
                         503: {"model": ErrorBody, "description": "the ranks did not all answer (the error names why)"},
-                        404: {"model": ErrorBody, "description": "this controller cannot export a placement"},
                         422: ERRORS[422], 429: ERRORS[429]})
     @control
     def placement(timeout_s: float = Query(30.0, ge=1, le=300, description="how long to wait for the ranks (they "
                                            "answer at their next step boundary)")) -> Any:
         """The current placement and the recorded load window, as a placement file."""
-        exporter = getattr(controller, "export_placement", None)
-        if exporter is None:
-            return _error(404, "no_placement", "this controller cannot export its placement")
         try:
-            return exporter(timeout=timeout_s)
+            return controller.export_placement(timeout=timeout_s)
         except ElasticError as exc:
             if isinstance(exc, InvalidTransition):
                 raise  # 409: not running
@@ -475,14 +467,13 @@ def create_app(controller: Any, *, autoscaler: Autoscaler | None = None, hooks: 
         """Scales, recoveries (from the failure to the group's return) and rebalances, with wall-clock
         ``started_at``/``ended_at`` (seconds since the epoch) and a scale's ``pause``: what a load
         generator splits its latencies by."""
-        windows = [*list(getattr(controller, "timeline", ())), *list(getattr(controller, "rebalance_windows", ()))]
+        windows = controller.timeline_windows()
         return {"now": time.time(), "windows": sorted((dict(w) for w in windows), key=lambda w: w["started_at"])}
 
-    if getattr(controller, "requests", None) is not None:
+    if controller.requests is not None:
         from elastic.service.completions import RequestIdHeader, completion_routes
-        from elastic.service.metrics import ServingMetrics
 
-        app.include_router(completion_routes(controller, ServingMetrics(registry), body_limits))
+        app.include_router(completion_routes(controller, serving_metrics, body_limits))
         app.add_middleware(RequestIdHeader)  # x-request-id on every response
 
     # -- autoscaler ---------------------------------------------------------------------------

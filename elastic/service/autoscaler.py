@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from elastic.control.plane import ControlPlane
+from elastic.core.clock import Clock, as_clock
 from elastic.core.errors import ElasticError
+from elastic.core.phases import Phase
 from elastic.service.hooks import resolve_import_path
 
 __all__ = [
@@ -52,7 +54,7 @@ class MetricsSnapshot(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     now: float
-    state: str = "running"
+    state: str = Phase.RUNNING.value
     generation: int = 0
     current_size: int = Field(ge=1)
     min_size: int = Field(1, ge=1)
@@ -168,7 +170,7 @@ class ThresholdPolicy:
 
     def decide(self, s: MetricsSnapshot) -> ScaleDecision:
         c = self.config
-        if s.state != "running" or s.operation_id is not None:
+        if s.state != Phase.RUNNING or s.operation_id is not None:
             # a scale is under way (anyone's): start over, and count the cooldown from its end
             self._reset()
             self._cooldown_from = s.now
@@ -241,13 +243,15 @@ class Autoscaler:
     ``{"queue_depth": 12}``); they override what the coordinator's heartbeats give.
     """
 
-    def __init__(self, coordinator: Any, config: AutoscalerConfig, *, policy: AutoscalerPolicy | None = None,
-                 clock: Callable[[], float] = time.monotonic,
+    def __init__(self, coordinator: ControlPlane, config: AutoscalerConfig, *, policy: AutoscalerPolicy | None = None,
+                 clock: Clock | Callable[[], float] | None = None,
                  metrics_fn: Callable[[], dict[str, Any]] | None = None, keep: int = 100):
         self.coordinator = coordinator
         self.config = config
         self.policy = policy if policy is not None else build_policy(config)
-        self.clock = clock
+        # the control plane's one clock (the coordinator's), unless a test gives its own
+        own = getattr(coordinator, "clock", None)
+        self.clock = as_clock(clock if clock is not None else own if isinstance(own, Clock) else None)
         self.metrics_fn = metrics_fn
         deployment = getattr(coordinator, "config", None)
         capacity = getattr(deployment, "max_ep_size", None)
@@ -297,7 +301,7 @@ class Autoscaler:
         op = snap.get("operation") or {}
         in_progress = op.get("id") if op and op.get("status") in ("pending", "running") else None
         fields: dict[str, Any] = {
-            "now": float(self.clock()),
+            "now": self.clock.monotonic(),
             "state": snap["state"],
             "generation": snap["generation"],
             "current_size": snap["ep_size"],

@@ -31,12 +31,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from elastic.control.requests import Completion, RequestEngine
 from elastic.core import protocol as p
 from elastic.core.errors import ElasticError, InvalidCompletionRequest, ModelNotFound, Overloaded, RequestNotServed
 from elastic.service.metrics import RequestTimer, ServingMetrics
 from elastic.service.openai_protocol import UNSUPPORTED, ChatRequest, CompletionRequest, OpenAIError, SamplingFields, error_response
 from elastic.service.served_model import ServedModel, TextView
-from elastic.serving.engine import Completion, RequestEngine
 from eplb.trace import seed_for
 
 __all__ = ["CompletionRequest", "ChatRequest", "ServedModel", "completion_routes"]
@@ -438,7 +438,7 @@ class Routes:
             offsets[ch.index] += len(piece)
             if done:
                 chunk["elastic_ep"] = {"replays": c.replays}
-            yield sse(chunk)
+            yield sse(_with_usage(chunk, body, choices))
         async for event in self._tail(body, base, choices, timer):
             yield event
 
@@ -528,11 +528,19 @@ class Routes:
                 "index": ch.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
         async for ch, piece, start, end, done in self._pieces(choices, body, timer):
             c = ch.completion
-            yield sse({**base, "created": int(time.time()), "choices": [{
+            yield sse(_with_usage({**base, "created": int(time.time()), "choices": [{
                 "index": ch.index, "delta": {"content": piece} if piece or not done else {},
-                "logprobs": self._chat_logprobs(c, start, end), "finish_reason": _finish_reason(c) if done else None}]})
+                "logprobs": self._chat_logprobs(c, start, end), "finish_reason": _finish_reason(c) if done else None}]},
+                body, choices))
         async for event in self._tail(body, base, choices, timer):
             yield event
+
+
+def _with_usage(chunk: dict[str, Any], body: SamplingFields, choices: list[Choice]) -> dict[str, Any]:
+    """``stream_options.continuous_usage_stats``: the usage so far in every chunk (vLLM's)."""
+    if body.stream_options is not None and body.stream_options.continuous_usage_stats:
+        chunk["usage"] = _usage(choices)
+    return chunk
 
 
 def sse(data: Any) -> str:

@@ -40,7 +40,6 @@ import os
 import signal
 import subprocess
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
@@ -48,6 +47,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from elastic.control.plane import ControlPlane
+from elastic.core.clock import Clock, RealClock
 from elastic.core.errors import ElasticError
 
 __all__ = ["HookResult", "HookSpec", "HooksConfig", "ScaleHooks", "ScaleVetoed", "resolve_import_path"]
@@ -173,13 +174,13 @@ class _Hook:
             self.timeout_s = self.spec.timeout_s
             self.label = self.spec.label
 
-    def run(self, when: str, op: dict[str, Any]) -> HookResult:
-        started = time.monotonic()
+    def run(self, when: str, op: dict[str, Any], clock: Clock) -> HookResult:
+        started = clock.monotonic()
         try:
             ok, message, code = self._call(op) if self.fn is not None else self._command(when, op)
         except Exception as exc:  # noqa: BLE001 - a hook's failure is a result, never a crash
             ok, message, code = False, f"{type(exc).__name__}: {exc}", None
-        return HookResult(self.label, when, str(op.get("id")), ok, time.monotonic() - started, message, code)
+        return HookResult(self.label, when, str(op.get("id")), ok, clock.monotonic() - started, message, code)
 
     def _call(self, op: dict[str, Any]) -> tuple[bool, str, int | None]:
         box: dict[str, Any] = {}
@@ -239,7 +240,9 @@ class ScaleHooks:
     """Before- and after-scale hooks, installed on a :class:`~elastic.control.coordinator.Coordinator`."""
 
     def __init__(self, before: Iterable[Any] = (), after: Iterable[Any] = (), *, default_timeout_s: float = 30.0,
-                 keep: int = 256):
+                 keep: int = 256, clock: Clock | None = None):
+        self.clock = clock or RealClock()  # install() takes the coordinator's unless one was given
+        self._own_clock = clock is not None
         self.before = [_Hook(item, default_timeout_s) for item in before]
         self.after = [_Hook(item, default_timeout_s) for item in after]
         self._results: OrderedDict[str, list[HookResult]] = OrderedDict()
@@ -254,8 +257,10 @@ class ScaleHooks:
         config = config if isinstance(config, HooksConfig) else HooksConfig.model_validate(config)
         return cls(config.before_scale, config.after_scale)
 
-    def install(self, coordinator: Any) -> ScaleHooks:
+    def install(self, coordinator: ControlPlane) -> ScaleHooks:
         """Add the before-hooks to the coordinator's hook point and follow its operations for the after-hooks."""
+        if not self._own_clock and isinstance(getattr(coordinator, "clock", None), Clock):
+            self.clock = coordinator.clock
         if self.before:  # no before-hooks: scales start at once (no before_hooks phase)
             coordinator.before_scale.append(self.run_before)
         coordinator.subscribe(self._on_event)
@@ -277,7 +282,7 @@ class ScaleHooks:
         """The coordinator's hook point: raise :class:`ScaleVetoed` at the first failing hook."""
         data = {**(op.to_dict() if hasattr(op, "to_dict") else dict(op)), "hook": "before"}
         for hook in self.before:
-            result = hook.run("before", data)
+            result = hook.run("before", data, self.clock)
             self._record(result)
             if not result.ok:
                 with self._lock:
@@ -308,7 +313,7 @@ class ScaleHooks:
         data = {**data, "hook": "after"}
         results = []
         for hook in self.after:
-            result = hook.run("after", data)
+            result = hook.run("after", data, self.clock)
             self._record(result)
             results.append(result)
             if not result.ok:
@@ -317,9 +322,9 @@ class ScaleHooks:
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """Wait for running after-hooks (tests, shutdown); True when none is left."""
-        deadline = time.monotonic() + timeout
+        deadline = self.clock.monotonic() + timeout
         with self._lock:
             threads = list(self._threads)
         for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+            thread.join(max(0.0, deadline - self.clock.monotonic()))
         return not any(t.is_alive() for t in threads)

@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from elastic.control.plane import ControlPlane
 from elastic.core.machine import Phase
 
 __all__ = ["CoordinatorCollector", "OperationRecorder", "RequestTimer", "ServingMetrics", "build_registry", "PREFIX"]
@@ -43,7 +44,7 @@ PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 class CoordinatorCollector(Collector):
     """Gauges and counters read from the coordinator at scrape time."""
 
-    def __init__(self, coordinator: Any, autoscaler: Any = None):
+    def __init__(self, coordinator: ControlPlane, autoscaler: Any = None):
         self.coordinator = coordinator
         self.autoscaler = autoscaler
 
@@ -52,8 +53,7 @@ class CoordinatorCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         snap = self.coordinator.snapshot()
-        list_ops = getattr(self.coordinator, "list_operations", None)
-        ops = list_ops() if list_ops is not None else [o.to_dict() for o in list(self.coordinator.operations.values())]
+        ops = self.coordinator.list_operations()
         beats = [w.heartbeat for w in self.coordinator.live_workers() if getattr(w, "heartbeat", None) is not None]
         return self._families(snap, ops, beats)
 

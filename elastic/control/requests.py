@@ -28,7 +28,6 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import time
 import uuid
 from collections import deque
 from collections.abc import Callable
@@ -36,12 +35,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from elastic.core import protocol as p
+from elastic.core.clock import Clock, as_clock
 from elastic.core.config import ServingConfig
 from elastic.core.errors import InvalidCompletionRequest, Overloaded, RequestNotServed, ServiceUnavailable
 
 __all__ = ["Completion", "RequestEngine", "ServingGate"]
 
-log = logging.getLogger("elastic.serving.engine")
+log = logging.getLogger("elastic.control.requests")
 
 
 @dataclass
@@ -85,12 +85,12 @@ class ServingGate(Protocol):
 class RequestEngine:
     """Queue, admission and token bookkeeping of completion requests (see the module docstring)."""
 
-    def __init__(self, gate: ServingGate, config: ServingConfig, *, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, gate: ServingGate, config: ServingConfig, *, clock: Clock | Callable[[], float] | None = None,
                  on_mismatch: Callable[[Completion, int, int, int], None] | None = None,
                  detokenize: Callable[[list[int]], str] | None = None):
         self.gate = gate
         self.config = config
-        self.clock = clock
+        self.clock = as_clock(clock)
         self.on_mismatch = on_mismatch
         self.detokenize = detokenize
         self._lock = threading.Lock()
@@ -141,7 +141,7 @@ class RequestEngine:
                 raise Overloaded(f"{running} requests decoding and {len(self._queue)} queued "
                                  f"(serving.max_batch {self.config.max_batch}, max_queue {self.config.max_queue})",
                                  retry_after_s=self.config.retry_after_s)
-            completion = Completion(spec, self.clock(), stop=stop)
+            completion = Completion(spec, self.clock.monotonic(), stop=stop)
             self._queue.append(completion)
         self._wake.set()
         return completion
@@ -280,7 +280,7 @@ class RequestEngine:
         """Requests in a failed deployment wait ``failed_grace_s`` for a recovery, then get 503;
         with none possible ("down"), at once."""
         health = self.gate.serving_health()
-        now = self.clock()
+        now = self.clock.monotonic()
         with self._lock:
             waiting = [*self._running.values(), *self._queue]
             if health in ("ok", "paused"):

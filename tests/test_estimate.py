@@ -1,0 +1,138 @@
+"""The next-window load estimate (eplb.estimate), migration_aware's move gate, and the compiled moves."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from eplb import _compiled
+from eplb.algorithm import InvalidOptionError, _balancedness, _counts_of, cross_gpu_copies, rebalance_experts
+from eplb.estimate import smoothed_load, smoothed_noise
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _zipf_counts(rng: np.random.Generator, layers: int, experts: int, tokens: int) -> np.ndarray:
+    """``[layers, experts]`` multinomial counts of a Zipf profile (random ranking per layer)."""
+    out = np.empty((layers, experts), dtype=np.int64)
+    for b in range(layers):
+        p = np.arange(1, experts + 1, dtype=np.float64) ** -rng.uniform(0.6, 1.4)
+        out[b] = rng.multinomial(tokens, rng.permutation(p / p.sum()))
+    return out
+
+
+# --- the estimate ---------------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), weight=st.floats(0.05, 1.0), adaptive=st.booleans())
+def test_the_smoothed_load_lies_between_the_estimate_and_the_window_and_keeps_an_unchanged_load(seed, weight, adaptive):
+    rng = np.random.default_rng(seed)
+    prev = torch.from_numpy(rng.uniform(0, 500, (3, 12)))
+    window = torch.from_numpy(rng.integers(0, 500, (3, 12)))
+    est = smoothed_load(prev, window, weight, adaptive=adaptive)
+    assert est.dtype == torch.float64 and est.shape == (3, 12)
+    lo, hi = torch.minimum(prev, window.double()), torch.maximum(prev, window.double())
+    assert bool((est >= lo - 1e-9).all() and (est <= hi + 1e-9).all())
+    assert torch.allclose(smoothed_load(window.double(), window, weight, adaptive=adaptive), window.double())
+    assert torch.equal(smoothed_load(None, window, weight), window.double())  # the first window: itself
+
+
+def test_the_smoothed_load_averages_a_stationary_layer_and_follows_one_whose_hot_set_moved():
+    rng = np.random.default_rng(7)
+    profile = np.arange(1, 257, dtype=np.float64) ** -1.2
+    profile /= profile.sum()
+    prev = torch.from_numpy(np.stack([20000 * profile, 20000 * profile]))
+    window = torch.from_numpy(np.stack([rng.multinomial(20000, profile), rng.multinomial(20000, rng.permutation(profile))]))
+    est = smoothed_load(prev, window, 0.3)
+    stationary = (est[0] - prev[0]) / (window[0] - prev[0]).double()
+    moved = window[1].double() != prev[1]
+    weight = stationary[window[0].double() != prev[0]]
+    assert torch.allclose(weight, weight[:1]) and 0.3 - 1e-12 <= float(weight[0]) <= 0.45  # one weight per layer, near 0.3
+    assert torch.allclose(est[1][moved], window[1].double()[moved])  # weight 1: the hot set moved
+    plain = smoothed_load(prev, window, 0.3, adaptive=False)
+    assert torch.allclose(plain, 0.3 * window.double() + 0.7 * prev)
+
+
+def test_the_smoothing_weight_and_noise_are_checked_and_the_noise_of_the_last_window_is_two():
+    assert smoothed_noise(1.0) == 2.0 and smoothed_noise(0.5) == pytest.approx(4 / 3)
+    for bad in (0.0, -0.1, 1.5, True, "0.5"):
+        with pytest.raises(ValueError, match="smoothing weight"):
+            smoothed_load(None, torch.ones(1, 2), bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidOptionError, match="noise"):
+        rebalance_experts(torch.ones(1, 4), 8, 1, 1, 2, policy="migration_aware", noise=-1.0)
+
+
+def test_a_smoothed_estimate_is_closer_to_the_profile_than_the_last_window():
+    rng = np.random.default_rng(3)
+    profile = 4096 * np.arange(1, 129, dtype=np.float64) ** -1.0 / (np.arange(1, 129) ** -1.0).sum()
+    est = None
+    errors = []
+    for _ in range(12):
+        window = torch.from_numpy(rng.poisson(profile)[None, :])
+        est = smoothed_load(est, window, 0.3)
+        errors.append((float(((window.double() - torch.from_numpy(profile)) ** 2).mean()),
+                       float(((est - torch.from_numpy(profile)) ** 2).mean())))
+    last, smooth = np.mean(errors[4:], axis=0)
+    assert smooth < 0.5 * last  # stationary: a / (2 - a) = 0.18 of a window's noise in expectation
+
+
+# --- the move gate --------------------------------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), gpus=st.sampled_from([4, 8]), noise=st.sampled_from(["counts", 1.0, 4 / 3, 2.0]),
+       tol=st.sampled_from([0.0, 0.01]))
+def test_migration_aware_moves_nothing_on_an_unchanged_load(seed, gpus, noise, tol):
+    rng = np.random.default_rng(seed)
+    load = torch.from_numpy(_zipf_counts(rng, 4, 32, 4000))
+    slots = 32 + gpus
+    prev = rebalance_experts(load, slots, 1, 1, gpus)[0]
+    new = rebalance_experts(load, slots, 1, 1, gpus, policy="migration_aware", previous=prev, noise=noise, tolerance=tol)[0]
+    assert int(cross_gpu_copies(prev, new, gpus).sum()) == 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), gpus=st.sampled_from([4, 8]), noise=st.sampled_from(["counts", 4 / 3]))
+def test_migration_aware_moves_after_a_step_change_in_the_load(seed, gpus, noise):
+    rng = np.random.default_rng(seed)
+    before = _zipf_counts(rng, 4, 32, 8000)
+    after = np.stack([rng.permutation(row) for row in before])  # the hot set moved, same shape of load
+    slots = 32 + gpus
+    prev = rebalance_experts(torch.from_numpy(before), slots, 1, 1, gpus)[0]
+    load = torch.from_numpy(after)
+    new = rebalance_experts(load, slots, 1, 1, gpus, policy="migration_aware", previous=prev, noise=noise)[0]
+    stay = _balancedness(prev.numpy(), after.astype(np.float64), gpus)
+    moved = _balancedness(new.numpy(), after.astype(np.float64), gpus)
+    shifted = stay < _balancedness(rebalance_experts(load, slots, 1, 1, gpus)[0].numpy(), after.astype(np.float64), gpus) - 0.1
+    assert shifted.any()  # the step change left some layer far from a refit
+    copies = cross_gpu_copies(prev, new, gpus).numpy()
+    assert (copies[shifted] > 0).all() and (moved[shifted] > stay[shifted] + 0.05).all()
+
+
+# --- the compiled moves ---------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), gpus=st.integers(2, 8), per_gpu=st.integers(1, 5), budget=st.integers(0, 12),
+       prefer=st.booleans())
+def test_the_compiled_moves_never_raise_the_peak_stay_in_budget_and_keep_every_expert(seed, gpus, per_gpu, budget, prefer):
+    rng = np.random.default_rng(seed)
+    slots = gpus * per_gpu
+    n = int(rng.integers(max(1, slots // 2), slots + 1))
+    load = rng.pareto(1.3, (2, n)) * 100
+    p2l = np.stack([np.concatenate([rng.permutation(n), rng.integers(0, n, slots - n)]) for _ in range(2)])
+    se = p2l.reshape(2, gpus, per_gpu).copy()
+    pref = _counts_of(p2l, n)[:, ::-1].copy() if prefer else np.zeros((2, 0), np.int64)
+    target = load.sum(axis=1) / gpus  # the mean: out of reach, so every layer moves while it can
+    made = _compiled.improve(se, load, target, np.full(2, budget, np.int64), 4 * slots, 8, pref, 0.2)
+    out = se.reshape(2, slots)
+    assert (_counts_of(out, n) >= 1).all()
+    assert (made <= budget).all()
+    assert (cross_gpu_copies(torch.from_numpy(p2l), torch.from_numpy(out), gpus).numpy() <= made).all()
+    peak_before = 1 / np.maximum(_balancedness(p2l, load, gpus), 1e-300)
+    peak_after = 1 / np.maximum(_balancedness(out, load, gpus), 1e-300)
+    assert (peak_after <= peak_before * (1 + 1e-12)).all()
