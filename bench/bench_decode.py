@@ -40,6 +40,7 @@ from bench.common import (
     verdict,
     write_json,
 )
+from elastic.core import protocol as p
 from elastic.deployment import DeploymentConfig, TracePhase
 from eplb.config import EPLBConfig
 from eplb.model import ModelShape
@@ -85,18 +86,43 @@ def run_mode(args: argparse.Namespace, mode: str, console: Console) -> dict[str,
         # (it is counted only up to end_step anyway)
         mem_end = {pid: proc_memory(pid) for pid in pids}
         verdicts = coordinator.verify(timeout=120)
-        beats = coordinator.last_beat_by_pid(before_step=end_step)
+        eplb_stats = eplb_by_rank(coordinator, before_step=end_step)
         samples = coordinator.step_samples()
     finally:
         coordinator.shutdown()
-    wall_s = time.monotonic() - t0
+    memory = {}
+    for pid in pids:
+        rank = next((rank for rank, (beat_pid, _) in eplb_stats.items() if beat_pid == pid), None)
+        memory[rank] = {"peak_rss": mem_end[pid]["peak_rss"], "rss_at_start": mem_start[pid]["rss"],
+                        "peak_rss_growth": mem_end[pid]["peak_rss"] - mem_start[pid]["peak_rss"],
+                        "expert_weight_bytes": verdicts.get(rank, {}).get("expert_weight_bytes"),
+                        "staging_bytes": verdicts.get(rank, {}).get("staging_bytes")}
+    return {"mode": mode, "loadavg_1min_before": load_before, "loadavg_1min_after": os.getloadavg()[0],
+            "steps": [args.skip_steps + 1, end_step], "startup_seconds": started_s,
+            "wall_seconds": time.monotonic() - t0, **step_figures(args, samples, end_step),
+            **eplb_figures([e for _, e in eplb_stats.values()], samples, args.skip_steps, end_step),
+            "memory": memory, "verify_mismatched": sum(len(v.get("mismatched", [])) for v in verdicts.values())}
 
+
+def eplb_by_rank(coordinator: RecordingCoordinator, before_step: int) -> dict[int, tuple[int, p.EPLBReport]]:
+    """Each rank's (pid, EPLB statistics) from its last decode heartbeat below ``before_step``.
+    Only decode heartbeats carry them: a busy or a waiting one (a step waiting on its peers)
+    carries none, and taking the last heartbeat of any kind left the sync stalls empty."""
+    with coordinator._bench_lock:
+        beats = list(coordinator.beats)
+    out: dict[int, tuple[int, p.EPLBReport]] = {}
+    for b in beats:
+        if b.step < before_step and b.eplb is not None:
+            out[b.rank] = (b.pid, b.eplb)
+    return out
+
+
+def step_figures(args: argparse.Namespace, samples: list[dict[str, Any]], end_step: int) -> dict[str, Any]:
+    """The decode thread's EPLB overhead per step and the throughput, from the step samples."""
     first = args.skip_steps
     # the sample of step s is taken when s steps are done; the rebalance at end_step is left out
     window = [s for s in samples if first < s["step"] < end_step]
     busy = [s["eplb_s"] for s in window if s["busy"]]
-    busy_cpu = [s["eplb_cpu_s"] for s in window if s["busy"]]
-    idle = [s["eplb_s"] for s in window if not s["busy"]]
     worst = sorted((s for s in window if s["busy"]), key=lambda s: -s["eplb_s"])[:10]
     # throughput from rank 0's step end times (ranks run in lockstep: two collectives a step)
     # a real model decodes one batch on the whole group (attention replicated); the reference routes per rank
@@ -109,50 +135,38 @@ def run_mode(args: argparse.Namespace, mode: str, console: Console) -> dict[str,
 
     r0_busy = [(s, d) for s, d in r0 if s["busy"]]
     r0_idle = [(s, d) for s, d in r0 if not s["busy"]]
-
-    eplb_stats = {b.rank: b.eplb for b in beats.values()}
-    stalls_by_rank = [e.get("sync_stall_seconds", []) for e in eplb_stats.values()]
-    per_rebalance_stall = [max(x) for x in zip(*stalls_by_rank)] if stalls_by_rank and all(stalls_by_rank) else []
-    rank0 = [s for s in window if s["rank"] == 0]
-    rebalance_steps = sum(1 for s in rank0 if s["busy"])
-    rebalances = max((e.get("rebalances_finished", 0) for e in eplb_stats.values()), default=0)
-    bytes_moved = sum(e.get("bytes_moved", 0) for e in eplb_stats.values())
-    layers_committed = max((e.get("layers_committed", 0) for e in eplb_stats.values()), default=0)
-    memory = {}
-    for pid in pids:
-        rank = next((b.rank for b in beats.values() if b.pid == pid), None)
-        memory[rank] = {"peak_rss": mem_end[pid]["peak_rss"], "rss_at_start": mem_start[pid]["rss"],
-                        "peak_rss_growth": mem_end[pid]["peak_rss"] - mem_start[pid]["peak_rss"],
-                        "expert_weight_bytes": verdicts.get(rank, {}).get("expert_weight_bytes"),
-                        "staging_bytes": verdicts.get(rank, {}).get("staging_bytes")}
     return {
-        "mode": mode,
-        "loadavg_1min_before": load_before,
-        "loadavg_1min_after": os.getloadavg()[0],
-        "steps": [first + 1, end_step],
-        "startup_seconds": started_s,
-        "wall_seconds": wall_s,
         "eplb_overhead_busy": summary(busy),
-        "eplb_overhead_busy_cpu": summary(busy_cpu),
-        "eplb_overhead_idle": summary(idle),
+        "eplb_overhead_busy_cpu": summary([s["eplb_cpu_s"] for s in window if s["busy"]]),
+        "eplb_overhead_idle": summary([s["eplb_s"] for s in window if not s["busy"]]),
         "worst_busy_steps": [{k: s[k] for k in ("rank", "step", "eplb_s", "eplb_cpu_s")} for s in worst],
-        "busy_steps_rank0": rebalance_steps,
-        "sync_stall_seconds": per_rebalance_stall,
-        "sync_stall": summary(per_rebalance_stall),
-        "rebalances_finished": rebalances,
-        "layers_committed": layers_committed,
-        "bytes_moved": bytes_moved,
-        "bytes_per_rebalance": bytes_moved / rebalances if rebalances else 0,
-        "steps_per_rebalance": rebalance_steps / rebalances if rebalances else 0,
-        "placement_seconds": max((e.get("placement_seconds", 0.0) for e in eplb_stats.values()), default=0.0),
         "tokens_per_step": tokens_per_step,
         "throughput_overall": throughput(r0),
         "throughput_during_rebalance": throughput(r0_busy) if r0_busy else math.nan,
         "throughput_outside_rebalance": throughput(r0_idle),
         "step_seconds_outside_rebalance": summary([d for _, d in r0_idle]),
         "step_seconds_during_rebalance": summary([d for _, d in r0_busy]),
-        "memory": memory,
-        "verify_mismatched": sum(len(v.get("mismatched", [])) for v in verdicts.values()),
+    }
+
+
+def eplb_figures(stats: list[p.EPLBReport], samples: list[dict[str, Any]], first: int, end_step: int) -> dict[str, Any]:
+    """Rebalances, stalls and bytes from the ranks' EPLB statistics."""
+    stalls_by_rank = [e.sync_stall_seconds for e in stats]
+    # a rebalance's stall is its slowest rank's (ranks run in lockstep)
+    per_rebalance_stall = [max(x) for x in zip(*stalls_by_rank)] if stalls_by_rank and all(stalls_by_rank) else []
+    rebalance_steps = sum(1 for s in samples if s["rank"] == 0 and first < s["step"] < end_step and s["busy"])
+    rebalances = max((e.rebalances_finished for e in stats), default=0)
+    bytes_moved = sum(e.bytes_moved for e in stats)
+    return {
+        "busy_steps_rank0": rebalance_steps,
+        "sync_stall_seconds": per_rebalance_stall,
+        "sync_stall": summary(per_rebalance_stall),
+        "rebalances_finished": rebalances,
+        "layers_committed": max((e.layers_committed for e in stats), default=0),
+        "bytes_moved": bytes_moved,
+        "bytes_per_rebalance": bytes_moved / rebalances if rebalances else 0,
+        "steps_per_rebalance": rebalance_steps / rebalances if rebalances else 0,
+        "placement_seconds": max((e.placement_seconds for e in stats), default=0.0),
     }
 
 
@@ -192,7 +206,7 @@ def diagnose(args: argparse.Namespace, results: dict[str, Any], targets: dict[st
     return notes
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.bench_decode", description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--architecture", default=None, help="a Hugging Face MoE architecture (deepseek_v3, gpt_oss, ...) "
@@ -216,28 +230,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="async pacing: decode steps from one layer's commit to the next layer's transfer")
     ap.add_argument("--json", dest="json_path", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
-    console = Console() if sys.stdout.isatty() else Console(width=170)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    for m in modes:
-        if m not in MODES:
+    for m in (m.strip() for m in args.modes.split(",")):
+        if m and m not in MODES:
             ap.error(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+    return args
 
-    cfg = deployment(args, "off")
-    sizes = cfg.sizes
-    what = (f"{args.architecture} (Hugging Face, tiny random), batch {HF_BATCH}" if args.architecture
-            else f"{args.tokens} tokens/rank/step")
-    console.print(f"[bold]bench_decode[/bold]: {args.ranks} ranks, {sizes.num_moe_layers} layers, "
-                  f"{sizes.num_logical_experts} experts + {args.redundant} redundant, expert {fmt_bytes(sizes.expert_bytes)}, "
-                  f"{what}, step_interval {args.interval}, window {args.window}")
-    results: dict[str, dict[str, Any]] = {}
-    for mode in modes:
-        console.print(f"  running EPLB {mode} ...")
-        results[mode] = run_mode(args, mode, console)
-        r = results[mode]
-        console.print(f"    done in {r['wall_seconds']:.1f}s (1-min load average before {r['loadavg_1min_before']:.1f}, "
-                      f"after {r['loadavg_1min_after']:.1f}, {os.cpu_count()} CPUs)")
 
+def print_tables(console: Console, results: dict[str, dict[str, Any]]) -> None:
     table = Table(title="EPLB overhead on the decode thread (control + after_sync + record, per step, all ranks)")
     for col in ("mode", "steps with rebalance in flight", "p50", "p99", "max", "max CPU time", "other steps p50",
                 "other steps max", "sync stall / rebalance (p50, max)"):
@@ -267,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
                       "ok" if r["verify_mismatched"] == 0 else f"{r['verify_mismatched']} bad slots")
     console.print(table)
 
+
+
+def targets_of(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     targets: dict[str, Any] = {}
     if "async" in results and "sync" in results:
         worst, stall = results["async"]["eplb_overhead_busy"]["max"], results["sync"]["sync_stall"]["p50"]
@@ -287,30 +289,61 @@ def main(argv: list[str] | None = None) -> int:
         targets["supplementary_async_during_vs_between_rebalances"] = {"async_during": during, "async_between": between,
                                                                       "ratio": during / between, "limit": 0.9,
                                                                       "pass": during >= 0.9 * between}
-    if targets:
-        table = Table(title="Targets (supplementary rows: the same checks made robust to preemption and to load changing between runs)")
-        for col in ("target", "measured", "limit", "verdict"):
-            table.add_column(col)
-        if "async_worst_step_vs_sync_stall" in targets:
-            t = targets["async_worst_step_vs_sync_stall"]
-            table.add_row("async worst step EPLB overhead / sync stall",
-                          f"{fmt_s(t['async_max'])} / {fmt_s(t['sync_stall_p50'])} = {t['ratio']:.3f}", "<= 0.1",
-                          verdict(t["pass"]))
-        if "async_throughput_during_rebalance_vs_off" in targets:
-            t = targets["async_throughput_during_rebalance_vs_off"]
-            table.add_row("async tok/s during rebalance / EPLB-off tok/s",
-                          f"{t['async_during']:.0f} / {t['off']:.0f} = {t['ratio']:.3f}", ">= 0.9", verdict(t["pass"]))
-        if "supplementary_async_worst_step_cpu_vs_sync_stall" in targets:
-            t = targets["supplementary_async_worst_step_cpu_vs_sync_stall"]
-            table.add_row("(supplementary) async worst step EPLB CPU time / sync stall",
-                          f"{fmt_s(t['async_max_cpu'])} / {fmt_s(t['sync_stall_p50'])} = {t['ratio']:.3f}", "<= 0.1",
-                          verdict(t["pass"]))
-        if "supplementary_async_during_vs_between_rebalances" in targets:
-            t = targets["supplementary_async_during_vs_between_rebalances"]
-            table.add_row("(supplementary) async tok/s during / between rebalances, same run",
-                          f"{t['async_during']:.0f} / {t['async_between']:.0f} = {t['ratio']:.3f}", ">= 0.9",
-                          verdict(t["pass"]))
-        console.print(table)
+    return targets
+
+
+def print_targets(console: Console, targets: dict[str, Any]) -> None:
+    if not targets:
+        return
+    table = Table(title="Targets (supplementary rows: the same checks made robust to preemption and to load changing between runs)")
+    for col in ("target", "measured", "limit", "verdict"):
+        table.add_column(col)
+    if "async_worst_step_vs_sync_stall" in targets:
+        t = targets["async_worst_step_vs_sync_stall"]
+        table.add_row("async worst step EPLB overhead / sync stall",
+                      f"{fmt_s(t['async_max'])} / {fmt_s(t['sync_stall_p50'])} = {t['ratio']:.3f}", "<= 0.1",
+                      verdict(t["pass"]))
+    if "async_throughput_during_rebalance_vs_off" in targets:
+        t = targets["async_throughput_during_rebalance_vs_off"]
+        table.add_row("async tok/s during rebalance / EPLB-off tok/s",
+                      f"{t['async_during']:.0f} / {t['off']:.0f} = {t['ratio']:.3f}", ">= 0.9", verdict(t["pass"]))
+    if "supplementary_async_worst_step_cpu_vs_sync_stall" in targets:
+        t = targets["supplementary_async_worst_step_cpu_vs_sync_stall"]
+        table.add_row("(supplementary) async worst step EPLB CPU time / sync stall",
+                      f"{fmt_s(t['async_max_cpu'])} / {fmt_s(t['sync_stall_p50'])} = {t['ratio']:.3f}", "<= 0.1",
+                      verdict(t["pass"]))
+    if "supplementary_async_during_vs_between_rebalances" in targets:
+        t = targets["supplementary_async_during_vs_between_rebalances"]
+        table.add_row("(supplementary) async tok/s during / between rebalances, same run",
+                      f"{t['async_during']:.0f} / {t['async_between']:.0f} = {t['ratio']:.3f}", ">= 0.9",
+                      verdict(t["pass"]))
+    console.print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    console = Console() if sys.stdout.isatty() else Console(width=170)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+
+    cfg = deployment(args, "off")
+    sizes = cfg.sizes
+    what = (f"{args.architecture} (Hugging Face, tiny random), batch {HF_BATCH}" if args.architecture
+            else f"{args.tokens} tokens/rank/step")
+    console.print(f"[bold]bench_decode[/bold]: {args.ranks} ranks, {sizes.num_moe_layers} layers, "
+                  f"{sizes.num_logical_experts} experts + {args.redundant} redundant, expert {fmt_bytes(sizes.expert_bytes)}, "
+                  f"{what}, step_interval {args.interval}, window {args.window}")
+    results: dict[str, dict[str, Any]] = {}
+    for mode in modes:
+        console.print(f"  running EPLB {mode} ...")
+        results[mode] = run_mode(args, mode, console)
+        r = results[mode]
+        console.print(f"    done in {r['wall_seconds']:.1f}s (1-min load average before {r['loadavg_1min_before']:.1f}, "
+                      f"after {r['loadavg_1min_after']:.1f}, {os.cpu_count()} CPUs)")
+
+    print_tables(console, results)
+    targets = targets_of(results)
+    print_targets(console, targets)
     notes = diagnose(args, results, targets)
     for note in notes:
         console.print(f"[yellow]note[/yellow]: {note}")

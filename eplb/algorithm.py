@@ -402,33 +402,9 @@ def _log_fallback(reason: str) -> None:
 
 def _make_problem(weight, num_replicas, num_groups, num_nodes, num_gpus, previous) -> Problem:
     # 1. weight: a 2-D tensor of finite, non-negative real numbers
-    if not isinstance(weight, torch.Tensor):
-        try:
-            weight = torch.as_tensor(weight)
-        except Exception as exc:  # noqa: BLE001 - anything that is not a tensor
-            raise InvalidLoadError(f"weight must be a [layers, experts] tensor, got {type(weight).__name__}") from exc
-    if weight.dim() != 2:
-        raise InvalidLoadError(f"weight must be a 2-D [layers, experts] tensor, got shape {tuple(weight.shape)}")
-    layers, experts = weight.shape
-    if layers < 1 or experts < 1:
-        raise InvalidLoadError(f"weight needs at least one layer and one expert, got shape {tuple(weight.shape)}")
-    if weight.is_complex():
-        raise InvalidLoadError(f"weight must be real, got {weight.dtype}")
-    weight = weight.detach().cpu()
-    w = weight.to(torch.float64)  # the one conversion: every policy but the reference's works on this
+    weight, w = _checked_weight(weight)
     w_np = w.numpy()
-    if not (np.isfinite(w_np).all() and (w_np >= 0).all()):  # the common case in one pass each
-        if weight.dtype.is_floating_point:
-            finite = torch.isfinite(weight)
-            if not bool(finite.all()):
-                layer, expert = (int(i) for i in (~finite).nonzero()[0])
-                raise InvalidLoadError(
-                    f"weight must be finite: layer {layer}, expert {expert} has {float(weight[layer, expert])}"
-                )
-        negative = w < 0
-        layer, expert = (int(i) for i in negative.nonzero()[0])
-        raise InvalidLoadError(f"weight must be >= 0: layer {layer}, expert {expert} has {weight[layer, expert].item()}")
-
+    layers, experts = weight.shape
     # 2. counts that fit each other
     num_replicas = _positive_int("num_replicas", num_replicas)
     num_groups = 1 if num_groups is None else _positive_int("num_groups", num_groups)
@@ -449,26 +425,59 @@ def _make_problem(weight, num_replicas, num_groups, num_nodes, num_gpus, previou
         num_groups = num_nodes = 1
 
     # 4. previous: a valid placement of the same layers and experts
-    prev = None
-    if previous is not None:
-        if isinstance(previous, Placement):
-            previous = previous.physical_to_logical
-        if not isinstance(previous, torch.Tensor):
-            try:
-                previous = torch.as_tensor(previous)
-            except Exception as exc:  # noqa: BLE001
-                raise InvalidPreviousError(f"previous must be a [layers, slots] tensor, got {type(previous).__name__}") from exc
-        if previous.dim() != 2 or previous.shape[0] != layers:
-            raise InvalidPreviousError(
-                f"previous must be [layers={layers}, slots], got shape {tuple(previous.shape)}"
-            )
-        try:
-            validate_physical_to_logical(previous.detach().cpu(), experts)
-        except PlacementError as exc:
-            raise InvalidPreviousError(f"previous is not a valid placement: {exc}") from exc
-        prev = previous.detach().cpu().to(torch.int64).numpy().copy()
+    prev = None if previous is None else _checked_previous(previous, layers, experts)
     load = w_np.copy() if w is weight else w_np  # never the caller's memory (float64 input)
     return Problem(weight, load, num_replicas, num_groups, num_nodes, num_gpus, prev)
+
+
+def _checked_weight(weight: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 1 of :func:`_make_problem`: the load as given (on the CPU) and as float64, or an error naming the bad entry."""
+    if not isinstance(weight, torch.Tensor):
+        try:
+            weight = torch.as_tensor(weight)
+        except Exception as exc:  # noqa: BLE001 - anything that is not a tensor
+            raise InvalidLoadError(f"weight must be a [layers, experts] tensor, got {type(weight).__name__}") from exc
+    if weight.dim() != 2:
+        raise InvalidLoadError(f"weight must be a 2-D [layers, experts] tensor, got shape {tuple(weight.shape)}")
+    if weight.shape[0] < 1 or weight.shape[1] < 1:
+        raise InvalidLoadError(f"weight needs at least one layer and one expert, got shape {tuple(weight.shape)}")
+    if weight.is_complex():
+        raise InvalidLoadError(f"weight must be real, got {weight.dtype}")
+    weight = weight.detach().cpu()
+    w = weight.to(torch.float64)  # the one conversion: every policy but the reference's works on this
+    w_np = w.numpy()
+    if not (np.isfinite(w_np).all() and (w_np >= 0).all()):  # the common case in one pass each
+        if weight.dtype.is_floating_point:
+            finite = torch.isfinite(weight)
+            if not bool(finite.all()):
+                layer, expert = (int(i) for i in (~finite).nonzero()[0])
+                raise InvalidLoadError(
+                    f"weight must be finite: layer {layer}, expert {expert} has {float(weight[layer, expert])}"
+                )
+        negative = w < 0
+        layer, expert = (int(i) for i in negative.nonzero()[0])
+        raise InvalidLoadError(f"weight must be >= 0: layer {layer}, expert {expert} has {weight[layer, expert].item()}")
+    return weight, w
+
+
+def _checked_previous(previous: Any, layers: int, experts: int) -> np.ndarray:
+    """Step 4 of :func:`_make_problem`: ``previous`` as an int64 ``[layers, slots]`` array (a copy), checked."""
+    if isinstance(previous, Placement):
+        previous = previous.physical_to_logical
+    if not isinstance(previous, torch.Tensor):
+        try:
+            previous = torch.as_tensor(previous)
+        except Exception as exc:  # noqa: BLE001
+            raise InvalidPreviousError(f"previous must be a [layers, slots] tensor, got {type(previous).__name__}") from exc
+    if previous.dim() != 2 or previous.shape[0] != layers:
+        raise InvalidPreviousError(
+            f"previous must be [layers={layers}, slots], got shape {tuple(previous.shape)}"
+        )
+    try:
+        validate_physical_to_logical(previous.detach().cpu(), experts)
+    except PlacementError as exc:
+        raise InvalidPreviousError(f"previous is not a valid placement: {exc}") from exc
+    return previous.detach().cpu().to(torch.int64).numpy().copy()
 
 
 # --------------------------------------------------------------------------------------------
@@ -865,21 +874,31 @@ def _refine_swaps(
     between GPUs of the same node (``node_of_gpu``). A layer stops when its balancedness reaches
     ``stop_at`` or no swap helps.
     """
-    b, g, s = slot_load.shape
+    g = slot_load.shape[1]
     if g < 2:
         return
     loads = slot_load.sum(axis=2)
     goal = loads.mean(axis=1) / stop_at
     active = np.nonzero(loads.max(axis=1) > goal)[0]
-    half = max(1, min(g // 2, pair_width))
-    for _ in range(pair_iters):
+    cross_of = None if pinned is None or node_of_gpu is None else \
+        (lambda ga, gb: node_of_gpu[ga] != node_of_gpu[gb])  # noqa: E731 - a pair of GPU index arrays -> crosses nodes
+    active = _paired_rounds(slot_load, slot_expert, loads, goal, active, pair_iters, max(1, min(g // 2, pair_width)),
+                            pinned, cross_of)
+    _heaviest_rounds(slot_load, slot_expert, loads, goal, active, max_iters, max(1, min(width, g - 1)), pinned, cross_of)
+
+
+def _paired_rounds(slot_load: np.ndarray, slot_expert: np.ndarray, loads: np.ndarray, goal: np.ndarray,
+                   active: np.ndarray, iters: int, half: int, pinned: np.ndarray | None,
+                   cross_of: Callable[[np.ndarray, np.ndarray], np.ndarray] | None) -> np.ndarray:
+    """(a) of :func:`_refine_swaps`: the ``half`` heaviest GPUs paired with the lightest; the layers still active."""
+    for _ in range(iters):
         if active.size == 0:
-            return
+            return active
         order = np.argsort(loads[active], axis=1)
         ga, gb = order[:, : -half - 1 : -1], order[:, :half]
         rr = active[:, None]
         gap = loads[rr, ga] - loads[rr, gb]
-        cross = None if pinned is None or node_of_gpu is None else node_of_gpu[ga] != node_of_gpu[gb]
+        cross = None if cross_of is None else cross_of(ga, gb)
         score, flat = _swap_candidates(slot_load, slot_expert, active, ga, gb, gap, pinned, cross)
         ok = np.isfinite(score)
         if not ok.any():
@@ -888,8 +907,15 @@ def _refine_swaps(
         _apply_swaps(slot_load, slot_expert, loads, active[xi], ga[xi, ki], gb[xi, ki], flat[xi, ki], pinned)
         active = active[ok.any(axis=1)]
         active = active[loads[active].max(axis=1) > goal[active]]
-    width = max(1, min(width, g - 1))
-    for _ in range(max_iters):
+    return active
+
+
+def _heaviest_rounds(slot_load: np.ndarray, slot_expert: np.ndarray, loads: np.ndarray, goal: np.ndarray,
+                     active: np.ndarray, iters: int, width: int, pinned: np.ndarray | None,
+                     cross_of: Callable[[np.ndarray, np.ndarray], np.ndarray] | None) -> None:
+    """(b) of :func:`_refine_swaps`: the heaviest GPU swaps with the best of the ``width`` lightest."""
+    g = loads.shape[1]
+    for _ in range(iters):
         if active.size == 0:
             return
         la = loads[active]
@@ -899,7 +925,7 @@ def _refine_swaps(
         cand = np.argpartition(la, width - 1, axis=1)[:, :width] if width < g else np.argsort(la, axis=1)
         ga = h[:, None]  # [X, 1]: broadcasts against cand [X, K]
         gap = la[ra, h][:, None] - la[ra[:, None], cand]
-        cross = None if pinned is None or node_of_gpu is None else node_of_gpu[ga] != node_of_gpu[cand]
+        cross = None if cross_of is None else cross_of(ga, cand)
         score, flat = _swap_candidates(slot_load, slot_expert, active, ga, cand, gap, pinned, cross)
         kbest = score.argmin(axis=1)
         ok = np.isfinite(score[ra, kbest])
@@ -909,7 +935,6 @@ def _refine_swaps(
         _apply_swaps(slot_load, slot_expert, loads, active[sel], h[sel], cand[sel, kbest[sel]], flat[sel, kbest[sel]], pinned)
         active = active[sel]
         active = active[loads[active].max(axis=1) > goal[active]]
-
 
 # --------------------------------------------------------------------------------------------
 # default
@@ -1342,15 +1367,37 @@ def _migration_aware_policy(
         raise InvalidOptionError(f"max_copies must be an int >= 0 or None, got {max_copies!r}")
     noise_var = _noise_variance(noise, problem.weight.dtype.is_floating_point)
     load, g, s, n = problem.load, problem.num_gpus, problem.slots_per_gpu, problem.num_logical
-    b, p = problem.num_layers, problem.num_replicas
-    fresh = _balanced(load, p, g)
+    fresh = _balanced(load, problem.num_replicas, g)
     if problem.previous is None:
         return fresh
     prev = problem.previous
-    p_old = prev.shape[1]
     # 1. the previous layout's GPU count, and where each old GPU went
+    prev_gpus = _previous_gpus(prev.shape[1], g, s, previous_num_gpus)
+    carried = _carry_over(prev, g, s, prev_gpus, _rank_mapping(rank_mapping, prev_gpus, g))
+    # 2. make it valid (lost experts, empty new slots): copies nobody can avoid
+    cur = _fill(carried.copy(), load, g)
+    # 3. is moving worth it? 4. how far to go
+    gate = _MoveGate.of(load, fresh, cur, g, tolerance, noise_var, same_gpus=prev_gpus == g)
+    # the static placement (what an engine starts from) was never fitted to any load: a layer
+    # still on it that has to move takes default's placement (GPUs matched) rather than the
+    # fewest moves, which would leave it fitted to no window (on stationary loads its next
+    # windows trailed a refit's by 0.03-0.04; after that one refit the noise moves little)
+    static = np.arange(prev.shape[1]) % n
+    refit = gate.move & (prev == static).all(axis=1) if prev_gpus == g else np.zeros(problem.num_layers, dtype=bool)
+    allowed = np.full(problem.num_layers, np.iinfo(np.int64).max // 2 if max_copies is None else int(max_copies),
+                      dtype=np.int64)
+    mover = _Mover(load, g, n, carried, fresh, _counts_of(fresh, n), allowed, gate, refit, tolerance)
+    # 5. a far layer (same GPU count) first takes default's replica counts (see _Mover.recount)
+    recounted = gate.far & gate.move & ~refit if prev_gpus == g else np.zeros(problem.num_layers, dtype=bool)
+    if not recounted.any():
+        return mover.settle(cur, gate.move)
+    return mover.recount(cur, recounted, gate.balanced_now)
+
+
+def _previous_gpus(p_old: int, g: int, s: int, previous_num_gpus: int | None) -> int:
+    """The previous layout's GPU count: given, or ``g`` for as many slots, or the slots over ``s`` (a scale)."""
     if previous_num_gpus is None:
-        if p_old == p:
+        if p_old == g * s:
             previous_num_gpus = g
         elif p_old % s == 0:
             previous_num_gpus = p_old // s  # the same slots per GPU, as after a scale
@@ -1361,104 +1408,130 @@ def _migration_aware_policy(
     prev_gpus = _positive_int("previous_num_gpus", previous_num_gpus)
     if p_old % prev_gpus:
         raise InvalidPreviousError(f"previous has {p_old} slots, not a multiple of previous_num_gpus={prev_gpus}")
-    mapping = _rank_mapping(rank_mapping, prev_gpus, g)
-    carried = _carry_over(prev, g, s, prev_gpus, mapping)
-    # 2. make it valid (lost experts, empty new slots): copies nobody can avoid
-    cur = _fill(carried.copy(), load, g)
-    # 3. is moving worth it? default's balance on this window is optimistic: it is fitted to this
-    #    window's noise. With token counts (noise "counts"), estimate what default would reach on
-    #    the next window by re-drawing each count with the spread of the difference of two windows
-    #    (variance 2 * count); a layer moves only if it is more than `tolerance` below that.
-    mean = load.sum(axis=1) / g
-    bal_default = _balancedness(fresh, load, g)
-    #    A load smoothed over windows (noise below 2) carries less than a window's noise, so the
-    #    current placement (fitted to earlier windows) is judged on it re-drawn with the rest of a
-    #    window's noise (variance 2 - noise): both are then judged at the next window's noise.
-    expected = bal_default
-    bal_cur = _balancedness(cur, load, g)
-    judged = bal_cur
-    if noise_var > 0:
-        z = np.random.default_rng(0x5EED).standard_normal(load.shape)
-        noisy = np.maximum(load + z * np.sqrt(noise_var * load), 0.0)
-        expected = np.minimum(bal_default, _balancedness(fresh, noisy, g))
-        if noise_var < 2.0:
-            judged = np.minimum(bal_cur, _balancedness(cur, np.maximum(load + z * np.sqrt((2.0 - noise_var) * load), 0.0), g))
-    # a layer already as balanced on this load as default's refit has nothing to gain (whatever
-    # the noise draws say); 1e-9: sums in another order differ in the last bits
-    move = (judged < expected - tolerance - 1e-9) & (bal_cur < bal_default - 1e-9)
-    # 4. the layers that moved a little (noise, slow drift) aim at default's balance on this load
-    #    less the tolerance: a layer the gate let through has a gain that beats the noise, and
-    #    stopping at the expected balance plus the tolerance (the aim before) left the next window
-    #    0.014 (mn-1k) / 0.009 (zipf) below default's at 0.5% / 0.3% copies, against 0.008 / 0.006
-    #    at 2.8% / 1.3% now (tune seeds, EP32, smoothed load). Those the load left far behind (hot
-    #    experts moved: more than 5 tolerances short) aim halfway from the expected balance to
-    #    that (aiming all the way there, as fitted to this window as default is, copied 1.4x as
-    #    much on drifting loads and lost next-window balance: the hot set moves on); right after a
-    #    scale (another GPU count), all the way.
-    far = judged < expected - 5.0 * tolerance
-    ceiling = bal_default - tolerance
-    far_aim = ceiling if prev_gpus != g else (expected + ceiling) / 2
-    aim = np.minimum(ceiling, np.where(far, far_aim, ceiling))
-    # the static placement (what an engine starts from) was never fitted to any load: a layer
-    # still on it that has to move takes default's placement (GPUs matched) rather than the
-    # fewest moves, which would leave it fitted to no window (on stationary loads its next
-    # windows trailed a refit's by 0.03-0.04; after that one refit the noise moves little)
-    static = np.arange(p_old) % n
-    refit = move & (prev == static).all(axis=1) if prev_gpus == g else np.zeros(b, dtype=bool)
-    allowed = np.full(b, np.iinfo(np.int64).max // 2 if max_copies is None else int(max_copies), dtype=np.int64)
-    fresh_counts = _counts_of(fresh, n)
+    return prev_gpus
 
-    def settle(start: np.ndarray, aim: np.ndarray, moving: np.ndarray) -> np.ndarray:
-        """The moves towards step 4's aims, then step 6's fallbacks, for the ``moving`` layers of
-        ``start`` (a new array)."""
-        target_peak = np.where(moving & ~refit, mean / np.maximum(aim, 1e-9), np.inf)
-        out = _improve(start.copy(), load, g, target_peak, allowed - _copies_vs(carried, start, g, n), prefer=fresh_counts)
-        # 6. a layer the moves could not even lift to the trigger level: swaps (any pair of GPUs,
-        #    the heaviest first) from where they got stuck, stopping at the aim, kept when they
-        #    reach the trigger level within the budget; failing that, default's placement, its
-        #    GPUs matched to keep the most experts in place, when that is better and fits the budget
-        short = moving & ~refit & (_balancedness(out, load, g) < expected - tolerance)
+
+@dataclass(frozen=True)
+class _MoveGate:
+    """Steps 3 and 4 of ``migration_aware``, per layer (``[B]`` arrays): whether to move, and the aim.
+
+    3. Default's balance on this window is optimistic: it is fitted to this window's noise. With
+       token counts, estimate what default would reach on the next window by re-drawing each count
+       with the spread of the difference of two windows (variance 2 * count); a layer moves only if
+       it is more than ``tolerance`` below that. A load smoothed over windows (noise below 2)
+       carries less than a window's noise, so the current placement (fitted to earlier windows) is
+       judged on it re-drawn with the rest of a window's noise (variance 2 - noise): both are then
+       judged at the next window's noise. A layer already as balanced on this load as default's
+       refit has nothing to gain (whatever the noise draws say); 1e-9: sums in another order differ
+       in the last bits.
+    4. The layers that moved a little (noise, slow drift) aim at default's balance on this load less
+       the tolerance: a layer the gate let through has a gain that beats the noise, and stopping at
+       the expected balance plus the tolerance (the aim before) left the next window 0.014 (mn-1k) /
+       0.009 (zipf) below default's at 0.5% / 0.3% copies, against 0.008 / 0.006 at 2.8% / 1.3% now
+       (tune seeds, EP32, smoothed load). Those the load left far behind (hot experts moved: more
+       than 5 tolerances short) aim halfway from the expected balance to that (aiming all the way
+       there, as fitted to this window as default is, copied 1.4x as much on drifting loads and lost
+       next-window balance: the hot set moves on); right after a scale (another GPU count), all the way.
+    """
+
+    mean: np.ndarray  # mean GPU load
+    expected: np.ndarray  # what default would reach on the next window
+    balanced_now: np.ndarray  # the current placement's balance on this load
+    move: np.ndarray  # bool: the gain beats the noise
+    far: np.ndarray  # bool: more than 5 tolerances short
+    aim: np.ndarray  # the balance a moving layer stops at
+
+    @staticmethod
+    def of(load: np.ndarray, fresh: np.ndarray, cur: np.ndarray, g: int, tolerance: float, noise_var: float, *,
+           same_gpus: bool) -> _MoveGate:
+        bal_default = _balancedness(fresh, load, g)
+        expected = bal_default
+        bal_cur = _balancedness(cur, load, g)
+        judged = bal_cur
+        if noise_var > 0:
+            z = np.random.default_rng(0x5EED).standard_normal(load.shape)
+            noisy = np.maximum(load + z * np.sqrt(noise_var * load), 0.0)
+            expected = np.minimum(bal_default, _balancedness(fresh, noisy, g))
+            if noise_var < 2.0:
+                judged = np.minimum(bal_cur, _balancedness(cur, np.maximum(load + z * np.sqrt((2.0 - noise_var) * load), 0.0), g))
+        move = (judged < expected - tolerance - 1e-9) & (bal_cur < bal_default - 1e-9)
+        far = judged < expected - 5.0 * tolerance
+        ceiling = bal_default - tolerance
+        far_aim = ceiling if not same_gpus else (expected + ceiling) / 2
+        aim = np.minimum(ceiling, np.where(far, far_aim, ceiling))
+        return _MoveGate(load.sum(axis=1) / g, expected, bal_cur, move, far, aim)
+
+
+@dataclass(frozen=True)
+class _Mover:
+    """Steps 5 and 6 of ``migration_aware``: the moves towards the gate's aims, and their fallbacks."""
+
+    load: np.ndarray
+    g: int
+    n: int
+    carried: np.ndarray  # the previous placement on the new GPUs (copies are counted against it)
+    fresh: np.ndarray  # default's placement
+    fresh_counts: np.ndarray  # its replica counts
+    allowed: np.ndarray  # copies allowed per layer
+    gate: _MoveGate
+    refit: np.ndarray  # bool: a layer still on the static placement takes default's
+    tolerance: float
+
+    def _balance(self, placement: np.ndarray, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
+        return _balancedness(placement, self.load[rows], self.g)
+
+    def _copies(self, placement: np.ndarray, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
+        return _copies_vs(self.carried[rows], placement, self.g, self.n)
+
+    def settle(self, start: np.ndarray, moving: np.ndarray) -> np.ndarray:
+        """The moves towards the aims, then step 6's fallbacks, for the ``moving`` layers of
+        ``start`` (a new array).
+
+        6. A layer the moves could not even lift to the trigger level: swaps (any pair of GPUs, the
+           heaviest first) from where they got stuck, stopping at the aim, kept when they reach the
+           trigger level within the budget; failing that, default's placement, its GPUs matched to
+           keep the most experts in place, when that is better and fits the budget.
+        """
+        gate, load, g, low = self.gate, self.load, self.g, self.gate.expected - self.tolerance
+        target_peak = np.where(moving & ~self.refit, gate.mean / np.maximum(gate.aim, 1e-9), np.inf)
+        out = _improve(start.copy(), load, g, target_peak, self.allowed - self._copies(start), prefer=self.fresh_counts)
+        short = moving & ~self.refit & (self._balance(out) < low)
         if short.any():
             rows = np.nonzero(short)[0]
-            swapped = _swapped(out[rows], load[rows], g, aim[rows])
-            ok = (_balancedness(swapped, load[rows], g) >= expected[rows] - tolerance) & (
-                _copies_vs(carried[rows], swapped, g, n) <= allowed[rows]
-            )
+            swapped = _swapped(out[rows], load[rows], g, gate.aim[rows])
+            ok = (self._balance(swapped, rows) >= low[rows]) & (self._copies(swapped, rows) <= self.allowed[rows])
             out[rows[ok]] = swapped[ok]
-        short = (moving & refit) | (moving & (_balancedness(out, load, g) < expected - tolerance))
+        short = (moving & self.refit) | (moving & (self._balance(out) < low))
         if short.any():
             rows = np.nonzero(short)[0]
-            matched = _match_gpus(fresh[rows], carried[rows], g, n)
-            better = (_balancedness(matched, load[rows], g) > _balancedness(out[rows], load[rows], g)) & (
-                _copies_vs(carried[rows], matched, g, n) <= allowed[rows]
+            matched = _match_gpus(self.fresh[rows], self.carried[rows], g, self.n)
+            better = (self._balance(matched, rows) > self._balance(out[rows], rows)) & (
+                self._copies(matched, rows) <= self.allowed[rows]
             )
             out[rows[better]] = matched[better]
         return out
 
-    # 5. a far layer (same GPU count) first takes default's replica counts, by replace moves
-    #    (one copy each; eplb._compiled.take_counts), then moves as above. On a drifting load the
-    #    next window's balance follows the replica counts more than the packing: counts inherited
-    #    from earlier windows split the load of a hot set that has moved on. Kept where it ends at
-    #    the trigger level, at least as balanced as staying and within the budget, at no more than
-    #    _RECOUNT_COPIES times the copies of moving without it; otherwise the layer moves from
-    #    where it was.
-    recounted = far & move & ~refit if prev_gpus == g else np.zeros(b, dtype=bool)
-    if not recounted.any():
-        return settle(cur, aim, move)
-    start = cur.copy()
-    rows = np.nonzero(recounted)[0]
-    slot_expert = start[rows].reshape(rows.size, g, s)
-    _compiled.take_counts(slot_expert, load[rows], fresh_counts[rows])
-    start[rows] = slot_expert.reshape(rows.size, -1)
-    out = settle(start, aim, move)
-    plain = settle(cur, aim, recounted)
-    bal_out, copies = _balancedness(out, load, g), _copies_vs(carried, out, g, n)
-    worse = (bal_out < bal_cur) | (bal_out < expected - tolerance) | (copies > allowed)
-    dearer = copies > _RECOUNT_COPIES * _copies_vs(carried, plain, g, n)
-    back = recounted & (worse | dearer)
-    out[back] = plain[back]
-    return out
-
+    def recount(self, cur: np.ndarray, recounted: np.ndarray, bal_cur: np.ndarray) -> np.ndarray:
+        """5. The ``recounted`` layers first take default's replica counts, by replace moves (one copy
+        each; eplb._compiled.take_counts), then every moving layer settles. On a drifting load the next
+        window's balance follows the replica counts more than the packing: counts inherited from
+        earlier windows split the load of a hot set that has moved on. Kept where it ends at the
+        trigger level, at least as balanced as staying and within the budget, at no more than
+        _RECOUNT_COPIES times the copies of moving without it; otherwise the layer moves from where it was.
+        """
+        start = cur.copy()
+        rows = np.nonzero(recounted)[0]
+        slot_expert = start[rows].reshape(rows.size, self.g, -1)
+        _compiled.take_counts(slot_expert, self.load[rows], self.fresh_counts[rows])
+        start[rows] = slot_expert.reshape(rows.size, -1)
+        out = self.settle(start, self.gate.move)
+        plain = self.settle(cur, recounted)
+        bal_out, copies = self._balance(out), self._copies(out)
+        worse = (bal_out < bal_cur) | (bal_out < self.gate.expected - self.tolerance) | (copies > self.allowed)
+        dearer = copies > _RECOUNT_COPIES * self._copies(plain)
+        back = recounted & (worse | dearer)
+        out[back] = plain[back]
+        return out
 
 def _noise_variance(noise: str | float, floating: bool) -> float:
     """``migration_aware``'s ``noise`` option -> variance of (next window - load) per unit of load:

@@ -43,7 +43,7 @@ Contents = list[list[int]]  # [layer][local slot] -> expert id
 
 
 def digest(placement: Placement) -> str:
-    """Same digest as :func:`elastic.worker.process.placement_digest`."""
+    """Same digest as :func:`elastic.worker.reports.placement_digest`."""
     return hashlib.blake2b(placement.physical_to_logical.numpy().tobytes(), digest_size=8).hexdigest()
 
 
@@ -314,7 +314,7 @@ class FakeWorker:
         except Exception as exc:  # noqa: BLE001 - like worker_main: the coordinator hears of every death
             try:
                 self.report(p.WorkerError, step=self.step, where="worker", error_type=type(exc).__name__,
-                            message=str(exc), fatal=True)
+                            message=str(exc))
             except WorkerDied:
                 pass
 
@@ -377,7 +377,7 @@ class FakeWorker:
     def _enter_broken(self, exc: BaseException) -> None:
         self.broken = True
         self.report(p.WorkerError, step=self.step, where="decode", error_type=type(exc).__name__,
-                    message=str(exc), fatal=False, seq=self.executed_seq)
+                    message=str(exc), seq=self.executed_seq)
         self.launcher.abort(self.generation)  # the EPLB thread's transfer fails with the group
         with self.launcher.lock:
             self.transfer_in_flight = None
@@ -385,7 +385,7 @@ class FakeWorker:
 
     def _execute(self, command: p.Command) -> None:
         if self.broken and not isinstance(command, (p.Rescale, p.Shutdown)):
-            self.report(p.WorkerError, step=self.step, where="broken", error_type="Refused", fatal=False,
+            self.report(p.WorkerError, step=self.step, where="broken", error_type="Refused",
                         message=f"{type(command).__name__} refused: the group is broken, only a rescale or shutdown can follow")
             return
         try:

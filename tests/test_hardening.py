@@ -36,7 +36,8 @@ def _until(predicate, timeout: float, what: str) -> None:
 
 def _eplb(c: Coordinator, key: str) -> list:
     """``key`` of every live rank's EPLB statistics (from decode heartbeats; busy ones carry none)."""
-    values = [w.heartbeat.eplb[key] for w in c.live_workers() if w.heartbeat is not None and key in w.heartbeat.eplb]
+    values = [getattr(w.heartbeat.eplb, key) for w in c.live_workers()
+              if w.heartbeat is not None and w.heartbeat.eplb is not None]
     return values if len(values) == len(c.live_workers()) else [0]
 
 
@@ -153,7 +154,7 @@ def test_a_scale_that_fails_while_the_group_is_healthy_halts_eplb_and_recovers_a
         assert op.status == OperationStatus.FAILED and "did not finish draining" in op.error, op.error
         assert c.machine.state.value == "failed"
         _until(lambda: {str(w.heartbeat.state) for w in c.live_workers()} == {"halted"}
-               and all("rebalances_started" in w.heartbeat.eplb for w in c.live_workers()), 20,
+               and all(w.heartbeat.eplb is not None for w in c.live_workers()), 20,
                "every rank halted and decoding (its decode heartbeats carry the EPLB statistics)")
         started = max(_eplb(c, "rebalances_started"))
         step = c.snapshot()["step"]
@@ -261,7 +262,7 @@ def test_an_old_error_from_a_worker_with_a_fast_clock_does_not_fail_a_new_comman
         # an error the worker reported before the next command was taken up, stamped by a clock
         # an hour ahead of this host's
         c._file(p.WorkerError(rank=w.rank, generation=w.generation, pid=w.handle.pid, at=time.time() + 3600,
-                              step=1, where="decode", error_type="Skewed", message="old news", fatal=False,
+                              step=1, where="decode", error_type="Skewed", message="old news",
                               seq=0))
         verdict = c.verify(timeout=30)
         assert sorted(verdict) == [0, 1]
@@ -352,15 +353,15 @@ def test_a_worker_whose_eplb_thread_does_not_stop_leaves_without_destroying_the_
 
     destroyed = []
     worker = Worker.__new__(Worker)  # the teardown alone: no process group is needed to decide it
-    worker.stopping, worker.rank, worker.spec = True, 0, SimpleNamespace(collective_timeout_s=0.1)
+    worker.ctx = SimpleNamespace(stopping=True, rank=0, spec=SimpleNamespace(collective_timeout_s=0.1),
+                                 eplb_if_any=SimpleNamespace(stop_worker=lambda timeout: False),
+                                 group=SimpleNamespace(destroy=lambda: destroyed.append("group")),
+                                 comm=SimpleNamespace(close=lambda: destroyed.append("comm")))
     worker.start = lambda: None
     worker.step_watch = StepWatch(lambda waited: None, interval_s=0.1, bound_s=1.0)
-    worker.eplb = SimpleNamespace(stop_worker=lambda timeout: False)
-    worker.group = SimpleNamespace(destroy=lambda: destroyed.append("group"))
-    worker.comm = SimpleNamespace(close=lambda: destroyed.append("comm"))
     worker.run()
     assert destroyed == []
-    worker.eplb = SimpleNamespace(stop_worker=lambda timeout: True)
+    worker.ctx.eplb_if_any = SimpleNamespace(stop_worker=lambda timeout: True)
     worker.run()
     assert destroyed == ["group", "comm"]
 

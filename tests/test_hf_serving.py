@@ -36,7 +36,7 @@ def hf_config(architecture: str, **overrides) -> DeploymentConfig:
 
 
 def committed(c: Coordinator) -> int:
-    return max((w.heartbeat.eplb.get("layers_committed", 0) for w in c.live_workers() if w.heartbeat), default=0)
+    return max((w.heartbeat.eplb.layers_committed for w in c.live_workers() if w.heartbeat and w.heartbeat.eplb), default=0)
 
 
 @pytest.mark.timeout(180)

@@ -19,6 +19,7 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from elastic.core import protocol as p
 from elastic.service.metrics import CoordinatorCollector, OperationRecorder, ServingMetrics
 from eplb.config import EPLBConfig
 from eplb.placement import Placement
@@ -203,7 +204,7 @@ def test_the_recorder_times_rebalances_from_rank_0():
 
 def test_the_collector_exports_the_distribution_and_the_outcomes():
     def beat(rank: int, **eplb) -> SimpleNamespace:
-        return SimpleNamespace(rank=rank, rank_load=1.0, step_seconds=0.01, eplb=eplb)
+        return SimpleNamespace(rank=rank, rank_load=1.0, step_seconds=0.01, eplb=p.EPLBReport(**eplb))
 
     beats = [beat(0, rebalances_started=3, rebalances_finished=2, rebalances_failed=1, rebalances_skipped=4,
                   balancedness_before=0.7),
@@ -341,12 +342,12 @@ def test_min_balancedness_skips_on_every_rank_and_counts_it():
         # a few 4-step intervals, so wait until every rank has reported two skips of its own
         deadline = time.monotonic() + 30
         while True:
-            beats = [w.heartbeat.eplb for w in c.live_workers() if w.heartbeat is not None]
-            if len(beats) == 2 and all(b["rebalances_skipped"] >= 2 for b in beats) or time.monotonic() > deadline:
+            beats = [w.heartbeat.eplb for w in c.live_workers() if w.heartbeat is not None and w.heartbeat.eplb]
+            if len(beats) == 2 and all(b.rebalances_skipped >= 2 for b in beats) or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        assert len(beats) == 2 and all(b["rebalances_skipped"] >= 2 for b in beats), beats
-        assert all(b["rebalances_started"] == 0 for b in beats), beats
+        assert len(beats) == 2 and all(b.rebalances_skipped >= 2 for b in beats), beats
+        assert all(b.rebalances_started == 0 for b in beats), beats
         # an operator's rebalance is never skipped
         assert c.rebalance() is not False
         _, _, m = wait_for(client, lambda m: m.get("elastic_ep_eplb_rebalances_total{outcome=finished}", 0) >= 1,

@@ -6,7 +6,7 @@ import torch
 
 from elastic.core.protocol import RequestSpec
 from elastic.core.sampling import adjusted_logits, filtered_probs, neutral, sample
-from elastic.serving.batch import choose
+from elastic.worker.batch import choose
 
 
 def spec(**fields) -> RequestSpec:

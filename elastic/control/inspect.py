@@ -69,7 +69,7 @@ def snapshot_of(machine: ScaleMachine, registry: WorkerRegistry, layout: GroupLa
     Caller holds the registry's lock."""
     live = registry.live_workers()
     beats = [w.heartbeat for w in live if w.heartbeat is not None]
-    eplb = [b.eplb for b in beats]
+    eplb = [b.eplb.as_dict() for b in beats if b.eplb is not None]  # busy and waiting heartbeats carry none
     return {
         "state": machine.state.value,
         "generation": machine.generation,

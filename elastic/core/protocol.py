@@ -50,7 +50,7 @@ class Drain(Command):
 class RescaleSpec:
     """What one rescale means, the same value in its :class:`Prepare`, the :class:`Suppress`
     that announces it and the :class:`Rescale` itself (a worker plans from it alone,
-    :func:`elastic.worker.rescale.plan_rescale`).
+    :func:`elastic.worker.rescale_plan.plan_rescale`).
 
     ``mapping[old_rank]`` is the new rank, or -1 for a rank that leaves; ``lost`` are old ranks
     whose weights are gone (dead processes): they take no part and their experts are copied
@@ -249,6 +249,45 @@ class Report:
 
 
 @dataclass(frozen=True)
+class EPLBFailure:
+    """The last failed rebalance on a rank (``layer`` None: it failed before its first layer)."""
+
+    layer: int | None
+    error_type: str
+    message: str
+
+
+@dataclass(frozen=True)
+class EPLBReport:
+    """A rank's EPLB statistics as its heartbeat carries them (a frozen copy of
+    :class:`eplb.state.EPLBStats`, made by :func:`elastic.worker.reports.eplb_report`)."""
+
+    rebalances_started: int = 0
+    rebalances_finished: int = 0
+    rebalances_failed: int = 0
+    rebalances_skipped: int = 0  # scheduled rebalances skipped: the window was above min_balancedness
+    layers_committed: int = 0
+    bytes_moved: int = 0
+    watchdog_stalls: int = 0
+    restarts: int = 0  # async runs rebuilt after a failure
+    last_balancedness: float = 1.0
+    balancedness_before: float | None = None  # window balancedness under the old placement
+    #: min / p50 / p90 / mean over layers of the last recorded step's balancedness
+    layer_balancedness: dict[str, float] | None = None
+    last_rebalance_seconds: float | None = None
+    last_failure: EPLBFailure | None = None
+    placement_seconds: float = 0.0
+    #: the decode loop's stall of every sync rebalance so far on this rank, in order
+    sync_stall_seconds: tuple[float, ...] = ()
+    health: str = "healthy"  # or "degraded": the async EPLB could not be rebuilt, no rebalance commits
+    last_error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as plain data (the failure as a dict), as snapshots and metrics read them."""
+        return _plain(dataclasses.asdict(self))
+
+
+@dataclass(frozen=True)
 class Heartbeat(Report):
     step: int = 0
     step_seconds: float = 0.0
@@ -258,7 +297,7 @@ class Heartbeat(Report):
     #: a long preparation's progress: (what, done, total), e.g. ("loading weights", 3, 48)
     progress: tuple[str, int, int] | None = None
     in_flight_layer: int | None = None
-    eplb: dict[str, Any] = field(default_factory=dict)
+    eplb: EPLBReport | None = None  # None: a busy or waiting heartbeat (no decode step's statistics)
     rank_load: float = 0.0
     requests: int = 0  # completion requests in this rank's batch
     # per decode step since the last heartbeat: (step, monotonic end time, wall and CPU seconds
@@ -485,5 +524,4 @@ class WorkerError(Report):
     error_type: str = ""
     message: str = ""
     traceback: str = ""
-    fatal: bool = True
     seq: int = 0  # the last command the worker had taken up when it failed

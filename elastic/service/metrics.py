@@ -27,6 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from elastic.control.plane import ControlPlane
+from elastic.core import protocol as p
 from elastic.core.machine import Phase
 
 __all__ = ["CoordinatorCollector", "OperationRecorder", "RequestTimer", "ServingMetrics", "build_registry", "PREFIX"]
@@ -131,7 +132,7 @@ class CoordinatorCollector(Collector):
             if check.get("enabled"):
                 output_checks.add_metric([], check.get("checks") or 0)
                 output_mismatch.add_metric([], check.get("mismatches") or 0)
-            stats = [b.eplb for b in beats if isinstance(getattr(b, "eplb", None), dict)]
+            stats = [b.eplb.as_dict() for b in beats if isinstance(getattr(b, "eplb", None), p.EPLBReport)]
             for outcome in REBALANCE_OUTCOMES:
                 outcomes.add_metric([outcome], max((e.get(f"rebalances_{outcome}") or 0 for e in stats), default=0))
             summary = snap.get("eplb_layer_balancedness") or {}

@@ -30,10 +30,6 @@ from torch.distributed import distributed_c10d
 log = logging.getLogger("elastic.worker.groups")
 
 
-def backend_for(device: str) -> str:
-    return "nccl" if device == "cuda" else "gloo"
-
-
 def host_identity() -> str:
     """The name of the host this process runs on: ``ELASTIC_EP_HOST`` (launchers set it), else the hostname."""
     return os.environ.get("ELASTIC_EP_HOST") or socket.gethostname()
