@@ -232,10 +232,10 @@ def serve(ctx: typer.Context) -> None:
 
     elastic-ep serve --help shows its options.
     """
-    # the command itself is defined next to the app (elastic.service.api.register_cli); importing it here
+    # the command itself is defined with the server (elastic.service.server.register_cli); importing it here
     # would import torch and FastAPI for every command, and validate refuses a bad file without them
     try:
-        from elastic.service.api import register_cli
+        from elastic.service.server import register_cli
     except ModuleNotFoundError as exc:  # the API's dependencies (fastapi, uvicorn) are not installed
         _console(stderr=True).print(f"[red]error[/] serve needs the API's dependencies: {escape(str(exc))}")
         raise typer.Exit(EXIT_INVALID) from None

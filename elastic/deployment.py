@@ -139,7 +139,7 @@ class DeploymentConfig(BaseModel):
     heartbeat_s: float = Field(0.1, gt=0, description="how often each worker reports")
     step_delay_s: float = Field(0.0, ge=0, description="sleep after each decode step (pacing a replay)")
     auto_recover: bool = Field(False, description="after a failure, recover with the living workers without waiting for an operator")
-    max_auto_recoveries: int = Field(3, ge=0, description="give up auto-recovery after this many attempts")
+    max_auto_recoveries: int = Field(3, ge=0, description="auto-recovery attempts per incident (a success resets the count)")
     replace_lost: bool = Field(False, description="after a recovery that shrank the group, scale back to the size "
                                "it had (when the launcher has capacity)")
     operation_history: int = Field(100, ge=1, le=100_000, description="finished operations (and per-command "

@@ -125,7 +125,7 @@ def test_a_bad_placement_file_is_refused_before_any_worker_starts(tmp_path, monk
 
     started = []
     monkeypatch.setattr(coordinator_module.Coordinator, "start", lambda self: started.append(self))
-    monkeypatch.setattr("elastic.service.api.serve", lambda *a, **k: started.append(a))
+    monkeypatch.setattr("elastic.service.server.serve", lambda *a, **k: started.append(a))
     change, expected = BAD_FILES[case]
     path = _write(tmp_path / "placement.json", change(_document()))
     config = tmp_path / "serve.yaml"
@@ -142,7 +142,7 @@ def test_a_bad_placement_file_is_refused_before_any_worker_starts(tmp_path, monk
 
 def test_serve_takes_the_file_on_the_command_line(tmp_path, monkeypatch):
     served = []
-    monkeypatch.setattr("elastic.service.api.serve", lambda config, *a, **k: served.append(config))
+    monkeypatch.setattr("elastic.service.server.serve", lambda config, *a, **k: served.append(config))
     bad = _write(tmp_path / "bad.json", _no_replica(_document()))
     result = run_cli("serve", "--num-experts", "8", "--initial-placement", str(bad))  # the default deployment: 4 layers
     assert result.exit_code == 2 and "logical expert 3 has no replica" in result.output, result.output

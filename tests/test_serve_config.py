@@ -8,7 +8,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-import elastic.service.api
+import elastic.service.server
 from elastic.deployment import DEFAULT_DEPLOYMENT
 from elastic.service.api import DEFAULT_SOURCE, load_serve_config, register_cli
 
@@ -36,7 +36,7 @@ def test_every_example_deployment_passes_its_preflight(path):
 def served(monkeypatch):
     """The serve command with ``serve()`` replaced: what it would run, nothing started."""
     calls: list[dict] = []
-    monkeypatch.setattr(elastic.service.api, "serve", lambda config, host, port, **kwargs: calls.append(
+    monkeypatch.setattr(elastic.service.server, "serve", lambda config, host, port, **kwargs: calls.append(
         {"config": config, "host": host, "port": port, **kwargs}))
     app = typer.Typer()
     register_cli(app)

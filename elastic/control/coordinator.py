@@ -27,6 +27,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from elastic.control.budget import RecoveryBudget
 from elastic.control.events import (
     Event,
     EventHub,
@@ -60,7 +61,7 @@ from elastic.core.machine import ScaleMachine, Trigger
 from elastic.core.phases import SERVING_PHASES, OperationKind, OperationStage, Phase
 from elastic.deployment import DeploymentConfig
 from elastic.launch.factory import make_launcher
-from elastic.launch.launchers import Launcher, plan_mapping
+from elastic.launch.launchers import Launcher, note_lost_worker, plan_mapping
 from elastic.worker.groups import open_store
 from eplb.algorithm import warm_up
 from eplb.models.config import HFModelConfig
@@ -101,7 +102,7 @@ class Coordinator:
             clock=self.clock, launch_joining=self._launch_joining, store=lambda: self._store, emit=self.hub.emit,
             layout_for=lambda old, size, target: plan_mapping(self.launcher, [w.handle for w in old], size, target),
             on_finished=self._on_finished, after_success=self._maybe_replace_lost, before_scale=self.before_scale)
-        self.auto_recoveries = 0
+        self.recovery_budget = RecoveryBudget(config.max_auto_recoveries)  # per incident (elastic.control.budget)
         self._auto_recovering = False
         self._threads: list[threading.Thread] = []
         self._initial_rows: tuple[tuple[int, ...], ...] | None = None  # eplb.initial_placement's, set at start
@@ -264,6 +265,7 @@ class Coordinator:
         for w in lost:  # logged in every state: one lost while failed is left out of the recovery
             log.warning("worker rank %d (pid %d, generation %d) lost in %s: %s", w.rank, w.pid,
                         w.generation, self.machine.state.value, w.lost_reason)
+            note_lost_worker(self.launcher, w.handle)  # its host is left out until seen again
         if lost and self.machine.state != Phase.FAILED:
             reason = "; ".join(f"rank {w.rank} (pid {w.pid}) {w.lost_reason}" for w in lost)
             self._fail_machine(f"worker lost: {reason}")
@@ -291,14 +293,14 @@ class Coordinator:
         with self._lock:
             if self.book.busy() is not None:
                 return
-            if self._auto_recovering or self.auto_recoveries >= self.config.max_auto_recoveries:
+            if self._auto_recovering or not self.recovery_budget.spend():
                 return
-            self.auto_recoveries += 1
             self._auto_recovering = True
 
         def attempt() -> None:
             try:
-                self.recover(wait=True)
+                if self.recover(wait=True).status == OperationStatus.SUCCEEDED:
+                    self.recovery_budget.recovered()
             except ElasticError as exc:
                 log.warning("auto-recovery refused: %s", exc)
             finally:
@@ -318,13 +320,18 @@ class Coordinator:
             self.registry.broadcast(command, **fields)
         return True
 
+    @property
+    def auto_recoveries(self) -> int:
+        """Automatic recoveries tried over the deployment's life (the budget is per incident)."""
+        return self.recovery_budget.total
+
     def serving_health(self) -> str:
         state = self.machine.state
         if state in SERVING_PHASES:
             return "ok"
         if state != Phase.FAILED or self.book.busy() is not None:
             return "paused"  # a scale or a recovery is replacing the group
-        if self._auto_recovering or (self.config.auto_recover and self.auto_recoveries < self.config.max_auto_recoveries):
+        if self._auto_recovering or (self.config.auto_recover and self.recovery_budget.left()):
             return "failed"  # a recovery is coming
         return "down"
 

@@ -29,6 +29,7 @@ import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import queue
+import select
 import signal
 import subprocess
 import sys
@@ -83,11 +84,20 @@ class Launcher(Protocol):
 
 @dataclass
 class LocalWorker:
+    """A worker process forked by the forkserver.
+
+    Its liveness is read from a pidfd of the worker itself, not from the forkserver's status
+    pipe: if the forkserver dies (a launch that failed half-way for lack of descriptors made it
+    exit), ``multiprocessing`` reports every one of its children dead with exit code 255,
+    although the workers (which no longer die with it) go on serving.
+    """
+
     rank: int
     inbox: Any
     process: mp.process.BaseProcess
     host: str = "localhost"
     outbox: Any = None  # its reports' queue (read through WorkerReports)
+    pidfd: int | None = None  # readable once the worker has exited (None: no pidfd here)
 
     @property
     def pid(self) -> int:
@@ -95,24 +105,44 @@ class LocalWorker:
         assert pid is not None  # LocalLauncher.launch starts the process before it makes its LocalWorker
         return pid
 
+    def _exited(self, timeout: float) -> bool:
+        if self.pidfd is None:
+            self.process.join(timeout)
+            return not self.process.is_alive()
+        ready, _, _ = select.select([self.pidfd], [], [], max(0.0, timeout))
+        return bool(ready)
+
     def is_alive(self) -> bool:
-        return self.process.is_alive()
+        return not self._exited(0.0)
 
     def join(self, timeout: float) -> bool:
-        self.process.join(timeout)
-        return not self.process.is_alive()
+        return self._exited(timeout)
 
     def kill(self) -> None:
-        if self.process.is_alive():
+        if self.is_alive():
             try:
                 os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:  # it died (and was reaped by the forkserver) since is_alive()
                 pass
-            self.process.join(5)
+            self._exited(5)
 
     def stall(self) -> None:
         """Freeze the process (SIGSTOP): alive but not answering. For fault injection."""
         os.kill(self.pid, signal.SIGSTOP)
+
+    def release(self) -> None:
+        """Close what this process holds for the worker (its pidfd)."""
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+
+def _pidfd(pid: int) -> int | None:
+    """A pidfd of ``pid`` (Linux 5.3+), or None where there is none."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
 
 
 class WorkerReports:
@@ -201,15 +231,24 @@ class LocalLauncher:
         return self._reports
 
     def launch(self, spec: WorkerSpec) -> LocalWorker:
+        """Start a worker. A launch that fails (``EMFILE``, ``ENOMEM``) raises and leaves nothing
+        behind: its queues are closed, the running workers are untouched (they do not depend on the
+        forkserver), and a forkserver that died of it is started again by the next launch."""
         inbox, outbox = self._ctx.Queue(), self._ctx.Queue()
         process = self._ctx.Process(target=worker_main, args=(spec, inbox, outbox),
                                     name=f"ep-worker-g{spec.generation}-r{spec.rank}", daemon=True)
-        process.start()
+        try:
+            process.start()
+        except BaseException:
+            for q in (inbox, outbox):
+                q.cancel_join_thread()
+                q.close()
+            raise
         # the worker holds the write end now: without this process's copy, a worker that dies
         # mid-write gives its reader EOF instead of a read that waits for the rest forever
         outbox._writer.close()  # type: ignore[attr-defined]  # multiprocessing.Queue keeps its ends private
         self._reports.add(outbox)
-        worker = LocalWorker(spec.rank, inbox, process, outbox=outbox)
+        worker = LocalWorker(spec.rank, inbox, process, outbox=outbox, pidfd=_pidfd(process.pid or 0))
         self._workers.append(worker)
         return worker
 
@@ -222,11 +261,16 @@ class LocalLauncher:
         handle.inbox.close()
         if handle.outbox is not None:
             self._reports.remove(handle.outbox)
-        handle.process.close()
+        handle.release()
+        try:
+            handle.process.close()
+        except ValueError:  # the forkserver has not passed its exit status on yet: the GC closes it
+            pass
 
     def shutdown(self) -> None:
         for worker in self._workers:
             worker.kill()
+            worker.release()
         self._workers.clear()
         self._reports.close()
 
@@ -375,19 +419,26 @@ class StoreChannelLauncher:
             pass
 
     def forget(self, handle: Any) -> None:
-        """The worker has exited and the coordinator is done with it: drop its handle and its
-        keys in the store (launch record, inbox, kill flag)."""
-        from elastic.launch.remote_worker import worker_prefix
+        """The coordinator is done with the worker: drop its handle and its keys in the store
+        (launch record, inbox), all but its kill key, which is set and stays.
+
+        "Done" means its handle ended, not that the process did: a worker cut off by a network
+        partition is still running on its host, and once the partition heals it reads the store
+        again. Its kill key is the only thing that tells it to leave then; deleting it with the
+        record stranded such workers for good. A kill key is a few bytes per retired worker.
+        """
+        from elastic.launch.remote_worker import kill_key, worker_prefix
 
         if handle in self._workers:
             self._workers.remove(handle)
         store = self._store
         if store is None:
             return
-        prefix = worker_prefix(handle.worker_id)
+        prefix, kill = worker_prefix(handle.worker_id), kill_key(handle.worker_id)
         try:
+            store.set(kill, "1")
             for key in store.list_keys():
-                if key.startswith(prefix):
+                if key.startswith(prefix) and key != kill:
                     store.delete_key(key)
         except Exception:  # noqa: BLE001 - the store is going away: nothing left to clean
             pass
@@ -435,15 +486,78 @@ class CommandWorker:
                 pass
 
 
+def live_hosts(hosts: Sequence[tuple[str, int | None]], lost: set[str] | frozenset[str]) -> list[tuple[str, int | None]]:
+    """The hosts a layout may use: every one not lost. Refuses (``ValueError``) when none is left."""
+    live = [h for h in hosts if h[0] not in lost]
+    if not live:
+        raise ValueError(f"every host is lost ({', '.join(sorted(lost))}): no host to place a worker on until "
+                         "one is reachable again")
+    return live
+
+
+def note_lost_worker(launcher: Any, handle: Any) -> None:
+    """Tell a launcher that chooses hosts that ``handle``'s worker was lost (its host may be gone)."""
+    mark = getattr(launcher, "host_lost", None)
+    host = getattr(handle, "host", None)
+    if mark is not None and host is not None:
+        mark(host)
+
+
 class CommandLauncher(StoreChannelLauncher):
-    """Each worker a process from ``options.template``, on ``options.hosts`` (filled evenly)."""
+    """Each worker a process from ``options.template``, on ``options.hosts`` (filled evenly).
+
+    A host whose worker was lost is *lost* (:meth:`host_lost`): layouts leave it out, so a
+    recovery's fresh ranks go where capacity is alive, until the host is seen again. It is seen
+    again when a probe succeeds: before a layout, every lost host not probed in the last
+    ``PROBE_EVERY_S`` is probed by running the command template with ``--probe`` appended (the
+    worker's command line then only connects to the coordinator's store and exits 0); a host that
+    answers is back at once."""
+
+    PROBE_EVERY_S = 5.0
+    PROBE_TIMEOUT_S = 5.0
 
     def __init__(self, options: LauncherConfig, capacity: int):
         super().__init__(options, capacity)
         self._planned: dict[int, str] = {}
+        self.lost: set[str] = set()
+        self._probed: dict[str, float] = {}  # host -> when it was last probed (monotonic)
+
+    def host_lost(self, host: str) -> None:
+        if host not in self.lost and any(h.name == host for h in self.options.hosts):
+            log.warning("host %s lost a worker: no new worker goes there until a probe reaches it", host)
+            self.lost.add(host)
+            self._probed.pop(host, None)
+
+    def _probe(self, host: Any) -> bool:
+        if self._address is None:
+            return True  # nothing launched yet, so nothing was lost through this store
+        store_host, store_port = self._address
+        fields = dict(host=host.name, store=_store_address(store_host, store_port), store_host=store_host,
+                      store_port=store_port, worker_id=0, python=sys.executable)
+        argv = [arg.format(**fields) for arg in self.options.template] + ["--probe"]
+        try:
+            done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=self.PROBE_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            log.info("probe of host %s: %s", host.name, exc)
+            return False
+        if done.returncode != 0:
+            log.info("probe of host %s exited %d: %s", host.name, done.returncode,
+                     done.stderr.decode(errors="replace").strip()[-300:])
+        return done.returncode == 0
+
+    def _seen_again(self) -> None:
+        now = time.monotonic()
+        for host in self.options.hosts:
+            if host.name in self.lost and now - self._probed.get(host.name, -1e9) >= self.PROBE_EVERY_S:
+                self._probed[host.name] = now
+                if self._probe(host):
+                    log.info("host %s answered its probe: it takes workers again", host.name)
+                    self.lost.discard(host.name)
 
     def layout(self, size: int) -> list[str]:
-        return balanced_layout([(h.name, h.slots) for h in self.options.hosts], size)
+        if self.lost:
+            self._seen_again()
+        return balanced_layout(live_hosts([(h.name, h.slots) for h in self.options.hosts], self.lost), size)
 
     def plan_resize(self, hosts: Sequence[str], new_size: int) -> RankMapping:
         mapping, joining = plan_resize(hosts, new_size, self.layout(new_size))

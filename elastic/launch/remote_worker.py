@@ -128,6 +128,22 @@ def serve(store_host: str, store_port: int, worker_id: int, *, connect_timeout_s
         stop.set()
 
 
+def probe(store_host: str, store_port: int, timeout_s: float) -> int:
+    """0 when the coordinator's store answers a TCP connect from here within ``timeout_s``, else 1.
+
+    A launcher runs its command template with ``--probe`` to see whether a host it lost is back:
+    the same command, the same network path as a worker's, and no torch import (a fraction of a
+    second)."""
+    import socket
+
+    try:
+        with socket.create_connection((store_host, store_port), timeout=timeout_s):
+            return 0
+    except OSError as exc:
+        log.warning("probe: the store at %s:%d is unreachable: %s", store_host, store_port, exc)
+        return 1
+
+
 def _split_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or not host:
@@ -142,8 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to reach the store")
     parser.add_argument("--orphan-timeout", type=float, default=60.0,
                         help="exit when the store has been unreachable this long")
+    parser.add_argument("--probe", action="store_true",
+                        help="only check that the store is reachable from here (exit 0) and leave")
     args = parser.parse_args(argv)
     host, port = args.store
+    if args.probe:
+        return probe(host, port, min(args.connect_timeout, 3.0))
     return serve(host, port, args.worker_id, connect_timeout_s=args.connect_timeout,
                  orphan_timeout_s=args.orphan_timeout)
 

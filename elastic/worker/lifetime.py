@@ -7,17 +7,19 @@ reparented and stays up as long as any worker holds its "alive" pipe, and the wo
 decoding. Two mechanisms close that gap, both started by :func:`watch_coordinator` from
 :func:`elastic.worker.process.worker_main`:
 
-- **A watcher thread** checks every ``interval_s`` that the coordinator's pid is still an
-  ancestor of this process (``/proc/<pid>/stat``, parent by parent). A dead coordinator's
-  children are reparented, so it drops out of the chain at once, and a reused pid can never
-  re-enter it. The process then exits with :data:`ORPHAN_EXIT_CODE`. This covers every worker
-  that descends from the coordinator: forkserver workers, command-launcher workers started
-  here (``ip netns exec``, a plain ``python``), and Ray actors of a cluster that ``ray.init``
-  started from the coordinator.
-- **A parent-death signal** (``prctl(PR_SET_PDEATHSIG, SIGKILL)``, Linux): set only when the
-  parent is the forkserver, so a killed forkserver takes its workers along at once. It is not set
-  when the parent is the coordinator itself: the signal fires when the *thread* that forked the
-  child ends, and the coordinator launches joining workers from short-lived operation threads.
+- **A watcher thread** waits on a *pidfd* of the coordinator (Linux 5.3+), opened while the
+  coordinator is still an ancestor of this process, so it names the right process however pids
+  are reused later; the pidfd turns readable the moment the coordinator exits, and the worker
+  exits with :data:`ORPHAN_EXIT_CODE`. Without pidfds it checks every ``interval_s`` that the
+  coordinator's pid is still an ancestor (``/proc/<pid>/stat``, parent by parent). This covers
+  every worker that descends from the coordinator: forkserver workers, command-launcher workers
+  started here (``ip netns exec``, a plain ``python``), and Ray actors of a cluster that
+  ``ray.init`` started from the coordinator.
+- **No parent-death signal.** A worker's parent is the forkserver, and the forkserver can die
+  while the coordinator lives: a launch that fails half-way (``EMFILE`` between its connect and
+  its send) makes it exit. A parent-death signal, or a watch of the ancestry, then took every
+  worker with it, and nothing was left to recover from. With the pidfd watch the workers outlive
+  the forkserver, and the launcher's next launch starts a new one.
 
 A worker on another host (ssh) or in a Ray actor on a cluster started apart (``ray start``) does
 not descend from the coordinator. Its watch is the store's (:mod:`elastic.launch.remote_worker`: it
@@ -32,6 +34,7 @@ import ctypes
 import logging
 import multiprocessing
 import os
+import select
 import signal
 import sys
 import threading
@@ -88,15 +91,29 @@ class CoordinatorWatch:
     def __init__(self, coordinator_pid: int, interval_s: float):
         self.coordinator_pid = coordinator_pid
         self.interval_s = interval_s
+        self.pidfd: int | None = None
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="coordinator-watch", daemon=True)
 
     def coordinator_alive(self) -> bool:
+        if self.pidfd is not None:
+            return not select.select([self.pidfd], [], [], 0)[0]
         return self.coordinator_pid in ancestors()
 
+    def open_pidfd(self) -> None:
+        """Hold a pidfd of the coordinator (call while it is known to be an ancestor)."""
+        try:
+            self.pidfd = os.pidfd_open(self.coordinator_pid)
+        except (AttributeError, OSError):
+            self.pidfd = None  # an older kernel: the ancestry is checked instead
+
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            if not self.coordinator_alive():
+        while not self._stop.is_set():
+            if self.pidfd is not None:
+                gone = bool(select.select([self.pidfd], [], [], self.interval_s)[0])
+            else:
+                gone = self._stop.wait(self.interval_s) is False and not self.coordinator_alive()
+            if gone and not self._stop.is_set():
                 log.warning("worker %d: coordinator %d is gone, exiting", os.getpid(), self.coordinator_pid)
                 logging.shutdown()
                 os._exit(ORPHAN_EXIT_CODE)  # nothing to hand back: the group's store died with the coordinator
@@ -117,9 +134,6 @@ def watch_coordinator(coordinator_pid: int | None, *, interval_s: float = 0.25) 
         return None
     parent = multiprocessing.parent_process()  # the process that called Process.start(), if any
     from_forkserver = parent is not None and parent.pid == coordinator_pid and os.getppid() != coordinator_pid
-    if from_forkserver:
-        # the forkserver is single-threaded, so "parent thread ends" means "forkserver ends"
-        set_parent_death_signal(signal.SIGKILL)
     if not os.path.exists(f"/proc/{os.getpid()}/stat"):
         return None
     watch = CoordinatorWatch(coordinator_pid, interval_s)
@@ -128,5 +142,11 @@ def watch_coordinator(coordinator_pid: int | None, *, interval_s: float = 0.25) 
             log.warning("worker %d: coordinator %d died before the worker started", os.getpid(), coordinator_pid)
             os._exit(ORPHAN_EXIT_CODE)
         return None  # not a descendant: another host, or Ray placed us
+    watch.open_pidfd()
+    if watch.coordinator_pid not in ancestors():  # it died between the check and the pidfd: the pid may be reused
+        watch.stop()
+        if from_forkserver:
+            os._exit(ORPHAN_EXIT_CODE)
+        return None
     watch.thread.start()
     return watch

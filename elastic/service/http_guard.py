@@ -1,0 +1,114 @@
+"""Connection limits of the API server: idle or slow clients cannot hold its file descriptors.
+
+uvicorn closes an idle keep-alive connection after ``timeout_keep_alive``, but only once a
+response was sent: a connection that sends a partial request (or nothing) and waits was kept
+for good. About a thousand such connections used up a 1024-descriptor process, and the next
+scale failed to start its workers (``EMFILE``). uvicorn's ``limit_concurrency`` answers 503
+beyond its count but still accepts every connection.
+
+:class:`GuardedH11Protocol` is uvicorn's h11 protocol with two guards:
+
+- **a request deadline**: from a connection's start, and again from the end of each response, the
+  next request (its headers and its body) must arrive within ``request_timeout_s``, or the
+  connection is closed. A request being answered is never cut (a long rebalance keeps its
+  connection); the keep-alive wait between requests is uvicorn's ``timeout_keep_alive``;
+- **a connection cap**: beyond ``max_connections`` open connections, a new one is closed as soon
+  as it is accepted, so its descriptor is released at once.
+
+:class:`HttpLimits` holds the numbers; :meth:`HttpLimits.uvicorn_options` gives the keyword
+arguments of ``uvicorn.Config`` that apply them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+from dataclasses import dataclass, field
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+__all__ = ["GuardedH11Protocol", "HttpLimits", "default_max_connections"]
+
+log = logging.getLogger("elastic.service.http")
+
+
+def default_max_connections() -> int:
+    """A quarter of this process's descriptor limit (the rest is for workers' pipes, the store and
+    the group), between 32 and 4096: 256 under the common default of 1024."""
+    try:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (OSError, ValueError):
+        soft = 1024
+    if soft == resource.RLIM_INFINITY:
+        soft = 16384
+    return max(32, min(4096, soft // 4))
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    request_timeout_s: float = 10.0  # a request's headers and body must arrive within this
+    keep_alive_s: int = 5  # an idle connection between requests is closed after this
+    max_connections: int = field(default_factory=default_max_connections)
+
+    def __post_init__(self) -> None:
+        if self.request_timeout_s <= 0 or self.keep_alive_s < 1 or self.max_connections < 1:
+            raise ValueError(f"HTTP limits must be positive (keep_alive_s at least 1), got {self}")
+
+    def uvicorn_options(self) -> dict[str, Any]:
+        limits = self
+
+        class Protocol(GuardedH11Protocol):
+            request_timeout_s = limits.request_timeout_s
+            max_connections = limits.max_connections
+
+        return {"http": Protocol, "timeout_keep_alive": self.keep_alive_s}
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a request deadline and a connection cap (module docstring)."""
+
+    request_timeout_s: float = 10.0
+    max_connections: int = 256
+
+    _deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            log.warning("over %d open connections: closing a new one from %s", self.max_connections, self.client)
+            transport.abort()  # connection_lost follows and drops it from the count
+            return
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm()  # the next request on this connection has the same deadline
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._disarm()
+        if not self.transport.is_closing():
+            self._deadline = self.loop.call_later(self.request_timeout_s, self._request_overdue)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _request_overdue(self) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        answering = self.cycle is not None and not self.cycle.response_complete
+        incomplete = self.conn.their_state in (h11.IDLE, h11.SEND_BODY)
+        if incomplete and not (answering and self.conn.their_state is h11.IDLE):
+            # headers not all here, or a body still arriving: a slow or idle client, not a slow answer
+            log.info("closing a connection from %s: no complete request within %.0fs", self.client,
+                     self.request_timeout_s)
+            self.transport.abort()
