@@ -59,6 +59,17 @@ class CoordinatorCollector(Collector):
         return self._families(snap, ops, beats)
 
     def _families(self, snap: dict[str, Any] | None, ops: list[dict[str, Any]], beats: list[Any]) -> Iterator[Metric]:
+        """Every family; empty ones (for ``describe``) when ``snap`` is None."""
+        yield from self._group(snap)
+        yield from self._eplb(snap, beats)
+        yield from self._operations(snap, ops)
+        yield from self._ranks(snap, beats)
+        yield from self._requests(snap)
+        yield from self._autoscaler(snap)
+
+    @staticmethod
+    def _group(snap: dict[str, Any] | None) -> Iterator[Metric]:
+        """The control plane's state and the group it serves with."""
         state = GaugeMetricFamily(PREFIX + "state", "1 for the control plane's current state, 0 for the others",
                                   labels=["state"])
         generation = GaugeMetricFamily(PREFIX + "generation", "generation of the current process group")
@@ -67,20 +78,25 @@ class CoordinatorCollector(Collector):
         serving = GaugeMetricFamily(PREFIX + "serving", "1 while decoding runs (every rank of the serving group says so)")
         balancedness = GaugeMetricFamily(PREFIX + "balancedness", "lowest balancedness (mean/max load) over ranks")
         step = GaugeMetricFamily(PREFIX + "step", "decode step of the slowest rank")
+        if snap is not None:
+            for phase in Phase:
+                state.add_metric([phase.value], 1.0 if snap["state"] == phase.value else 0.0)
+            generation.add_metric([], snap["generation"])
+            size.add_metric([], snap["ep_size"])
+            physical.add_metric([], snap.get("num_physical") or 0)
+            serving.add_metric([], 1.0 if snap.get("serving") else 0.0)
+            if snap.get("balancedness") is not None:
+                balancedness.add_metric([], float(snap["balancedness"]))
+            step.add_metric([], snap.get("step") or 0)
+        yield from (state, generation, size, physical, serving, balancedness, step)
+
+    def _eplb(self, snap: dict[str, Any] | None, beats: list[Any]) -> Iterator[Metric]:
+        """The async EPLB: rebalances, their layers and bytes, its health and its balancedness figures."""
         in_flight = GaugeMetricFamily(PREFIX + "in_flight_layer", "layer of the async rebalance being transferred, -1 for none")
         rebalances = CounterMetricFamily(PREFIX + "rebalances", "rebalances finished (most of any rank)")
         layers = CounterMetricFamily(PREFIX + "layers_committed", "EPLB layers committed (most of any rank)")
         eplb_bytes = CounterMetricFamily(PREFIX + "eplb_moved_bytes", "bytes moved by EPLB rebalances (sum over live ranks)")
         stalls = CounterMetricFamily(PREFIX + "watchdog_stalls", "async EPLB handshakes flagged as stalled (sum over ranks)")
-        operations = GaugeMetricFamily(PREFIX + "operations", "operations by kind and status", labels=["kind", "status"])
-        scale_bytes = CounterMetricFamily(PREFIX + "scale_moved_bytes",
-                                          "bytes moved by scale and recovery operations (ahead of the pause and in it)")
-        rank_load = GaugeMetricFamily(PREFIX + "rank_load", "tokens routed to a rank's slots in its last step", labels=["rank"])
-        rank_step = GaugeMetricFamily(PREFIX + "rank_step_seconds", "a rank's last decode step time", labels=["rank"])
-        output_checks = CounterMetricFamily(PREFIX + "output_checks", "probes of a real model's output compared with the "
-                                            "unsharded model's (after scales, recoveries and rebalances)")
-        output_mismatch = CounterMetricFamily(PREFIX + "output_mismatch", "probes whose greedy tokens or logits differed "
-                                              "from the unsharded model's (should stay 0)")
         eplb_healthy = GaugeMetricFamily(PREFIX + "eplb_healthy", "1 while the async EPLB can commit rebalances, 0 when "
                                          "degraded (it failed and could not be rebuilt; /state says why)")
         eplb_restarts = CounterMetricFamily(PREFIX + "eplb_restarts", "async EPLB runs rebuilt after a failed layer "
@@ -97,27 +113,7 @@ class CoordinatorCollector(Collector):
                                        "placement at the last rebalance decision (mean over layers)")
         min_bal = GaugeMetricFamily(PREFIX + "eplb_min_balancedness", "eplb.min_balancedness: a scheduled rebalance "
                                     "is skipped while the window's balancedness is above it")
-        requests = CounterMetricFamily(PREFIX + "requests", "completion requests by outcome: ok (answered in full), "
-                                       "failed (503 after a failure), cancelled (the client left), rejected (429/503 "
-                                       "at once), replayed (run again from the prompt after a recovery)", labels=["outcome"])
-        requests_running = GaugeMetricFamily(PREFIX + "requests_running", "completion requests in the group's batch")
-        requests_queued = GaugeMetricFamily(PREFIX + "requests_queued", "completion requests waiting for a batch slot")
         if snap is not None:
-            served = snap.get("requests")
-            if served:
-                for outcome in ("ok", "failed", "cancelled", "rejected", "replayed"):
-                    requests.add_metric([outcome], served.get(outcome) or 0)
-                requests_running.add_metric([], served.get("running") or 0)
-                requests_queued.add_metric([], served.get("queued") or 0)
-            for phase in Phase:
-                state.add_metric([phase.value], 1.0 if snap["state"] == phase.value else 0.0)
-            generation.add_metric([], snap["generation"])
-            size.add_metric([], snap["ep_size"])
-            physical.add_metric([], snap.get("num_physical") or 0)
-            serving.add_metric([], 1.0 if snap.get("serving") else 0.0)
-            if snap.get("balancedness") is not None:
-                balancedness.add_metric([], float(snap["balancedness"]))
-            step.add_metric([], snap.get("step") or 0)
             layer = snap.get("in_flight_layer")
             in_flight.add_metric([], -1 if layer is None else layer)
             rebalances.add_metric([], snap.get("rebalances") or 0)
@@ -128,10 +124,6 @@ class CoordinatorCollector(Collector):
             eplb_healthy.add_metric([], 0.0 if health.get("status") == "degraded" else 1.0)
             eplb_restarts.add_metric([], health.get("restarts") or 0)
             eplb_failed.add_metric([], health.get("rebalances_failed") or 0)
-            check = snap.get("output_check") or {}
-            if check.get("enabled"):
-                output_checks.add_metric([], check.get("checks") or 0)
-                output_mismatch.add_metric([], check.get("mismatches") or 0)
             stats = [b.eplb.as_dict() for b in beats if isinstance(getattr(b, "eplb", None), p.EPLBReport)]
             for outcome in REBALANCE_OUTCOMES:
                 outcomes.add_metric([outcome], max((e.get(f"rebalances_{outcome}") or 0 for e in stats), default=0))
@@ -146,6 +138,20 @@ class CoordinatorCollector(Collector):
             threshold = getattr(eplb_config, "min_balancedness", None)
             if threshold is not None:
                 min_bal.add_metric([], float(threshold))
+        yield from (in_flight, rebalances, layers, eplb_bytes, stalls, eplb_healthy, eplb_restarts, eplb_failed,
+                    outcomes, layer_bal, window_bal, min_bal)
+
+    @staticmethod
+    def _operations(snap: dict[str, Any] | None, ops: list[dict[str, Any]]) -> Iterator[Metric]:
+        """Scale and recovery operations by kind and status, the bytes they moved, and the output checks."""
+        operations = GaugeMetricFamily(PREFIX + "operations", "operations by kind and status", labels=["kind", "status"])
+        scale_bytes = CounterMetricFamily(PREFIX + "scale_moved_bytes",
+                                          "bytes moved by scale and recovery operations (ahead of the pause and in it)")
+        output_checks = CounterMetricFamily(PREFIX + "output_checks", "probes of a real model's output compared with the "
+                                            "unsharded model's (after scales, recoveries and rebalances)")
+        output_mismatch = CounterMetricFamily(PREFIX + "output_mismatch", "probes whose greedy tokens or logits differed "
+                                              "from the unsharded model's (should stay 0)")
+        if snap is not None:
             counts: dict[tuple[str, str], int] = {(k, s): 0 for k in ("scale", "recover") for s in OPERATION_STATUSES}
             for op in ops:
                 key = (op["kind"], op["status"])
@@ -155,13 +161,40 @@ class CoordinatorCollector(Collector):
             # in the pause and ahead of it (the pre-transfer of a prepared scale)
             scale_bytes.add_metric([], sum((op.get("bytes_moved") or 0) + (op.get("prepare") or {}).get("bytes_received", 0)
                                            for op in ops))
+            check = snap.get("output_check") or {}
+            if check.get("enabled"):
+                output_checks.add_metric([], check.get("checks") or 0)
+                output_mismatch.add_metric([], check.get("mismatches") or 0)
+        yield from (operations, scale_bytes, output_checks, output_mismatch)
+
+    @staticmethod
+    def _ranks(snap: dict[str, Any] | None, beats: list[Any]) -> Iterator[Metric]:
+        """Each live rank's last step: its load and its time."""
+        rank_load = GaugeMetricFamily(PREFIX + "rank_load", "tokens routed to a rank's slots in its last step", labels=["rank"])
+        rank_step = GaugeMetricFamily(PREFIX + "rank_step_seconds", "a rank's last decode step time", labels=["rank"])
+        if snap is not None:
             for hb in sorted(beats, key=lambda b: b.rank):
                 rank_load.add_metric([str(hb.rank)], float(hb.rank_load))
                 rank_step.add_metric([str(hb.rank)], float(hb.step_seconds))
-        yield from (state, generation, size, physical, serving, balancedness, step, in_flight, rebalances, layers,
-                    eplb_bytes, stalls, operations, scale_bytes, rank_load, rank_step, eplb_healthy, eplb_restarts,
-                    eplb_failed, outcomes, layer_bal, window_bal, min_bal, output_checks, output_mismatch, requests,
-                    requests_running, requests_queued)
+        yield from (rank_load, rank_step)
+
+    @staticmethod
+    def _requests(snap: dict[str, Any] | None) -> Iterator[Metric]:
+        """Completion requests by outcome, running and queued."""
+        requests = CounterMetricFamily(PREFIX + "requests", "completion requests by outcome: ok (answered in full), "
+                                       "failed (503 after a failure), cancelled (the client left), rejected (429/503 "
+                                       "at once), replayed (run again from the prompt after a recovery)", labels=["outcome"])
+        requests_running = GaugeMetricFamily(PREFIX + "requests_running", "completion requests in the group's batch")
+        requests_queued = GaugeMetricFamily(PREFIX + "requests_queued", "completion requests waiting for a batch slot")
+        served = snap.get("requests") if snap is not None else None
+        if served:
+            for outcome in ("ok", "failed", "cancelled", "rejected", "replayed"):
+                requests.add_metric([outcome], served.get(outcome) or 0)
+            requests_running.add_metric([], served.get("running") or 0)
+            requests_queued.add_metric([], served.get("queued") or 0)
+        yield from (requests, requests_running, requests_queued)
+
+    def _autoscaler(self, snap: dict[str, Any] | None) -> Iterator[Metric]:
         scaler = self.autoscaler
         enabled = GaugeMetricFamily(PREFIX + "autoscaler_enabled", "1 when the autoscaler is on", labels=["observe_only"])
         decisions = CounterMetricFamily(PREFIX + "autoscaler_decisions", "autoscaler decisions by what became of them",
