@@ -22,6 +22,8 @@ small as possible) and assumes the replicas pack perfectly. One expert carrying 
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 __all__ = ["peak_lower_bound", "optimal_peak", "feasible_by_counting"]
@@ -123,11 +125,9 @@ def optimal_peak(
     symmetry of identical GPUs.
     """
     from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import lil_matrix
 
     w = np.asarray(load, dtype=np.float64).ravel()
-    n, g, p = w.size, num_gpus, num_replicas
-    s = p // g
+    n, g, p, s = w.size, num_gpus, num_replicas, num_replicas // num_gpus
     total = w.sum()
     if total <= 0:
         return 0.0, 0.0, True
@@ -135,13 +135,41 @@ def optimal_peak(
     ws = w * scale
     up = (upper if upper is not None else total) * scale
     extra = p - n
-    options = []  # (e, c)
-    for e in range(n):
-        c_min = max(1, int(np.ceil(ws[e] / up - 1e-9)))
-        for c in range(c_min, extra + 2):
-            options.append((e, c))
+    # (e, c): an expert needs c >= w_e / upper replicas, and has at most one plus the extra slots
+    options = [(e, c) for e in range(n) for c in range(max(1, int(np.ceil(ws[e] / up - 1e-9))), extra + 2)]
     n_opt = len(options)
     # variables: y[o] (n_opt), x[o, g] (n_opt * g), T
+    n_var = n_opt + n_opt * g + 1
+    ti = n_var - 1
+    a, lo_b, hi_b = _peak_constraints(ws, options, g, s)
+    cost = np.zeros(n_var)
+    cost[ti] = 1.0
+    integrality = np.ones(n_var)
+    integrality[ti] = 0
+    ub = np.concatenate([np.ones(n_opt), np.repeat([c for _, c in options], g).astype(float), [up * (1 + 1e-9)]])
+    lb = np.concatenate([np.zeros(n_opt + n_opt * g), [ws.sum() / g]])
+    res = milp(
+        cost,
+        constraints=LinearConstraint(a.tocsr(), lo_b, hi_b),
+        integrality=integrality,
+        bounds=Bounds(lb, ub),
+        options={"time_limit": time_limit, "disp": False, "mip_rel_gap": 1e-6},
+    )
+    best = float(res.x[ti]) / scale if res.x is not None else (upper if upper is not None else total)
+    dual = getattr(res, "mip_dual_bound", None)
+    bound = float(dual) / scale if dual is not None and np.isfinite(dual) else w.sum() / g
+    optimal = res.status == 0
+    if optimal:
+        bound = min(bound, best) if dual is not None else best
+    return best, bound, optimal
+
+
+def _peak_constraints(ws: np.ndarray, options: list[tuple[int, int]], g: int, s: int) -> tuple[Any, np.ndarray, np.ndarray]:
+    """The rows of :func:`optimal_peak`'s model over ``[y (options), x (options x g), T]``: one count per
+    expert, replicas placed = count chosen, ``s`` slots per GPU, GPU load <= T, GPU loads ordered."""
+    from scipy.sparse import lil_matrix
+
+    n, n_opt = ws.size, len(options)
     n_var = n_opt + n_opt * g + 1
     ti = n_var - 1
     rows = n + n_opt + g + g + (g - 1)
@@ -177,23 +205,4 @@ def optimal_peak(
             a[r, n_opt + o * g + gg + 1] = -ws[e] / c
         lo_b[r], hi_b[r] = 0.0, np.inf
         r += 1
-    cost = np.zeros(n_var)
-    cost[ti] = 1.0
-    integrality = np.ones(n_var)
-    integrality[ti] = 0
-    ub = np.concatenate([np.ones(n_opt), np.repeat([c for _, c in options], g).astype(float), [up * (1 + 1e-9)]])
-    lb = np.concatenate([np.zeros(n_opt + n_opt * g), [ws.sum() / g]])
-    res = milp(
-        cost,
-        constraints=LinearConstraint(a.tocsr(), lo_b, hi_b),
-        integrality=integrality,
-        bounds=Bounds(lb, ub),
-        options={"time_limit": time_limit, "disp": False, "mip_rel_gap": 1e-6},
-    )
-    best = float(res.x[ti]) / scale if res.x is not None else (upper if upper is not None else total)
-    dual = getattr(res, "mip_dual_bound", None)
-    bound = float(dual) / scale if dual is not None and np.isfinite(dual) else w.sum() / g
-    optimal = res.status == 0
-    if optimal:
-        bound = min(bound, best) if dual is not None else best
-    return best, bound, optimal
+    return a, lo_b, hi_b
