@@ -4,8 +4,8 @@ A local worker is not the coordinator's child: the :class:`~elastic.launch.launc
 forks it from a multiprocessing *forkserver*, which is the coordinator's child. When the
 coordinator is killed (SIGKILL, OOM killer) nothing tells the workers: the forkserver is
 reparented and stays up as long as any worker holds its "alive" pipe, and the workers go on
-decoding. Two mechanisms close that gap, both started by :func:`watch_coordinator` from
-:func:`elastic.worker.process.worker_main`:
+decoding. :func:`watch_coordinator`, started from
+:func:`elastic.worker.process.worker_main`, closes that gap:
 
 - **A watcher thread** waits on a *pidfd* of the coordinator (Linux 5.3+), opened while the
   coordinator is still an ancestor of this process, so it names the right process however pids
