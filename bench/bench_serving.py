@@ -53,8 +53,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from elastic.control.coordinator import Coordinator
     from elastic.deployment import DeploymentConfig
-    from elastic.service.api import BackgroundServer, create_app
+    from elastic.service.api import create_app
     from elastic.service.loadgen import LoadConfig, check_tokens, format_summary, run_load, write_report
+    from elastic.service.server import BackgroundServer
 
     torch.set_num_threads(1)
     model = {"kind": "hf", "architecture": args.arch, "seed": 0}

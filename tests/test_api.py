@@ -23,9 +23,10 @@ from schemathesis.checks import positive_data_acceptance
 from elastic.core.config import TimeoutsConfig
 from elastic.core.machine import Phase
 from elastic.deployment import DeploymentConfig, TracePhase
-from elastic.service.api import BackgroundServer, create_app, load_serve_config, register_cli
+from elastic.service.api import create_app
 from elastic.service.autoscaler import Autoscaler, AutoscalerConfig
 from elastic.service.hooks import ScaleHooks
+from elastic.service.server import BackgroundServer, load_serve_config, register_cli
 from eplb.config import EPLBConfig
 from eplb.model import ModelShape
 from eplb.trace import TraceConfig

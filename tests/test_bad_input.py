@@ -27,8 +27,9 @@ from elastic.cli import app
 from elastic.deployment import DeploymentConfig
 from elastic.replay.scenario import ScenarioError, load_scenario
 from elastic.service import preflight
-from elastic.service.api import create_app, load_serve_config
+from elastic.service.api import create_app
 from elastic.service.preflight import InputError
+from elastic.service.server import load_serve_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = sorted((ROOT / "scenarios").glob("*.yaml"))
@@ -126,7 +127,7 @@ def test_serve_refuses_a_worker_that_does_not_fit_before_any_process_starts(tmp_
     path = tmp_path / "deployment.yaml"
     path.write_text("ep_size: 2\neplb: {num_redundant_experts: 100000000}\n")
     typer_app = typer.Typer()
-    from elastic.service.api import register_cli
+    from elastic.service.server import register_cli
 
     register_cli(typer_app)
     typer_app.command("other")(lambda: None)  # a second command, so typer keeps "serve" as a subcommand
@@ -385,7 +386,7 @@ inputs = (st.binary(max_size=400)
 
 @pytest.fixture(scope="module")
 def serve_app():
-    from elastic.service.api import register_cli
+    from elastic.service.server import register_cli
 
     typer_app = typer.Typer()
     register_cli(typer_app)

@@ -24,7 +24,8 @@ def test_a_bad_argument_exits_2():
 @pytest.mark.timeout(150)
 def test_the_client_drives_a_served_deployment():
     from elastic.control.coordinator import Coordinator
-    from elastic.service.api import BackgroundServer, create_app
+    from elastic.service.api import create_app
+    from elastic.service.server import BackgroundServer
 
     coordinator = Coordinator(small_config(max_ep_size=3))
     coordinator.start()
@@ -63,7 +64,8 @@ def test_with_an_api_key_every_change_needs_it_and_reading_stays_open(monkeypatc
     import httpx
 
     from elastic.core.machine import Phase
-    from elastic.service.api import BackgroundServer, create_app
+    from elastic.service.api import create_app
+    from elastic.service.server import BackgroundServer
     from tests.test_api import FakeController
 
     controller = FakeController(Phase.RUNNING)

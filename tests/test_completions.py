@@ -1,4 +1,4 @@
-"""Completion requests through the EP group (elastic.serving): real workers, real groups, real HTTP.
+"""Completion requests through the EP group (elastic.control.requests, elastic.worker.batch): real workers, real groups, real HTTP.
 
 Every request's tokens are checked against the unsharded single-process model's greedy output
 for the same prompt, through a scale up, a scale down, and a killed rank with its recovery.
@@ -23,7 +23,8 @@ from elastic.coordinator import Coordinator, OperationStatus
 from elastic.core import protocol as p
 from elastic.core.config import ServingConfig
 from elastic.deployment import DeploymentConfig
-from elastic.service.api import BackgroundServer, create_app
+from elastic.service.api import create_app
+from elastic.service.server import BackgroundServer
 from eplb.models.hf import unsharded
 from tests.conftest import TEST_SCALING
 

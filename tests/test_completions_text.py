@@ -12,7 +12,8 @@ import torch
 
 from elastic.coordinator import Coordinator
 from elastic.deployment import DeploymentConfig
-from elastic.service.api import BackgroundServer, create_app
+from elastic.service.api import create_app
+from elastic.service.server import BackgroundServer
 from eplb.models.hf import unsharded
 from tests.test_hf_models import write_checkpoint
 

@@ -297,7 +297,8 @@ def wait_for(client: httpx.Client, predicate, timeout: float, what: str) -> tupl
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_live_metrics_follow_conventions_and_serve_every_dashboard_query():
-    from elastic.service.api import BackgroundServer, create_app
+    from elastic.service.api import create_app
+    from elastic.service.server import BackgroundServer
 
     config = small_config(eplb=dict(step_interval=6, window_size=6))
     with running(config) as c, BackgroundServer(create_app(c)) as server, \
@@ -327,7 +328,8 @@ def test_live_metrics_follow_conventions_and_serve_every_dashboard_query():
 def test_min_balancedness_skips_on_every_rank_and_counts_it():
     """A threshold of 0 skips every scheduled rebalance: each rank skips at the same agreed step,
     nothing starts, nothing moves, and the skips are counted."""
-    from elastic.service.api import BackgroundServer, create_app
+    from elastic.service.api import create_app
+    from elastic.service.server import BackgroundServer
 
     config = small_config(eplb=dict(step_interval=4, window_size=4, min_balancedness=0.0))
     with running(config) as c, BackgroundServer(create_app(c)) as server, \

@@ -39,7 +39,8 @@ def _digest_and_clean(coordinator) -> set[str]:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_export_then_start_a_deployment_from_the_file(tmp_path):
-    from elastic.service.api import BackgroundServer, create_app
+    from elastic.service.api import create_app
+    from elastic.service.server import BackgroundServer
 
     saved = tmp_path / "placement.json"
     with running(small_config()) as first, BackgroundServer(create_app(first)) as server:
@@ -120,8 +121,8 @@ BAD_FILES = {
 @pytest.mark.parametrize("case", sorted(BAD_FILES))
 def test_a_bad_placement_file_is_refused_before_any_worker_starts(tmp_path, monkeypatch, case):
     from elastic.control import coordinator as coordinator_module
-    from elastic.service.api import load_serve_config
     from elastic.service.preflight import InputError
+    from elastic.service.server import load_serve_config
 
     started = []
     monkeypatch.setattr(coordinator_module.Coordinator, "start", lambda self: started.append(self))
@@ -147,7 +148,7 @@ def test_serve_takes_the_file_on_the_command_line(tmp_path, monkeypatch):
     result = run_cli("serve", "--num-experts", "8", "--initial-placement", str(bad))  # the default deployment: 4 layers
     assert result.exit_code == 2 and "logical expert 3 has no replica" in result.output, result.output
     assert served == []
-    from elastic.service.api import load_serve_config
+    from elastic.service.server import load_serve_config
 
     good = _write(tmp_path / "good.json", _document())  # what the flag becomes (serving for real configures logging)
     loaded = load_serve_config(None, overrides={"model.num_experts": 8, "eplb.initial_placement": str(good)})
@@ -208,7 +209,8 @@ def test_cli_export_against_an_unreachable_server_exits_3(tmp_path):
 def test_export_while_not_running_is_a_409_and_exit_2(tmp_path):
     from elastic.core.errors import ScaleConflict
     from elastic.core.machine import Phase
-    from elastic.service.api import BackgroundServer, create_app
+    from elastic.service.api import create_app
+    from elastic.service.server import BackgroundServer
     from tests.test_api import FakeController
 
     controller = FakeController(Phase.RESCALING)

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 import elastic.service.server
 from elastic.deployment import DEFAULT_DEPLOYMENT
-from elastic.service.api import DEFAULT_SOURCE, load_serve_config, register_cli
+from elastic.service.server import DEFAULT_SOURCE, load_serve_config, register_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))

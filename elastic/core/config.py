@@ -50,7 +50,7 @@ class TimeoutsConfig(BaseModel):
 
 
 # --------------------------------------------------------------------------------------
-# Serving requests (elastic.serving)
+# Serving requests (elastic.control.requests, elastic.worker.batch)
 # --------------------------------------------------------------------------------------
 
 class ServingConfig(BaseModel):

@@ -226,7 +226,7 @@ class ScaleNoop(ElasticError):
         super().__init__(f"already at size {size}: nothing to do", size=int(size))
 
 
-# -- serving requests (elastic.serving) -----------------------------------------------------------
+# -- serving requests (elastic.control.requests) -----------------------------------------------------------
 
 class InvalidCompletionRequest(ElasticError, ValueError):
     """A completion request whose field ``field`` is invalid (``reason`` says why); nothing was queued."""

@@ -188,7 +188,7 @@ class Shutdown(Command):
     """Leave the decode loop and exit."""
 
 
-# -- serving requests (elastic.serving): commands without a result, tokens as reports ---------
+# -- serving requests (elastic.worker.batch, elastic.control.requests): commands without a result, tokens as reports ---------
 
 @dataclass(frozen=True)
 class RequestSpec:

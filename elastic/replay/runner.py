@@ -554,8 +554,9 @@ class TrafficRun:
         self.error: str | None = None
 
     def start(self) -> TrafficRun:
-        from elastic.service.api import BackgroundServer, create_app
+        from elastic.service.api import create_app
         from elastic.service.loadgen import LoadConfig, run_load
+        from elastic.service.server import BackgroundServer
 
         assert self.scenario.traffic is not None  # built only for a scenario with traffic
         t = self.scenario.traffic

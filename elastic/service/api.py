@@ -62,18 +62,6 @@ from elastic.service.preflight import BodyLimit, BodyTooLarge
 
 __all__ = ["CONTROL_THREADS", "create_app"]
 
-#: moved to elastic.service.server with the server process; still importable from here
-_MOVED = frozenset({"BackgroundServer", "DEFAULT_SOURCE", "ServeConfig", "StopRequested", "load_serve_config",
-                    "register_cli", "serve"})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        from elastic.service import server
-
-        return getattr(server, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 log = logging.getLogger("elastic.service.api")
 
 SERVING_STATES = frozenset(str(phase) for phase in SERVING_PHASES)  # a controller without heartbeats

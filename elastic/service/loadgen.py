@@ -360,8 +360,8 @@ def loadgen(
                      seed=seed, api_key=os.environ.get("ELASTIC_EP_API_KEY"))
     model_spec = None
     if check is not None:
-        from elastic.service.api import load_serve_config
         from elastic.service.preflight import InputError
+        from elastic.service.server import load_serve_config
 
         try:
             model_spec = load_serve_config(check).deployment.model

@@ -53,7 +53,7 @@ class RankContext:
     stopping: bool = False
     group: GroupGeneration | None = None
     decoder: DecodeBatches | None = None  # synthetic batches while no request runs (background load)
-    requests: RequestBatch | None = None  # completion requests (elastic.serving)
+    requests: RequestBatch | None = None  # completion requests (elastic.worker.batch)
     #: a joining rank's expert weights, allocated while it stands by (taken by its rescale)
     prepared_weights: list[list[torch.Tensor]] | None = None
     non_expert_sync: dict[str, float] | None = None  # bytes and seconds of the last peer copy (joining ranks)
