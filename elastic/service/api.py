@@ -282,16 +282,30 @@ def create_app(controller: ControlPlane, *, autoscaler: Autoscaler | None = None
     if api_key:
         app.add_middleware(RequireApiKey, key=api_key)  # outermost: checked before the body is read
 
-    def view(op: dict[str, Any]) -> dict[str, Any]:
-        out = dict(op)
-        out["ranks_safe_to_release"] = list(op.get("released_ranks") or []) if op.get("status") == "succeeded" else []
-        out["hooks"] = hooks.results(op["id"]) if hooks is not None else []
-        return out
+    view = functools.partial(_operation_view, hooks)
+    _add_error_handlers(app)
+    _add_operation_routes(app, controller, view, operations=operations, control=control)
+    _add_state_routes(app, controller, view, autoscaler, registry, reads=reads)
+    if controller.requests is not None:
+        from elastic.service.completions import RequestIdHeader, completion_routes
 
-    def get_op(op_id: str) -> dict[str, Any] | None:
-        return controller.get_operation(op_id)
+        app.include_router(completion_routes(controller, serving_metrics, body_limits))
+        app.add_middleware(RequestIdHeader)  # x-request-id on every response
 
-    # -- error handlers: one body shape everywhere ----------------------------------------------
+    _add_autoscaler_routes(app, autoscaler)
+    return app
+
+
+def _operation_view(hooks: ScaleHooks | None, op: dict[str, Any]) -> dict[str, Any]:
+    """An operation as the API shows it: with the ranks safe to release and its hooks' results."""
+    out = dict(op)
+    out["ranks_safe_to_release"] = list(op.get("released_ranks") or []) if op.get("status") == "succeeded" else []
+    out["hooks"] = hooks.results(op["id"]) if hooks is not None else []
+    return out
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    # one body shape everywhere ----------------------------------------------
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = _validation_errors(list(exc.errors()))
@@ -322,6 +336,13 @@ def create_app(controller: ControlPlane, *, autoscaler: Autoscaler | None = None
     async def _crash(request: Request, exc: Exception) -> JSONResponse:
         log.exception("%s %s failed", request.method, request.url.path)
         return _error(500, "internal_error", f"{type(exc).__name__}: {exc}")
+
+
+
+def _add_operation_routes(app: FastAPI, controller: ControlPlane, view: Callable[[dict[str, Any]], dict[str, Any]], *,
+                          operations: Callable[..., Any], control: Callable[..., Any]) -> None:
+    """/scale and /operations (then the other control routes)."""
+    get_op = controller.get_operation
 
     # -- scale --------------------------------------------------------------------------------
     @app.post("/scale", status_code=202, response_model=OperationView, tags=["scale"],
@@ -368,6 +389,14 @@ def create_app(controller: ControlPlane, *, autoscaler: Autoscaler | None = None
         """Recent operations, newest first."""
         ops = controller.list_operations(limit)
         return {"operations": [view(op) for op in ops]}
+
+    _add_control_routes(app, controller, view, operations=operations, control=control)
+
+
+def _add_control_routes(app: FastAPI, controller: ControlPlane, view: Callable[[dict[str, Any]], dict[str, Any]], *,
+                        operations: Callable[..., Any], control: Callable[..., Any]) -> None:
+    """/recover, /rebalance and /placement."""
+    get_op = controller.get_operation
 
     @app.post("/recover", status_code=202, response_model=OperationView, tags=["scale"],
               responses={409: {"model": ErrorBody, "description": "not failed, or an operation is in progress "
@@ -416,7 +445,11 @@ def create_app(controller: ControlPlane, *, autoscaler: Autoscaler | None = None
                 raise  # 409: not running
             return _error(503, "placement_unavailable", str(exc))
 
-    # -- reading ------------------------------------------------------------------------------
+
+
+def _add_state_routes(app: FastAPI, controller: ControlPlane, view: Callable[[dict[str, Any]], dict[str, Any]],
+                      autoscaler: Autoscaler | None, registry: Any, *, reads: Callable[..., Any]) -> None:
+    """/state, /healthz, /metrics and /timeline."""
     def state_view() -> dict[str, Any]:
         snap = dict(controller.snapshot())
         snap.setdefault("serving", snap["state"] in SERVING_STATES)  # a controller without heartbeats
@@ -458,13 +491,10 @@ def create_app(controller: ControlPlane, *, autoscaler: Autoscaler | None = None
         windows = controller.timeline_windows()
         return {"now": time.time(), "windows": sorted((dict(w) for w in windows), key=lambda w: w["started_at"])}
 
-    if controller.requests is not None:
-        from elastic.service.completions import RequestIdHeader, completion_routes
 
-        app.include_router(completion_routes(controller, serving_metrics, body_limits))
-        app.add_middleware(RequestIdHeader)  # x-request-id on every response
 
-    # -- autoscaler ---------------------------------------------------------------------------
+def _add_autoscaler_routes(app: FastAPI, autoscaler: Autoscaler | None) -> None:
+    """/autoscaler and its enable / disable (404 without one)."""
     def need_autoscaler() -> Autoscaler | JSONResponse:
         if autoscaler is None:
             return _error(404, "no_autoscaler", "this server runs without an autoscaler (add an autoscaler: section)")
@@ -491,5 +521,3 @@ def create_app(controller: ControlPlane, *, autoscaler: Autoscaler | None = None
             return found
         found.disable()
         return found.status()
-
-    return app
