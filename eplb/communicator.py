@@ -371,6 +371,133 @@ class _Peer:
     incoming: Any
 
 
+class _NixlMemory:
+    """The NIXL agent of one communicator and the memory it has registered with it: the weights,
+    the incoming weights of a scale, and staging buffers (see :class:`NixlCommunicator`). Not
+    locked: the communicator calls it under its own lock."""
+
+    def __init__(self, agent_name: str, backends: list[str], progress_thread: bool):
+        self.agent_name, self._backends, self.progress_thread = agent_name, backends, progress_thread
+        self.agent: Any = None
+        self._api: Any = None
+        self.weights: _Region | None = None
+        self.incoming: _Region | None = None
+        self.buffers: list[_Region] = []
+        self.registrations = 0
+        self.deregistrations = 0
+
+    def get_agent(self) -> Any:
+        if self.agent is None:
+            self._api = _nixl_api()
+            config = self._api.nixl_agent_config(enable_prog_thread=self.progress_thread, backends=self._backends)
+            agent = self._api.nixl_agent(self.agent_name, config)
+            missing = [b for b in self._backends if b not in agent.backends]
+            if missing:  # NIXL only warns when a backend plugin is missing
+                raise CommunicatorUnavailable(f"NIXL started without the {missing} backend(s) "
+                                              f"(plugins found: {agent.get_plugin_list()})")
+            self.agent = agent
+            log.debug("NIXL agent %s created", self.agent_name)
+        return self.agent
+
+    def register(self, region: _Region) -> None:
+        if region.registered or not region.tensors:
+            return
+        agent = self.get_agent()
+        by_device: dict[tuple[str, int], list[torch.Tensor]] = {}
+        for t in region.tensors:
+            by_device.setdefault(_device_of(t), []).append(t)
+        for tensors in by_device.values():
+            descs = agent.register_memory(tensors)
+            if descs is None:
+                raise ValueError("NIXL could not describe the tensors to register (contiguous, one device?)")
+            region.registered.append(descs)
+        self.registrations += 1
+
+    def deregister(self, region: _Region | None) -> None:
+        if region is None or self.agent is None:
+            return
+        for descs in region.registered:
+            self.agent.deregister_memory(descs)
+        if region.registered:
+            self.deregistrations += 1
+        region.registered = []
+
+    def ensure_registered(self) -> None:
+        for region in (self.weights, self.incoming, *self.buffers):
+            if region is not None:
+                self.register(region)
+
+    def drop_transient(self) -> None:
+        for region in self.buffers:
+            if region.transient:
+                self.deregister(region)
+        self.buffers = [r for r in self.buffers if not r.transient]
+
+    def set_weights(self, weights: Sequence[Sequence[torch.Tensor] | None], *, exchanged: bool) -> None:
+        by_layer, flat = _flatten(weights)
+        if self.weights is not None and self.weights.same_tensors(flat):
+            self.weights.by_layer = by_layer
+            return
+        if exchanged:
+            raise RuntimeError("the weights were replaced after this generation's NIXL metadata exchange: "
+                               "peers would read freed memory (use set_incoming/adopt_incoming, or bind "
+                               "a new generation first)")
+        if self.weights is not None:
+            self.deregister(self.weights)
+        self.weights = _Region(by_layer, flat)
+        self.register(self.weights)
+
+    def set_incoming(self, weights: Sequence[Sequence[torch.Tensor] | None] | None) -> None:
+        by_layer, flat = _flatten(weights) if weights is not None else (None, None)
+        if flat is not None and self.incoming is not None and self.incoming.same_tensors(flat):
+            return  # registered ahead (a joining rank standing by): keep the registration
+        if self.incoming is not None:
+            self.deregister(self.incoming)
+        self.incoming = None
+        if flat is not None:
+            self.incoming = _Region(by_layer, flat)
+            self.register(self.incoming)
+
+    def adopt_incoming(self) -> None:
+        """The incoming weights become the weights (the old ones deregistered); transient buffers go."""
+        self.drop_transient()
+        if self.incoming is not None:
+            old, self.weights, self.incoming = self.weights, self.incoming, None
+            self.deregister(old)
+
+    def add_buffer(self, tensors: Sequence[torch.Tensor], *, transient: bool = False) -> None:
+        flat = [t for t in tensors if t.numel()]
+        for t in flat:
+            if not t.is_contiguous():
+                raise ValueError("NIXL registers contiguous staging tensors only")
+        if any(r.same_tensors(flat) for r in self.buffers):
+            return
+        self.buffers.append(_Region(None, flat, transient))
+        self.register(self.buffers[-1])
+
+    def remove_buffer(self, tensors: Sequence[torch.Tensor]) -> None:
+        flat = [t for t in tensors if t.numel()]
+        keep = []
+        for region in self.buffers:
+            if region.same_tensors(flat):
+                self.deregister(region)
+            else:
+                keep.append(region)
+        self.buffers = keep
+
+    def held(self) -> list[_Region]:
+        return [r for r in (self.weights, self.incoming, *self.buffers) if r is not None]
+
+    def release(self) -> None:
+        """Deregister everything and let go of the agent."""
+        if self.agent is not None:
+            for region in self.held():
+                self.deregister(region)
+        self.weights = self.incoming = None
+        self.buffers = []
+        self.agent = None
+
+
 class NixlCommunicator(Communicator):
     """Receivers pull remote experts with one-sided NIXL reads into their staging buffer.
 
@@ -410,10 +537,7 @@ class NixlCommunicator(Communicator):
     def __init__(self, *, agent_name: str | None = None, backends: Sequence[str] = ("UCX",),
                  progress_thread: bool = False):
         self.agent_name = agent_name or f"eplb-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._backends = list(backends)
-        self._progress_thread = progress_thread
-        self._agent: Any = None
-        self._api: Any = None
+        self._mem = _NixlMemory(self.agent_name, list(backends), progress_thread)
         self._lock = threading.RLock()
         # stats() reads the peers, the generation and the exchange counts together under this
         # one (never held across a wait): a status read during an exchange sees it before or after
@@ -424,16 +548,11 @@ class NixlCommunicator(Communicator):
         self._exchanged = False
         self._peers: dict[int, _Peer] = {}
         self._loaded: set[str] = set()  # remote agents loaded into our agent (kept across generations)
-        self._weights: _Region | None = None
-        self._incoming: _Region | None = None
-        self._buffers: list[_Region] = []
         self._leaked: list[Any] = []  # transfer handles that could not be released (kept alive)
         # counters (exposed by stats())
         self.exchanges_by_generation: dict[int, int] = {}
         self.peers_learned = 0
         self.peers_forgotten = 0
-        self.registrations = 0
-        self.deregistrations = 0
         self.layers = 0
         self.reads = 0
         self.read_requests = 0  # posted read requests (one per peer per layer, or per peer per round)
@@ -442,48 +561,6 @@ class NixlCommunicator(Communicator):
         self.start_wait_seconds = 0.0  # waiting for the group to enter a layer (start_together)
         self.agree_seconds = 0.0
         self.exchange_seconds = 0.0
-
-    # -- agent and registrations ------------------------------------------------------------
-    def _get_agent(self) -> Any:
-        if self._agent is None:
-            self._api = _nixl_api()
-            config = self._api.nixl_agent_config(enable_prog_thread=self._progress_thread, backends=self._backends)
-            agent = self._api.nixl_agent(self.agent_name, config)
-            missing = [b for b in self._backends if b not in agent.backends]
-            if missing:  # NIXL only warns when a backend plugin is missing
-                raise CommunicatorUnavailable(f"NIXL started without the {missing} backend(s) "
-                                              f"(plugins found: {agent.get_plugin_list()})")
-            self._agent = agent
-            log.debug("NIXL agent %s created", self.agent_name)
-        return self._agent
-
-    def _register(self, region: _Region) -> None:
-        if region.registered or not region.tensors:
-            return
-        agent = self._get_agent()
-        by_device: dict[tuple[str, int], list[torch.Tensor]] = {}
-        for t in region.tensors:
-            by_device.setdefault(_device_of(t), []).append(t)
-        for tensors in by_device.values():
-            descs = agent.register_memory(tensors)
-            if descs is None:
-                raise ValueError("NIXL could not describe the tensors to register (contiguous, one device?)")
-            region.registered.append(descs)
-        self.registrations += 1
-
-    def _deregister(self, region: _Region | None) -> None:
-        if region is None or self._agent is None:
-            return
-        for descs in region.registered:
-            self._agent.deregister_memory(descs)
-        if region.registered:
-            self.deregistrations += 1
-        region.registered = []
-
-    def _ensure_registered(self) -> None:
-        for region in (self._weights, self._incoming, *self._buffers):
-            if region is not None:
-                self._register(region)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def abort(self, reason: str) -> None:
@@ -503,7 +580,7 @@ class NixlCommunicator(Communicator):
                 return
             self._aborted = None
             self._forget_peers()
-            self._drop_transient()
+            self._mem.drop_transient()
             with self._view:
                 self._generation = generation
             self._store = None if store is None else dist.PrefixStore("nixl/", store)
@@ -532,45 +609,25 @@ class NixlCommunicator(Communicator):
                 log.debug("unloading NIXL peer %s: %s", name, exc)
             self._loaded.discard(name)
 
-    def _drop_transient(self) -> None:
-        for region in self._buffers:
-            if region.transient:
-                self._deregister(region)
-        self._buffers = [r for r in self._buffers if not r.transient]
+    @property
+    def _agent(self) -> Any:
+        return self._mem.agent
+
+    @property
+    def _weights(self) -> _Region | None:
+        return self._mem.weights
 
     def set_weights(self, weights: Sequence[Sequence[torch.Tensor] | None]) -> None:
         with self._lock:
-            by_layer, flat = _flatten(weights)
-            if self._weights is not None and self._weights.same_tensors(flat):
-                self._weights.by_layer = by_layer
-                return
-            if self._exchanged:
-                raise RuntimeError("the weights were replaced after this generation's NIXL metadata exchange: "
-                                   "peers would read freed memory (use set_incoming/adopt_incoming, or bind "
-                                   "a new generation first)")
-            if self._weights is not None:
-                self._deregister(self._weights)
-            self._weights = _Region(by_layer, flat)
-            self._register(self._weights)
+            self._mem.set_weights(weights, exchanged=self._exchanged)
 
     def set_incoming(self, weights: Sequence[Sequence[torch.Tensor] | None] | None) -> None:
         with self._lock:
-            by_layer, flat = _flatten(weights) if weights is not None else (None, None)
-            if flat is not None and self._incoming is not None and self._incoming.same_tensors(flat):
-                return  # registered ahead (a joining rank standing by): keep the registration
-            if self._incoming is not None:
-                self._deregister(self._incoming)
-            self._incoming = None
-            if flat is not None:
-                self._incoming = _Region(by_layer, flat)
-                self._register(self._incoming)
+            self._mem.set_incoming(weights)
 
     def adopt_incoming(self) -> None:
         with self._lock:
-            self._drop_transient()
-            if self._incoming is not None:
-                old, self._weights, self._incoming = self._weights, self._incoming, None
-                self._deregister(old)
+            self._mem.adopt_incoming()
             # every rank adopts at the same point: flip the peers' view the same way (a peer that
             # published no incoming weights kept its tensors, written in place)
             for peer in self._peers.values():
@@ -579,48 +636,30 @@ class NixlCommunicator(Communicator):
 
     def add_buffer(self, tensors: Sequence[torch.Tensor], *, transient: bool = False) -> None:
         with self._lock:
-            flat = [t for t in tensors if t.numel()]
-            for t in flat:
-                if not t.is_contiguous():
-                    raise ValueError("NIXL registers contiguous staging tensors only")
-            if any(r.same_tensors(flat) for r in self._buffers):
-                return
-            self._buffers.append(_Region(None, flat, transient))
-            self._register(self._buffers[-1])
+            self._mem.add_buffer(tensors, transient=transient)
 
     def remove_buffer(self, tensors: Sequence[torch.Tensor]) -> None:
         with self._lock:
-            flat = [t for t in tensors if t.numel()]
-            keep = []
-            for region in self._buffers:
-                if region.same_tensors(flat):
-                    self._deregister(region)
-                else:
-                    keep.append(region)
-            self._buffers = keep
+            self._mem.remove_buffer(tensors)
 
     def close(self) -> None:
         with self._lock:
-            if self._agent is not None:
+            if self._mem.agent is not None:
                 self._forget_peers()
                 self._release_departed(set())
-                for region in (self._weights, self._incoming, *self._buffers):
-                    self._deregister(region)
-            self._weights = self._incoming = None
-            self._buffers = []
+            self._mem.release()
             self._exchanged = False
-            self._agent = None
 
     # -- the metadata exchange --------------------------------------------------------------
     def _exchange_metadata(self, x: LayerExchange, size: int) -> None:
         if self._store is None:
             raise ValueError("the NIXL communicator is not bound to a generation's store: call bind(generation, store)")
         started = time.monotonic()
-        agent = self._get_agent()
+        agent = self._mem.get_agent()
         me = x.rank
         info = {"agent": self.agent_name, "md": agent.get_agent_metadata(),
                 "weights": None if self._weights is None else self._weights.table(),
-                "incoming": None if self._incoming is None else self._incoming.table()}
+                "incoming": None if self._mem.incoming is None else self._mem.incoming.table()}
         self._store.set(f"md/{me}", pickle.dumps(info))
         others = [r for r in range(size) if r != me]
         keys = [f"md/{r}" for r in others]
@@ -780,7 +819,7 @@ class NixlCommunicator(Communicator):
         flags[x.rank] = int(failed)
         try:
             work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=x.group, async_op=True)
-            if self._progress_thread:
+            if self._mem.progress_thread:
                 ok = work.wait(timeout=timedelta(seconds=max(x.deadline - time.monotonic(), 1e-3)))
             else:
                 ok = self._wait_progressing(work, x)
@@ -853,7 +892,7 @@ class NixlCommunicator(Communicator):
             raise ValueError("NIXL transfers need the layer index (execute_layer(..., layer=i))")
         with self._lock:
             size = dist.get_world_size(x.group)
-            self._ensure_registered()
+            self._mem.ensure_registered()
             if not self._exchanged:
                 self._exchange_metadata(x, size)
             started = time.monotonic()
@@ -879,7 +918,7 @@ class NixlCommunicator(Communicator):
 
     def stats(self) -> dict[str, Any]:
         # not the transfer lock: a layer in flight holds it for up to its deadline
-        held = [r for r in (self._weights, self._incoming, *self._buffers) if r is not None]
+        held = self._mem.held()
         regions = [r for r in held if r.registered]
         with self._view:
             view = {"generation": self._generation, "exchanges": sum(self.exchanges_by_generation.values()),
@@ -891,7 +930,7 @@ class NixlCommunicator(Communicator):
             "registered_regions": len(regions), "registered_bytes": sum(r.nbytes for r in regions),
             # named but not registered yet (registration waits for the next transfer)
             "pending_bytes": sum(r.nbytes for r in held if not r.registered),
-            "registrations": self.registrations, "deregistrations": self.deregistrations,
+            "registrations": self._mem.registrations, "deregistrations": self._mem.deregistrations,
             "layers": self.layers, "reads": self.reads, "read_requests": self.read_requests,
             "bytes_read": self.bytes_read,
             "read_seconds": self.read_seconds, "agree_seconds": self.agree_seconds,
