@@ -519,43 +519,8 @@ class FakeWorker:
 
         timeout = self.spec.collective_timeout_s
         self.wait(lambda: rnd.expected <= rnd.arrived.keys(), timeout, "rendezvous", peer_lost)
-        with launcher.lock:
-            survivors = sorted((g, a) for g, a in rnd.arrived.items() if a["old_rank"] is not None)
-            p2l = survivors[0][1]["p2l"]
-            if any(not torch.equal(a["p2l"], p2l) for _, a in survivors):
-                launcher.violation(f"Rescale {cmd.seq}: the surviving ranks disagree on the placement they start from")
-            old = Placement.from_physical_to_logical(p2l, self.spec.shape.num_experts)
-            per_rank = old.num_physical // len(cmd.spec.mapping)
-            shape = self.spec.shape
-            target = compute_placement(fixed_load(cmd.spec.generation, shape.num_layers, shape.num_experts),
-                                       per_rank * cmd.spec.new_size, cmd.spec.new_size, previous=old)
-            snaps = {g: a["contents"] for g, a in rnd.arrived.items() if a["contents"] is not None}
-            own = snaps.get(me)
-            mine: Contents = []
-            received = 0
-            for layer in range(old.num_layers):
-                plan = plan_layer(old.physical_to_logical[layer], target.physical_to_logical[layer],
-                                  per_rank, per_rank, old_holder, new_holder)
-                part = plan.for_rank(me)
-                received += len(part.recvs)
-                if part.new_rank is not None:
-                    mine.append(apply_part(part, None if own is None else own[layer], {g: s[layer] for g, s in snaps.items()}))
-            rnd.computed.add(me)
-        # all or nothing: nobody adopts before every rank's transfers are done
-        # like a real barrier: once every rank is in it, the outcome is the same for all of them
-        def barrier_passed() -> bool:
-            with launcher.lock:
-                if rnd.barrier is None and rnd.expected <= rnd.computed:
-                    rnd.barrier = not peer_lost()
-                return rnd.barrier is True
-
-        def barrier_broken() -> bool:
-            with launcher.lock:
-                if rnd.barrier is None and peer_lost():
-                    rnd.barrier = False
-                return rnd.barrier is False
-
-        self.wait(barrier_passed, timeout, "barrier", barrier_broken)
+        p2l, target, mine, received = self._compute_round(cmd, rnd, me, (old_holder, new_holder))
+        self._barrier(rnd, timeout, peer_lost)
         placement_before = p2l.tolist()
         if cmd.spec.execute_on == "old" and new_rank < 0:
             self._retire(cmd, started, received)
@@ -570,6 +535,53 @@ class FakeWorker:
             retired=False, bytes_received=received * 1024, seconds=time.perf_counter() - started,
             digest=digest(target), num_physical=target.num_physical, placement_before=placement_before,
             placement_after=target.physical_to_logical.tolist()))
+
+    def _barrier(self, rnd: Round, timeout: float, peer_lost: Any) -> None:
+        """All or nothing: nobody adopts before every rank's transfers are done. Like a real barrier:
+        once every rank is in it, the outcome is the same for all of them."""
+        launcher = self.launcher
+
+        def barrier_passed() -> bool:
+            with launcher.lock:
+                if rnd.barrier is None and rnd.expected <= rnd.computed:
+                    rnd.barrier = not peer_lost()
+                return rnd.barrier is True
+
+        def barrier_broken() -> bool:
+            with launcher.lock:
+                if rnd.barrier is None and peer_lost():
+                    rnd.barrier = False
+                return rnd.barrier is False
+
+        self.wait(barrier_passed, timeout, "barrier", barrier_broken)
+
+    def _compute_round(self, cmd: p.Rescale, rnd: Round, me: int,
+                       holders: tuple[Any, Any]) -> tuple[torch.Tensor, Placement, Contents, int]:
+        """Under the launcher's lock, once every participant arrived: the placement they start from
+        (checked to agree), the target, this rank's new contents and how many experts it received."""
+        with self.launcher.lock:
+            survivors = sorted((g, a) for g, a in rnd.arrived.items() if a["old_rank"] is not None)
+            p2l = survivors[0][1]["p2l"]
+            if any(not torch.equal(a["p2l"], p2l) for _, a in survivors):
+                self.launcher.violation(f"Rescale {cmd.seq}: the surviving ranks disagree on the placement they start from")
+            old = Placement.from_physical_to_logical(p2l, self.spec.shape.num_experts)
+            per_rank = old.num_physical // len(cmd.spec.mapping)
+            shape = self.spec.shape
+            target = compute_placement(fixed_load(cmd.spec.generation, shape.num_layers, shape.num_experts),
+                                       per_rank * cmd.spec.new_size, cmd.spec.new_size, previous=old)
+            snaps = {g: a["contents"] for g, a in rnd.arrived.items() if a["contents"] is not None}
+            own = snaps.get(me)
+            mine: Contents = []
+            received = 0
+            for layer in range(old.num_layers):
+                plan = plan_layer(old.physical_to_logical[layer], target.physical_to_logical[layer],
+                                  per_rank, per_rank, *holders)
+                part = plan.for_rank(me)
+                received += len(part.recvs)
+                if part.new_rank is not None:
+                    mine.append(apply_part(part, None if own is None else own[layer], {g: s[layer] for g, s in snaps.items()}))
+            rnd.computed.add(me)
+        return p2l, target, mine, received
 
     def _retire(self, cmd: p.Rescale, started: float, received: int = 0) -> None:
         self.leaving = True  # a rank on its way out is no fault target
