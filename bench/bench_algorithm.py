@@ -465,6 +465,63 @@ def _parse_list(value: str, known: tuple[str, ...], what: str) -> list[str]:
     return items
 
 
+def _run_shape(console: Any, results: dict[str, Any], args: argparse.Namespace, seed_set: str, shape: Any,
+               families: list[str], policies: list[str]) -> None:
+    """One seed set on one shape: every family and policy, a table row each, kept in ``results``."""
+    from rich.table import Table
+
+    table = Table(title=f"{seed_set} seeds {SEEDS[seed_set]}: {shape.name}, {shape.layers} layers, {shape.experts} "
+                  f"experts, {shape.slots} slots, {shape.gpus} GPUs, {shape.nodes} nodes, top-{shape.top_k}, "
+                  f"{shape.tokens} tokens/window, {args.windows} rebalances per seed")
+    for col in ("family", "policy", "bal/opt", "worst/opt", "bal", "worst", "opt", "next", "ceiling", "gap", "cpu ms", "copies"):
+        table.add_column(col, justify="left" if col in ("family", "policy") else "right")
+    for fam in families:
+        raw = [run_seed(policies, shape, family_windows(FAMILIES[fam], shape, args.windows, seed), args.repeat, args.smoothing)
+               for seed in SEEDS[seed_set]]
+        for policy in policies:
+            row = summarize(raw, policy)
+            results.setdefault(seed_set, {}).setdefault(shape.name, {}).setdefault(fam, {})[policy] = row
+            table.add_row(
+                fam, policy, f"{row['bal_over_opt']:.4f}", f"{row['worst_over_opt']:.3f}",
+                f"{row['balancedness']:.4f}", f"{row['worst_layer']:.3f}", f"{row['opt_balancedness']:.4f}",
+                f"{row['next_balancedness']:.4f}", f"{row['ceiling']:.4f}", f"{row['next_gap']:+.4f}",
+                f"{row['cpu_ms']:.1f}", f"{100 * row['copies_share']:.1f}%",
+            )
+        table.add_section()
+    console.print(table)
+    if "default" in policies:
+        by_dtype = np.array([results[seed_set][shape.name][f]["default"]["cpu_ms_per_dtype"] for f in families])
+        console.print(f"  {shape.name} default CPU ms per call, median per family, slowest family: "
+                      + ", ".join(f"{str(dt).removeprefix('torch.')} {v:.1f}" for dt, v in zip(DTYPES, by_dtype.max(axis=0))))
+
+
+def _print_targets(console: Any, targets: list[dict[str, Any]]) -> None:
+    from rich.table import Table
+
+    if targets:
+        t = Table(title="targets (held-out seeds)")
+        for col in ("target", "value", "bound", "ok"):
+            t.add_column(col)
+        for row in targets:
+            t.add_row(row["target"], str(row["value"]), row["bound"], {True: "yes", False: "NO", None: "n/a"}[row["ok"]])
+        console.print(t)
+        failed = [r for r in targets if r["ok"] is False]
+        console.print(f"targets met: {sum(r['ok'] is True for r in targets)} / {len(targets)}; not met: {len(failed)}")
+
+
+def _print_ilp(console: Any, ilp_rows: list[dict[str, Any]]) -> None:
+    from rich.table import Table
+
+    if ilp_rows:
+        t = Table(title="exact optima on reduced shapes (held-out seed; balancedness)")
+        for col in ("shape", "family", "layer", "default", "ILP best", "ILP proven upper", "counting bound", "proven"):
+            t.add_column(col)
+        for r in ilp_rows:
+            t.add_row(r["shape"], r["family"], str(r["layer"]), f"{r['default']:.4f}", f"{r['ilp_best']:.4f}",
+                      f"{r['ilp_upper']:.4f}", f"{r['counting_bound']:.4f}", "yes" if r["proven"] else "no")
+        console.print(t)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.bench_algorithm", description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="ds-32,ds-64", help=f"comma list of {', '.join(SHAPES)}, or all (default: ds-32,ds-64)")
@@ -493,56 +550,17 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
 
     from rich.console import Console
-    from rich.table import Table
 
     console = Console(width=max(Console().width, 140))
     results: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
     started = time.perf_counter()
     for seed_set in seed_sets:
         for shape_name in shapes:
-            shape = SHAPES[shape_name]
-            table = Table(title=f"{seed_set} seeds {SEEDS[seed_set]}: {shape.name}, {shape.layers} layers, {shape.experts} "
-                          f"experts, {shape.slots} slots, {shape.gpus} GPUs, {shape.nodes} nodes, top-{shape.top_k}, "
-                          f"{shape.tokens} tokens/window, {args.windows} rebalances per seed")
-            for col in ("family", "policy", "bal/opt", "worst/opt", "bal", "worst", "opt", "next", "ceiling", "gap", "cpu ms", "copies"):
-                table.add_column(col, justify="left" if col in ("family", "policy") else "right")
-            for fam in families:
-                raw = [run_seed(policies, shape, family_windows(FAMILIES[fam], shape, args.windows, seed), args.repeat, args.smoothing)
-                       for seed in SEEDS[seed_set]]
-                for policy in policies:
-                    row = summarize(raw, policy)
-                    results.setdefault(seed_set, {}).setdefault(shape.name, {}).setdefault(fam, {})[policy] = row
-                    table.add_row(
-                        fam, policy, f"{row['bal_over_opt']:.4f}", f"{row['worst_over_opt']:.3f}",
-                        f"{row['balancedness']:.4f}", f"{row['worst_layer']:.3f}", f"{row['opt_balancedness']:.4f}",
-                        f"{row['next_balancedness']:.4f}", f"{row['ceiling']:.4f}", f"{row['next_gap']:+.4f}",
-                        f"{row['cpu_ms']:.1f}", f"{100 * row['copies_share']:.1f}%",
-                    )
-                table.add_section()
-            console.print(table)
-            if "default" in policies:
-                by_dtype = np.array([results[seed_set][shape.name][f]["default"]["cpu_ms_per_dtype"] for f in families])
-                console.print(f"  {shape.name} default CPU ms per call, median per family, slowest family: "
-                              + ", ".join(f"{str(dt).removeprefix('torch.')} {v:.1f}" for dt, v in zip(DTYPES, by_dtype.max(axis=0))))
+            _run_shape(console, results, args, seed_set, SHAPES[shape_name], families, policies)
     targets = check_targets(results)
-    if targets:
-        t = Table(title="targets (held-out seeds)")
-        for col in ("target", "value", "bound", "ok"):
-            t.add_column(col)
-        for row in targets:
-            t.add_row(row["target"], str(row["value"]), row["bound"], {True: "yes", False: "NO", None: "n/a"}[row["ok"]])
-        console.print(t)
-        failed = [r for r in targets if r["ok"] is False]
-        console.print(f"targets met: {sum(r['ok'] is True for r in targets)} / {len(targets)}; not met: {len(failed)}")
+    _print_targets(console, targets)
     ilp_rows = run_ilp(families, args.ilp, args.ilp_time) if args.ilp else []
-    if ilp_rows:
-        t = Table(title="exact optima on reduced shapes (held-out seed; balancedness)")
-        for col in ("shape", "family", "layer", "default", "ILP best", "ILP proven upper", "counting bound", "proven"):
-            t.add_column(col)
-        for r in ilp_rows:
-            t.add_row(r["shape"], r["family"], str(r["layer"]), f"{r['default']:.4f}", f"{r['ilp_best']:.4f}",
-                      f"{r['ilp_upper']:.4f}", f"{r['counting_bound']:.4f}", "yes" if r["proven"] else "no")
-        console.print(t)
+    _print_ilp(console, ilp_rows)
     elapsed = time.perf_counter() - started
     console.print(f"{elapsed:.1f} s; reproduce: python -m bench.bench_algorithm --shape {','.join(shapes)} "
                   f"--family {','.join(families)} --policy {','.join(policies)} --seeds {','.join(seed_sets)} "
