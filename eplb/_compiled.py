@@ -49,50 +49,7 @@ def _bfd_one(w, order, g, s, cap, slot_load, slot_expert):  # pragma: no cover -
     for idx in range(n):
         e = order[idx]
         we = w[e]
-        left_after = n - idx - 1
-        kk = min(m, free_total - left_after)
-        if we <= 0.0:
-            # zero load (the rest are too): the heaviest GPU with room (the light ones keep
-            # theirs for the replicas added below)
-            pick[0] = srt[m - 1]
-            placed = 1
-        elif gl[srt[0]] + we <= cap:
-            # one replica: the fullest GPU it fits under the cap (best fit): binary search
-            a, b = 0, m  # srt[:a] fits, srt[b:] does not
-            while a < b:
-                mid = (a + b) // 2
-                if gl[srt[mid]] + we <= cap:
-                    a = mid + 1
-                else:
-                    b = mid
-            pick[0] = srt[a - 1]
-            placed = 1
-        else:
-            # k equal replicas fit iff the k-th lightest GPU with room takes one: the fewest such
-            # k, each replica to the fullest GPU it fits (best fit again); if no k fits, the k
-            # lightest GPUs, the k with the lowest peak (k = 1 included)
-            placed = 0
-            best_k = 1
-            best_peak = gl[srt[0]] + we
-            for k in range(2, kk + 1):
-                pk = gl[srt[k - 1]] + we / k
-                if pk <= cap:
-                    placed = k
-                    break
-                if pk < best_peak:
-                    best_peak = pk
-                    best_k = k
-            if placed:
-                piece = we / placed
-                top = placed
-                while top < m and gl[srt[top]] + piece <= cap:
-                    top += 1
-                for j in range(placed):
-                    pick[j] = srt[top - 1 - j]
-            else:
-                placed = best_k
-                for j in range(placed):
-                    pick[j] = srt[j]
+        placed = _bfd_choose(we, gl, srt, m, min(m, free_total - (n - idx - 1)), cap, pick)
         piece = we / placed
         for j in range(placed):
             h = pick[j]
@@ -100,39 +57,98 @@ def _bfd_one(w, order, g, s, cap, slot_load, slot_expert):  # pragma: no cover -
             slot_expert[h, used[h]] = e
             used[h] += 1
             gl[h] += piece
-        # keep srt sorted: each GPU that took a replica moves right past the lighter ones (its
-        # load only grew); a full one leaves (moved to the end first)
-        for j in range(placed):
-            h = pick[j]
-            z = pos[h]
-            full = used[h] >= s
-            while z + 1 < m and (full or gl[srt[z + 1]] < gl[h]):
-                srt[z] = srt[z + 1]
-                pos[srt[z]] = z
-                z += 1
-            srt[z] = h
-            pos[h] = z
-            if full:
-                m -= 1
+        m = _bfd_resort(pick, placed, gl, used, s, srt, pos, m)
         counts[e] = placed
         free_total -= placed
-    # slots left: a replica of the largest replica's expert on the heaviest GPU, on the lightest
-    # GPU with room that lacks it, while that lowers the peak; else a replica of the lightest expert
+    _bfd_fill_free(w, g, s, free_total, counts, slot_load, slot_expert, used, gl)
+    return gl.max()
+
+
+@numba.njit(cache=True)
+def _bfd_choose(we, gl, srt, m, kk, cap, pick):  # pragma: no cover - compiled
+    """Where an expert of load ``we`` goes (:func:`_bfd_one`): its replicas' GPUs in ``pick``, their count returned.
+    ``srt[:m]``: the GPUs with a free slot, ascending by load; at most ``kk`` replicas."""
+    if we <= 0.0:
+        # zero load (the rest are too): the heaviest GPU with room (the light ones keep
+        # theirs for the replicas added below)
+        pick[0] = srt[m - 1]
+        return 1
+    if gl[srt[0]] + we <= cap:
+        # one replica: the fullest GPU it fits under the cap (best fit): binary search
+        a, b = 0, m  # srt[:a] fits, srt[b:] does not
+        while a < b:
+            mid = (a + b) // 2
+            if gl[srt[mid]] + we <= cap:
+                a = mid + 1
+            else:
+                b = mid
+        pick[0] = srt[a - 1]
+        return 1
+    # k equal replicas fit iff the k-th lightest GPU with room takes one: the fewest such
+    # k, each replica to the fullest GPU it fits (best fit again); if no k fits, the k
+    # lightest GPUs, the k with the lowest peak (k = 1 included)
+    placed = 0
+    best_k = 1
+    best_peak = gl[srt[0]] + we
+    for k in range(2, kk + 1):
+        pk = gl[srt[k - 1]] + we / k
+        if pk <= cap:
+            placed = k
+            break
+        if pk < best_peak:
+            best_peak = pk
+            best_k = k
+    if placed:
+        piece = we / placed
+        top = placed
+        while top < m and gl[srt[top]] + piece <= cap:
+            top += 1
+        for j in range(placed):
+            pick[j] = srt[top - 1 - j]
+        return placed
+    for j in range(best_k):
+        pick[j] = srt[j]
+    return best_k
+
+
+@numba.njit(cache=True)
+def _bfd_resort(pick, placed, gl, used, s, srt, pos, m):  # pragma: no cover - compiled
+    """Keep ``srt[:m]`` sorted (:func:`_bfd_one`): each GPU that took a replica moves right past the
+    lighter ones (its load only grew); a full one leaves (moved to the end first). Returns the new ``m``."""
+    for j in range(placed):
+        h = pick[j]
+        z = pos[h]
+        full = used[h] >= s
+        while z + 1 < m and (full or gl[srt[z + 1]] < gl[h]):
+            srt[z] = srt[z + 1]
+            pos[srt[z]] = z
+            z += 1
+        srt[z] = h
+        pos[h] = z
+        if full:
+            m -= 1
+    return m
+
+
+@numba.njit(cache=True)
+def _bfd_fill_free(w, g, s, free_total, counts, slot_load, slot_expert, used, gl):  # pragma: no cover - compiled
+    """The slots left (:func:`_bfd_one`): a replica of the largest replica's expert on the heaviest GPU,
+    on the lightest GPU with room that lacks it, while that lowers the peak; else a replica of the
+    lightest expert (per replica) on the lightest GPU with room."""
+    n = w.shape[0]
     while free_total > 0:
         h = 0
         for x in range(1, g):
             if gl[x] > gl[h]:
                 h = x
         done = False
-        # largest replica on h
-        bi = -1
+        bi = -1  # the largest replica on h
         for j in range(used[h]):
             if bi < 0 or slot_load[h, j] > slot_load[h, bi]:
                 bi = j
         if bi >= 0:
             e = slot_expert[h, bi]
-            c = counts[e]
-            newp = w[e] / (c + 1)
+            newp = w[e] / (counts[e] + 1)
             t = -1
             for x in range(g):
                 if used[x] < s and (t < 0 or gl[x] < gl[t]):
@@ -148,7 +164,6 @@ def _bfd_one(w, order, g, s, cap, slot_load, slot_expert):  # pragma: no cover -
                 free_total -= 1
                 done = True
         if not done:
-            # the lightest expert per replica, on the lightest GPU with room
             t = -1
             for x in range(g):
                 if used[x] < s and (t < 0 or gl[x] < gl[t]):
@@ -159,7 +174,6 @@ def _bfd_one(w, order, g, s, cap, slot_load, slot_expert):  # pragma: no cover -
                     e = x
             _add_replica(w, e, t, counts, slot_load, slot_expert, used, gl)
             free_total -= 1
-    return gl.max()
 
 
 @numba.njit(cache=True)
