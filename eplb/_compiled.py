@@ -325,47 +325,57 @@ def fill_pack(item_load, item_expert, g, max_per_round):  # pragma: no cover - c
                         slot_expert[r, h, j] = item_expert[r, q]
                         q += 1
                 break
-            tot = 0.0
-            top = 0.0
-            for j in range(start, start + g):
-                tot += item_load[r, j]
-            for h in range(g):
-                if loads[h] > top:
-                    top = loads[h]
-            step = max(tot / g, 1e-9 * (top + 1.0))
-            room = 0
-            for h in range(g):
-                room += min(s - filled[h], max_per_round)
-            kmax = max_per_round if room >= g else s
-            # the G lowest keys: with the GPUs by load (stable), the keys of each k are in that
-            # order, so merge the kmax runs (ties: the lower k first); loads change after the round
-            order = np.argsort(loads, kind="mergesort")
-            for k in range(kmax):
-                head[k] = 0
-            for i in range(g):
-                bk = -1
-                bkey = np.inf
-                for k in range(kmax):
-                    x = head[k]
-                    while x < g and filled[order[x]] + k >= s:
-                        x += 1
-                    head[k] = x
-                    if x < g and loads[order[x]] + k * step < bkey:
-                        bkey = loads[order[x]] + k * step
-                        bk = k
-                h = order[head[bk]]
-                head[bk] += 1
-                j = filled[h] + bk
-                slot_load[r, h, j] = item_load[r, start + i]
-                slot_expert[r, h, j] = item_expert[r, start + i]
-                added[h] += item_load[r, start + i]
-                took[h] += 1
-            for h in range(g):
-                loads[h] += added[h]
-                filled[h] += took[h]
-                added[h] = 0.0
-                took[h] = 0
+            _fill_round(item_load[r], item_expert[r], start, s, max_per_round, loads, filled, head, added, took,
+                        slot_load[r], slot_expert[r])
     return slot_load, slot_expert
+
+
+@numba.njit(cache=True)
+def _fill_round(item_load, item_expert, start, s, max_per_round, loads, filled, head, added, took,
+                slot_load, slot_expert):  # pragma: no cover - compiled
+    """One round of :func:`fill_pack` on one layer: the ``G`` replicas from ``start`` go, heaviest
+    first, to the ``G`` lowest keys (a GPU's load plus ``k`` mean replicas for its ``k``-th free slot)."""
+    g = loads.shape[0]
+    tot = 0.0
+    top = 0.0
+    for j in range(start, start + g):
+        tot += item_load[j]
+    for h in range(g):
+        if loads[h] > top:
+            top = loads[h]
+    step = max(tot / g, 1e-9 * (top + 1.0))
+    room = 0
+    for h in range(g):
+        room += min(s - filled[h], max_per_round)
+    kmax = max_per_round if room >= g else s
+    # the G lowest keys: with the GPUs by load (stable), the keys of each k are in that
+    # order, so merge the kmax runs (ties: the lower k first); loads change after the round
+    order = np.argsort(loads, kind="mergesort")
+    for k in range(kmax):
+        head[k] = 0
+    for i in range(g):
+        bk = -1
+        bkey = np.inf
+        for k in range(kmax):
+            x = head[k]
+            while x < g and filled[order[x]] + k >= s:
+                x += 1
+            head[k] = x
+            if x < g and loads[order[x]] + k * step < bkey:
+                bkey = loads[order[x]] + k * step
+                bk = k
+        h = order[head[bk]]
+        head[bk] += 1
+        j = filled[h] + bk
+        slot_load[h, j] = item_load[start + i]
+        slot_expert[h, j] = item_expert[start + i]
+        added[h] += item_load[start + i]
+        took[h] += 1
+    for h in range(g):
+        loads[h] += added[h]
+        filled[h] += took[h]
+        added[h] = 0.0
+        took[h] = 0
 
 
 @numba.njit(cache=True)
