@@ -226,36 +226,7 @@ def _swap_one(slot_load, slot_expert, max_steps, stop_below):  # pragma: no cove
         peak = gl[h]
         if peak <= stop_below:
             break
-        best = peak * (1.0 - 1e-12)
-        bx, bi, bj = -1, -1, -1
-        # lightest GPUs first: a swap with x leaves the pair at least at (peak + load_x) / 2, so
-        # once that reaches the best swap found, no heavier GPU can beat it
-        for xi in range(g - 1):
-            x = order[xi]
-            if 0.5 * (peak + gl[x]) >= best:
-                break
-            gap = peak - gl[x]
-            for i in range(s):
-                li = slot_load[h, i]
-                if li <= 0.0:
-                    continue
-                ei = slot_expert[h, i]
-                for j in range(s):
-                    d = li - slot_load[x, j]
-                    if d <= 0.0 or d >= gap:
-                        continue
-                    new = peak - d if peak - d > gl[x] + d else gl[x] + d
-                    if new >= best:
-                        continue
-                    ej = slot_expert[x, j]
-                    ok = True
-                    for t in range(s):
-                        if (t != j and slot_expert[x, t] == ei) or (t != i and slot_expert[h, t] == ej):
-                            ok = False
-                            break
-                    if ok:
-                        best = new
-                        bx, bi, bj = x, i, j
+        bx, bi, bj = _heaviest_swap(slot_load, slot_expert, gl, order, h, peak)
         if bx < 0:
             break
         li, lj = slot_load[h, bi], slot_load[bx, bj]
@@ -265,18 +236,63 @@ def _swap_one(slot_load, slot_expert, max_steps, stop_below):  # pragma: no cove
         gl[h] += lj - li
         gl[bx] += li - lj
         # re-sort: h got lighter (moves left), bx heavier (moves right)
-        for y in (h, bx):
-            z = 0
-            while order[z] != y:
-                z += 1
-            while z > 0 and gl[order[z - 1]] > gl[y]:
-                order[z] = order[z - 1]
-                z -= 1
-            while z + 1 < g and gl[order[z + 1]] < gl[y]:
-                order[z] = order[z + 1]
-                z += 1
-            order[z] = y
+        _resort_one(order, gl, h)
+        _resort_one(order, gl, bx)
     return gl.max()
+
+
+@numba.njit(cache=True)
+def _heaviest_swap(slot_load, slot_expert, gl, order, h, peak):  # pragma: no cover - compiled
+    """The heaviest GPU ``h``'s best swap (:func:`_swap_one`): ``(x, i, j)``, slot ``i`` of ``h`` for slot
+    ``j`` of ``x``, the lowest resulting peak of the pair below ``peak``; ``(-1, -1, -1)`` if none."""
+    g, s = slot_load.shape
+    best = peak * (1.0 - 1e-12)
+    bx, bi, bj = -1, -1, -1
+    # lightest GPUs first: a swap with x leaves the pair at least at (peak + load_x) / 2, so
+    # once that reaches the best swap found, no heavier GPU can beat it
+    for xi in range(g - 1):
+        x = order[xi]
+        if 0.5 * (peak + gl[x]) >= best:
+            break
+        gap = peak - gl[x]
+        for i in range(s):
+            li = slot_load[h, i]
+            if li <= 0.0:
+                continue
+            ei = slot_expert[h, i]
+            for j in range(s):
+                d = li - slot_load[x, j]
+                if d <= 0.0 or d >= gap:
+                    continue
+                new = peak - d if peak - d > gl[x] + d else gl[x] + d
+                if new >= best:
+                    continue
+                ej = slot_expert[x, j]
+                ok = True
+                for t in range(s):
+                    if (t != j and slot_expert[x, t] == ei) or (t != i and slot_expert[h, t] == ej):
+                        ok = False
+                        break
+                if ok:
+                    best = new
+                    bx, bi, bj = x, i, j
+    return bx, bi, bj
+
+
+@numba.njit(cache=True)
+def _resort_one(order, gl, y):  # pragma: no cover - compiled
+    """Move GPU ``y`` to its place in ``order`` (ascending ``gl``) after its load changed."""
+    g = order.shape[0]
+    z = 0
+    while order[z] != y:
+        z += 1
+    while z > 0 and gl[order[z - 1]] > gl[y]:
+        order[z] = order[z - 1]
+        z -= 1
+    while z + 1 < g and gl[order[z + 1]] < gl[y]:
+        order[z] = order[z + 1]
+        z += 1
+    order[z] = y
 
 
 @numba.njit(cache=True)
