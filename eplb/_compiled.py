@@ -436,48 +436,8 @@ def take_counts(slot_expert, load, target):  # pragma: no cover - compiled
                 for k in range(s):
                     acc += w[slot_expert[r, x, k]] / cnt[slot_expert[r, x, k]]
                 gle[x] = acc - (per_e - new_e) * hc[x, e]
-            # per expert with a surplus, its holders' loads once it loses a replica: the
-            # highest two (and where the highest is), so a candidate slot's GPU can be left out
-            for f in range(n):
-                if cnt[f] > target[r, f]:
-                    rise = w[f] / (cnt[f] - 1) - w[f] / cnt[f]
-                    m1[f] = -np.inf
-                    m2[f] = -np.inf
-                    i1[f] = -1
-                    ssf[f] = 0.0
-                    for x in range(g):
-                        v = gle[x] + rise * hc[x, f]
-                        ssf[f] += v * v - gle[x] * gle[x]
-                        if v > m1[f]:
-                            m2[f] = m1[f]
-                            m1[f] = v
-                            i1[f] = x
-                        elif v > m2[f]:
-                            m2[f] = v
-            bpeak = np.inf
-            bload = np.inf
-            bx = -1
-            bk = -1
-            for x in range(g):
-                if hc[x, e] > 0:
-                    continue
-                for k in range(s):
-                    f = slot_expert[r, x, k]
-                    if cnt[f] <= target[r, f]:
-                        continue
-                    per_f = w[f] / cnt[f]
-                    rise = w[f] / (cnt[f] - 1) - per_f
-                    here = gle[x] - per_f + new_e + rise * (hc[x, f] - 1)
-                    others = m2[f] if i1[f] == x else m1[f]
-                    pk = max(here, others)
-                    old = gle[x] + rise * hc[x, f]
-                    dss = ssf[f] - (old * old - gle[x] * gle[x]) + (here * here - gle[x] * gle[x])
-                    tie = abs(pk - bpeak) <= 1e-12 * max(abs(bpeak), 1.0)
-                    if (pk < bpeak and not tie) or (tie and dss < bload):
-                        bpeak = pk
-                        bload = dss
-                        bx = x
-                        bk = k
+            _surplus_peaks(w, target[r], cnt, hc, gle, m1, i1, m2, ssf)
+            bx, bk = _best_take(w, target[r], cnt, hc, slot_expert[r], gle, m1, i1, m2, ssf, e, new_e)
             if bx < 0:
                 stuck[e] = True
                 continue
@@ -490,6 +450,61 @@ def take_counts(slot_expert, load, target):  # pragma: no cover - compiled
             moves[r] += 1
     return moves
 
+
+@numba.njit(cache=True)
+def _surplus_peaks(w, target, cnt, hc, gle, m1, i1, m2, ssf):  # pragma: no cover - compiled
+    """For :func:`take_counts`: per expert ``f`` with a surplus, its holders' loads once it loses a
+    replica: the highest two (``m1``, ``m2``; where the highest is, ``i1``), so a candidate slot's GPU
+    can be left out, and the change of the sum of squared GPU loads (``ssf``)."""
+    g, n = hc.shape
+    for f in range(n):
+        if cnt[f] > target[f]:
+            rise = w[f] / (cnt[f] - 1) - w[f] / cnt[f]
+            m1[f] = -np.inf
+            m2[f] = -np.inf
+            i1[f] = -1
+            ssf[f] = 0.0
+            for x in range(g):
+                v = gle[x] + rise * hc[x, f]
+                ssf[f] += v * v - gle[x] * gle[x]
+                if v > m1[f]:
+                    m2[f] = m1[f]
+                    m1[f] = v
+                    i1[f] = x
+                elif v > m2[f]:
+                    m2[f] = v
+
+
+@numba.njit(cache=True)
+def _best_take(w, target, cnt, hc, se, gle, m1, i1, m2, ssf, e, new_e):  # pragma: no cover - compiled
+    """For :func:`take_counts`: the slot ``(x, k)`` of a surplus expert, on a GPU without ``e``, whose
+    move to ``e`` leaves the lowest peak (ties: the lowest sum of squares); ``(-1, -1)`` if none."""
+    g, s = se.shape
+    bpeak = np.inf
+    bload = np.inf
+    bx = -1
+    bk = -1
+    for x in range(g):
+        if hc[x, e] > 0:
+            continue
+        for k in range(s):
+            f = se[x, k]
+            if cnt[f] <= target[f]:
+                continue
+            per_f = w[f] / cnt[f]
+            rise = w[f] / (cnt[f] - 1) - per_f
+            here = gle[x] - per_f + new_e + rise * (hc[x, f] - 1)
+            others = m2[f] if i1[f] == x else m1[f]
+            pk = max(here, others)
+            old = gle[x] + rise * hc[x, f]
+            dss = ssf[f] - (old * old - gle[x] * gle[x]) + (here * here - gle[x] * gle[x])
+            tie = abs(pk - bpeak) <= 1e-12 * max(abs(bpeak), 1.0)
+            if (pk < bpeak and not tie) or (tie and dss < bload):
+                bpeak = pk
+                bload = dss
+                bx = x
+                bk = k
+    return bx, bk
 
 
 @numba.njit(cache=True)
