@@ -395,6 +395,19 @@ def _fill_round(item_load, item_expert, start, s, max_per_round, loads, filled, 
 
 
 @numba.njit(cache=True)
+def _holdings(se, n):  # pragma: no cover - compiled
+    """``se [G, S]`` -> ``(cnt [n], hc [G, n])``: each expert's replicas, and its replicas on each GPU."""
+    g, s = se.shape
+    cnt = np.zeros(n, np.int64)
+    hc = np.zeros((g, n), np.int64)
+    for x in range(g):
+        for t in range(s):
+            cnt[se[x, t]] += 1
+            hc[x, se[x, t]] += 1
+    return cnt, hc
+
+
+@numba.njit(cache=True)
 def take_counts(slot_expert, load, target):  # pragma: no cover - compiled
     """Replace moves (one copy each) that give every layer of ``slot_expert [R, G, S]`` (in place)
     the replica counts ``target [R, L]`` (same total): each step the short expert with the largest
@@ -407,13 +420,7 @@ def take_counts(slot_expert, load, target):  # pragma: no cover - compiled
     moves = np.zeros(rows, np.int64)
     for r in range(rows):
         w = load[r]
-        cnt = np.zeros(n, np.int64)
-        hc = np.zeros((g, n), np.int64)  # replicas of each expert on each GPU
-        for x in range(g):
-            for k in range(s):
-                e = slot_expert[r, x, k]
-                cnt[e] += 1
-                hc[x, e] += 1
+        cnt, hc = _holdings(slot_expert[r], n)
         stuck = np.zeros(n, np.bool_)
         gle = np.empty(g)
         m1 = np.empty(n)
@@ -757,12 +764,7 @@ def improve(slot_expert, load, target_peak, budget, max_steps, width, prefer, pr
         w = load[r]
         se = slot_expert[r]
         pref = prefer[r]
-        cnt = np.zeros(n, np.int64)
-        hc = np.zeros((g, n), np.int64)
-        for x in range(g):
-            for t in range(s):
-                cnt[se[x, t]] += 1
-                hc[x, se[x, t]] += 1
+        cnt, hc = _holdings(se, n)
         left = budget[r]
         if not np.isfinite(target_peak[r]) or left < 1:
             continue
@@ -788,34 +790,45 @@ def improve(slot_expert, load, target_peak, budget, max_steps, width, prefer, pr
                 break
             i, q = (si, sq) if swap else (ri, rq)
             x, t = light[q // s], q % s
-            e, f = se[h, i], se[x, t]
-            se[x, t] = e
-            if swap:
-                se[h, i] = f
-            else:
-                cnt[e] += 1
-                cnt[f] -= 1
-            _layer_loads(w, cnt, se, gl_new)
-            ok = abs(gl_new[h] - gl[h]) > 1e-9 * max(peak, 1.0)
-            for y in range(g):
-                if abs(gl_new[y] - gl[y]) > 1e-9 * max(peak, 1.0) and gl_new[y] >= peak * (1 - 1e-12):
-                    ok = False
-            if not ok:  # undo, and this layer stops
-                se[x, t] = f
-                if swap:
-                    se[h, i] = e
-                else:
-                    cnt[e] -= 1
-                    cnt[f] += 1
-                break
-            hc[x, e] += 1
-            hc[x, f] -= 1
-            if swap:
-                hc[h, f] += 1
-                hc[h, e] -= 1
+            if not _apply_move(w, cnt, hc, se, gl, gl_new, h, i, x, t, swap, peak):
+                break  # undone, and this layer stops
             cost = 2 if swap else 1
             left -= cost
             made[r] += cost
             if left < 1:
                 break
     return made
+
+
+@numba.njit(cache=True)
+def _apply_move(w, cnt, hc, se, gl, gl_new, h, i, x, t, swap, peak):  # pragma: no cover - compiled
+    """For :func:`improve`: slot ``t`` of GPU ``x`` takes the expert in slot ``i`` of ``h`` (and gives
+    its own back, a ``swap``); kept (True) only if every GPU it changed ends below the old ``peak``,
+    recomputed exactly, else undone (False)."""
+    g = gl.shape[0]
+    e, f = se[h, i], se[x, t]
+    se[x, t] = e
+    if swap:
+        se[h, i] = f
+    else:
+        cnt[e] += 1
+        cnt[f] -= 1
+    _layer_loads(w, cnt, se, gl_new)
+    ok = abs(gl_new[h] - gl[h]) > 1e-9 * max(peak, 1.0)
+    for y in range(g):
+        if abs(gl_new[y] - gl[y]) > 1e-9 * max(peak, 1.0) and gl_new[y] >= peak * (1 - 1e-12):
+            ok = False
+    if not ok:  # undo
+        se[x, t] = f
+        if swap:
+            se[h, i] = e
+        else:
+            cnt[e] -= 1
+            cnt[f] += 1
+        return False
+    hc[x, e] += 1
+    hc[x, f] -= 1
+    if swap:
+        hc[h, f] += 1
+        hc[h, e] -= 1
+    return True
