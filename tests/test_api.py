@@ -444,6 +444,7 @@ class FakeController:
     def __init__(self, state: Phase):
         self.machine = SimpleNamespace(state=state, generation=4)
         self.requests = None
+        self.config = SimpleNamespace(eplb=SimpleNamespace(min_balancedness=None), heartbeat_s=1.0)
 
     def subscribe(self, callback):
         pass

@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from elastic.core.clock import RealClock
 from elastic.core.errors import InvalidScaleRequest, ScaleConflict
 from elastic.service.autoscaler import (
     Autoscaler,
@@ -70,6 +71,7 @@ class FakeCoordinator:
 
     def __init__(self, size: int = 2, load: float = 0.0, capacity: int = 4):
         self.size, self.generation, self.state, self.load = size, 0, "running", load
+        self.clock = RealClock()
         self.config = SimpleNamespace(max_ep_size=capacity, heartbeat_s=0.1,
                                       size_problem=lambda n: None if 1 <= n <= capacity else f"bad size {n}")
         self.calls: list[dict] = []
@@ -306,9 +308,9 @@ def test_runner_checks_bounds_against_the_deployment():
         Autoscaler(FakeCoordinator(capacity=4), cfg(max_size=8))
     deployment = SimpleNamespace(max_ep_size=8, size_problem=lambda n: "too few slots" if n < 2 else None)
     with pytest.raises(ValueError, match="min_size=1 cannot hold the model: too few slots"):
-        Autoscaler(SimpleNamespace(config=deployment), cfg(min_size=1, max_size=4))
+        Autoscaler(SimpleNamespace(config=deployment, clock=RealClock()), cfg(min_size=1, max_size=4))
     # left unset, min_size is the smallest size that holds the model
-    assert Autoscaler(SimpleNamespace(config=deployment), cfg(max_size=4)).min_size == 2
+    assert Autoscaler(SimpleNamespace(config=deployment, clock=RealClock()), cfg(max_size=4)).min_size == 2
 
 
 def test_metrics_fn_adds_readings():

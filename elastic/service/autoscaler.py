@@ -250,22 +250,21 @@ class Autoscaler:
         self.config = config
         self.policy = policy if policy is not None else build_policy(config)
         # the control plane's one clock (the coordinator's), unless a test gives its own
-        own = getattr(coordinator, "clock", None)
-        self.clock = as_clock(clock if clock is not None else own if isinstance(own, Clock) else None)
+        self.clock = as_clock(clock if clock is not None else coordinator.clock)
         self.metrics_fn = metrics_fn
-        deployment = getattr(coordinator, "config", None)
-        capacity = getattr(deployment, "max_ep_size", None)
+        deployment = coordinator.config
+        capacity = deployment.max_ep_size
         self.max_size = config.max_size if config.max_size is not None else (capacity or config.min_size)
         self.min_size = config.min_size
         if capacity is not None and self.max_size > capacity:
             raise ValueError(f"autoscaler max_size={self.max_size} exceeds the deployment's max_ep_size={capacity}")
         if self.max_size < self.min_size:
             raise ValueError(f"autoscaler max_size={self.max_size} is below min_size={self.min_size}")
-        problem = getattr(deployment, "size_problem", None)
-        if problem is not None and "min_size" not in config.model_fields_set:
+        problem = deployment.size_problem
+        if "min_size" not in config.model_fields_set:
             # not set: the smallest size that holds the model
             self.min_size = next((n for n in range(1, self.max_size + 1) if not problem(n)), self.min_size)
-        if problem is not None and problem(self.min_size):
+        if problem(self.min_size):
             raise ValueError(f"autoscaler min_size={self.min_size} cannot hold the model: {problem(self.min_size)}")
         self._enabled = config.enabled
         self.decisions: deque[dict[str, Any]] = deque(maxlen=keep)
@@ -297,7 +296,7 @@ class Autoscaler:
             if worker.heartbeat is not None:
                 beats.append(worker.heartbeat)
         beats.sort(key=lambda hb: hb.rank)
-        heartbeat_s = getattr(getattr(self.coordinator, "config", None), "heartbeat_s", 1.0) or 1.0
+        heartbeat_s = self.coordinator.config.heartbeat_s or 1.0
         op = snap.get("operation") or {}
         in_progress = op.get("id") if op and op.get("status") in ("pending", "running") else None
         fields: dict[str, Any] = {

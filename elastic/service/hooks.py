@@ -259,7 +259,7 @@ class ScaleHooks:
 
     def install(self, coordinator: ControlPlane) -> ScaleHooks:
         """Add the before-hooks to the coordinator's hook point and follow its operations for the after-hooks."""
-        if not self._own_clock and isinstance(getattr(coordinator, "clock", None), Clock):
+        if not self._own_clock:
             self.clock = coordinator.clock
         if self.before:  # no before-hooks: scales start at once (no before_hooks phase)
             coordinator.before_scale.append(self.run_before)

@@ -134,8 +134,7 @@ class CoordinatorCollector(Collector):
             window = [e["balancedness_before"] for e in stats if e.get("balancedness_before") is not None]
             if window:
                 window_bal.add_metric([], float(min(window)))
-            eplb_config = getattr(getattr(self.coordinator, "config", None), "eplb", None)
-            threshold = getattr(eplb_config, "min_balancedness", None)
+            threshold = self.coordinator.config.eplb.min_balancedness
             if threshold is not None:
                 min_bal.add_metric([], float(threshold))
         yield from (in_flight, rebalances, layers, eplb_bytes, stalls, eplb_healthy, eplb_restarts, eplb_failed,
