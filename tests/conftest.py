@@ -52,9 +52,9 @@ def one_forkserver_for_every_model_kind(request, tmp_path_factory):
     import multiprocessing
     import multiprocessing.forkserver
 
-    from elastic.launch.launchers import forkserver_preload
+    from elastic.launch.launchers import forkserver_preload, preload_in_forkserver
 
-    multiprocessing.get_context("forkserver").set_forkserver_preload(forkserver_preload("hf"))
+    preload_in_forkserver(forkserver_preload("hf"))
     with open(tmp_path_factory.getbasetemp() / "workers.log", "ab") as log:
         saved = [os.dup(1), os.dup(2)]
         try:

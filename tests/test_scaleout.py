@@ -45,6 +45,17 @@ def test_the_forkserver_preloads_transformers_only_for_a_hugging_face_model():
     assert reference.preload == ["elastic.worker.preload"]
 
 
+def test_a_later_reference_deployment_does_not_narrow_the_forkserver_preload():
+    """The forkserver reads its list when it (re)starts: one restarted after a reference deployment
+    was set up (a launch restarts a forkserver that died) must still preload transformers for the
+    Hugging Face workers of the process (the reliability test's killed forkserver did not)."""
+    from elastic.launch.launchers import preload_in_forkserver
+
+    make_launcher(DeploymentConfig(model={"kind": "hf", "architecture": "qwen3_moe"}))
+    make_launcher(DeploymentConfig())
+    assert "transformers" in preload_in_forkserver([])
+
+
 # the compiled kernels eplb.algorithm.warm_up loads (a new kernel belongs here and in warm_up)
 EVERY_KERNEL = ("add_replicas", "bfd_pack", "fill_pack", "improve", "repair_counts", "replica_counts", "swap_refine", "take_counts")
 

@@ -214,6 +214,20 @@ def forkserver_preload(model_kind: str) -> list[str]:
     return ["elastic.worker.preload", *(HF_MODULES if model_kind == "hf" else ())]
 
 
+#: every module any launcher of this process asked its forkserver to preload, in order
+_PRELOADED: dict[str, None] = {}
+
+
+def preload_in_forkserver(modules: list[str]) -> list[str]:
+    """Add ``modules`` to what this process's forkserver preloads when it (re)starts; the list
+    only grows. A process has one forkserver, read at its start: a deployment of a reference model
+    set up after a Hugging Face one must not narrow the list, or a forkserver restarted later (the
+    next launch restarts one that died) would fork Hugging Face workers without transformers."""
+    _PRELOADED.update(dict.fromkeys(modules))
+    mp.get_context("forkserver").set_forkserver_preload(list(_PRELOADED))
+    return list(_PRELOADED)
+
+
 class LocalLauncher:
     """Workers as processes on this machine."""
 
@@ -222,8 +236,8 @@ class LocalLauncher:
         self._ctx = mp.get_context("forkserver")
         # read once, when this process's forkserver starts (at the first launch); a forkserver
         # already running keeps what it loaded
-        self.preload = preload if preload is not None else forkserver_preload("reference")
-        self._ctx.set_forkserver_preload(self.preload)
+        self.preload = preload if preload is not None else forkserver_preload("reference")  # what this deployment needs
+        preload_in_forkserver(self.preload)
         self._reports = WorkerReports()
         self._workers: list[LocalWorker] = []
 
