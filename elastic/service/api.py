@@ -342,7 +342,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 def _add_operation_routes(app: FastAPI, controller: ControlPlane, view: Callable[[dict[str, Any]], dict[str, Any]], *,
                           operations: Callable[..., Any], control: Callable[..., Any]) -> None:
     """/scale and /operations (then the other control routes)."""
-    get_op = controller.get_operation
+    def get_op(op_id: str) -> dict[str, Any] | None:  # looked up per call: a controller may lack it until used
+        return controller.get_operation(op_id)
 
     # -- scale --------------------------------------------------------------------------------
     @app.post("/scale", status_code=202, response_model=OperationView, tags=["scale"],
@@ -396,7 +397,8 @@ def _add_operation_routes(app: FastAPI, controller: ControlPlane, view: Callable
 def _add_control_routes(app: FastAPI, controller: ControlPlane, view: Callable[[dict[str, Any]], dict[str, Any]], *,
                         operations: Callable[..., Any], control: Callable[..., Any]) -> None:
     """/recover, /rebalance and /placement."""
-    get_op = controller.get_operation
+    def get_op(op_id: str) -> dict[str, Any] | None:  # looked up per call: a controller may lack it until used
+        return controller.get_operation(op_id)
 
     @app.post("/recover", status_code=202, response_model=OperationView, tags=["scale"],
               responses={409: {"model": ErrorBody, "description": "not failed, or an operation is in progress "
