@@ -394,6 +394,11 @@ class RecordingGate:
     def serving_health(self) -> str:
         return self.health
 
+    size = 1
+
+    def group_size(self) -> int:
+        return self.size
+
 
 def engine_with(gate: RecordingGate, clock=None, **config) -> RequestEngine:
     return RequestEngine(gate, ServingConfig(**config), clock=clock or time.monotonic)
@@ -421,9 +426,35 @@ def test_tokens_past_a_gap_wait_for_it_and_a_replay_must_repeat_them():
     # the group lost it (a recovery): it is admitted again and its tokens come back from position 0
     engine.on_held(p.RequestsHeld(rank=0, generation=1, pid=1, at=0.0, seq=9, held=()))
     engine._admit_once()
-    assert gate.sent[-1] == (p.Admit, {"requests": (spec("a"),)}) and c.replays == 1
+    assert gate.sent[-1] == (p.Admit, {"requests": (spec("a"),)}) and c.replays == 1 and c.rank == 0
     engine.on_tokens(tokens("a", (0, 5), (1, 6), (2, 7), (3, 8), last=3))
     assert c.status == "finished" and c.tokens == [5, 6, 7, 8] and engine.counts["mismatched"] == 0
+
+
+def test_each_request_goes_to_the_least_loaded_rank_by_tokens_in_flight_and_held_reports_move_it():
+    gate = RecordingGate()
+    gate.size = 3
+    engine = engine_with(gate)
+    # in flight: the prompt until prefilled, then what is left to generate
+    assert spec("x", 4).in_flight(0) == 2 + 4 and spec("x", 4).in_flight(3) == 1 and spec("x", 4).in_flight(9) == 0
+    big = engine.submit(p.RequestSpec(request_id="big", prompt=(1,) * 10, max_tokens=20))  # 30 in flight
+    small = [engine.submit(spec(f"s{i}", 4)) for i in range(3)]  # 6 each
+    engine._admit_once()
+    owners = {c.id: c.rank for c in (big, *small)}
+    assert owners == {"big": 0, "s0": 1, "s1": 2, "s2": 1}  # s2: ranks 1 and 2 hold 6 each, the lower wins
+    assert [s.owner for s in gate.sent[-1][1]["requests"]] == [0, 1, 2, 1]
+    late = engine.submit(spec("late", 4))
+    engine._admit_once()
+    assert late.rank == 2  # rank 1 holds 12 in flight, rank 2 6, rank 0 30
+    # a rescale: the group of 2 says who holds what; what no rank holds is admitted again, to the lightest
+    gate.size = 2
+    engine.on_held(p.RequestsHeld(rank=0, generation=1, pid=1, at=0.0, seq=9,
+                                  held=(("big", 0, 1), ("s0", 0, 0), ("s1", 0, 0), ("s2", 0, 0))))
+    assert big.rank == 1 and late.replays == 1
+    engine._admit_once()
+    assert late.rank == 0 and gate.sent[-1][1]["requests"][0].owner == 0  # 18 on rank 0 against 30 on rank 1
+    with pytest.raises(ValueError, match="owner must be a rank"):
+        p.RequestSpec(request_id="bad", prompt=(1,), max_tokens=1, owner=-1)
 
 
 def test_a_replayed_token_that_differs_fails_the_request_as_an_output_mismatch():
