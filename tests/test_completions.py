@@ -88,6 +88,7 @@ class Stream:
     finish: str | None = None
     replays: int | None = None
     error: str | None = None
+    id: str | None = None  # the engine's request id (the chunks' id)
 
     def start(self) -> Stream:
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -112,6 +113,7 @@ class Stream:
                 if "error" in chunk:
                     self.error = str(chunk["error"])
                     return
+                self.id = chunk["id"]
                 choice = chunk["choices"][0]
                 for token in choice["token_ids"]:
                     self.tokens.append(token)
@@ -318,16 +320,28 @@ def test_requests_decode_through_a_scale_without_restarting_and_with_the_same_to
 
     feeder = threading.Thread(target=feed, daemon=True)
     feeder.start()
-    wait_until(lambda: any(len(s.tokens) >= 3 for s in streams), what="a request decoding")
+    wait_until(lambda: sum(len(s.tokens) >= 3 for s in streams) >= 3, what="three requests decoding")
+    start = c.size
+    # each request is owned by one rank, the least loaded: at the scale, requests are on every rank
+    owners = {s.id: c.requests.get(s.id).rank for s in streams if s.id and s.thread.is_alive()}
     op = c.scale(target, timeout=180)
     stop.set()
     feeder.join(5)
     assert op.status == OperationStatus.SUCCEEDED, op.error
-    for s in streams:
+    assert len(set(owners.values())) >= min(start, 3), f"requests not spread over the {start} ranks: {owners}"
+    later = [Stream(live, prompt_of(2000 * target + i), 8).start() for i in range(target)] if target > start else []
+    for s in streams + later:
         s.join()
         assert s.status == 200 and s.error is None, s.error
         assert s.tokens == live.greedy(s.prompt, s.max_tokens), "the tokens changed"
         assert s.finish == "length" and s.replays == 0, "a request restarted from its prompt"
+    if later:  # a scale up's new ranks serve new requests (the least loaded: they held none)
+        assert {c.requests.get(s.id).rank for s in later} & set(range(start, target)), "no new request on a new rank"
+    moved = [rid for rid, rank in owners.items() if rank >= target]
+    if target < start:  # a scale down moved the leaving ranks' requests, KV caches included: none replayed
+        assert moved, f"no request on a leaving rank at the scale: {owners}"
+        assert all(c.requests.get(rid).rank < target for rid in moved)
+        assert c.requests.stats()["replayed"] == 0
     pause = c.get_operation(op.id)["phases"]["rescaling"]
     assert any(spanned(s, pause["started"], pause["ended"]) for s in streams), (
         "no request decoded across the pause", pause["started"], pause["ended"],
@@ -366,6 +380,8 @@ def test_a_killed_rank_loses_no_request_they_are_replayed_with_the_same_tokens(l
     streams = [Stream(live, prompt_of(90 + i), 64).start() for i in range(3)]
     for s in streams:
         s.wait_tokens(3)
+    owners = {s.id: c.requests.get(s.id).rank for s in streams}
+    assert sorted(owners.values()) == [0, 0, 1], owners  # the same load each: ranks 0, 1, 0
     victim = next(w for w in c.live_workers() if w.rank == 1)
     os.kill(victim.handle.pid, signal.SIGKILL)
     for s in streams:
@@ -373,8 +389,9 @@ def test_a_killed_rank_loses_no_request_they_are_replayed_with_the_same_tokens(l
         assert s.status == 200 and s.error is None, s.error
         assert s.tokens == live.greedy(s.prompt, 64), "a replayed request's tokens differ"
         assert s.finish == "length"
+        # only the lost rank's request replays from its prompt; the survivor's go on where they were
+        assert s.replays == (1 if owners[s.id] == 1 else 0), (owners[s.id], s.replays)
     assert c.machine.state.value == "running" and c.auto_recoveries >= 1
-    assert any(s.replays for s in streams), "the failure replayed nothing: it happened after the requests"
     assert c.requests.stats()["mismatched"] == 0
 
 
