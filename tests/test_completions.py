@@ -6,6 +6,7 @@ for the same prompt, through a scale up, a scale down, and a killed rank with it
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import threading
@@ -472,6 +473,47 @@ def test_each_request_goes_to_the_least_loaded_rank_by_tokens_in_flight_and_held
     assert late.rank == 0 and gate.sent[-1][1]["requests"][0].owner == 0  # 18 on rank 0 against 30 on rank 1
     with pytest.raises(ValueError, match="owner must be a rank"):
         p.RequestSpec(request_id="bad", prompt=(1,), max_tokens=1, owner=-1)
+
+
+def test_a_step_that_fails_midway_is_rolled_back_and_the_requests_go_on_with_the_same_tokens(monkeypatch):
+    """What a recovery's survivor does with its batch: a step cut short (here: after the first request
+    of two took its token and state) is undone, and the next step gives the tokens it would have."""
+    import elastic.worker.batch as b
+
+    torch.set_num_threads(1)
+    model = unsharded(MODEL)
+    specs = tuple(p.RequestSpec(request_id=f"r{i}", prompt=tuple(prompt_of(i)), max_tokens=5) for i in range(2))
+    real = b.choose
+
+    def run(fail_at: int | None) -> dict[str, list[int]]:
+        batch = b.RequestBatch(model, 8)
+        batch.admit(specs + (p.RequestSpec(request_id="other", prompt=(1,), max_tokens=1, owner=1),), 0)
+        assert list(batch.running) == ["r0", "r1"]  # only what this rank (0) owns
+        out: dict[str, list[int]] = {"r0": [], "r1": []}
+        for step in range(5):
+            if step == fail_at:
+                calls = itertools.count()
+
+                def failing(*args, **kwargs):
+                    if next(calls) == 1:
+                        raise RuntimeError("a peer died in the combine")
+                    return real(*args, **kwargs)
+
+                monkeypatch.setattr(b, "choose", failing)
+                with pytest.raises(RuntimeError):
+                    batch.step()
+                monkeypatch.setattr(b, "choose", real)
+                assert len(batch.running["r0"].generated) == step + 1  # the half-made token is there
+                assert batch.rollback() == 2 and batch.rollback() == 0
+                for r in batch.running.values():
+                    assert len(r.generated) == step
+                    assert b.state_length(model, r.cache) == (0 if step == 0 else len(r.spec.prompt) + step - 1)
+            for t in batch.step().tokens:
+                out[t.request_id].append(t.token)
+        return out
+
+    expected = {s.request_id: model.generate(torch.tensor([s.prompt]), 5)[0][0].tolist() for s in specs}
+    assert run(None) == expected and run(0) == expected and run(3) == expected
 
 
 def test_a_replayed_token_that_differs_fails_the_request_as_an_output_mismatch():

@@ -74,37 +74,14 @@ def choose(spec: RequestSpec, logits: torch.Tensor, position: int,
     return token, float(logp[token]), top
 
 
-def _forward_batch(model: Any, inputs: list[tuple[torch.Tensor, Any]]) -> tuple[torch.Tensor, list[Any]]:
-    """``model.forward_batch(inputs)``; a model without one (until the data plane's lands) runs a
-    forward per request (valid with one rank, or with the same batch on every rank)."""
-    forward = getattr(model, "forward_batch", None)
-    if forward is not None:
-        return forward(inputs)
-    logits, states = [], []
-    for ids, state in inputs:
-        out, state = model.next_logits(ids[None, :], state)
-        logits.append(out)
-        states.append(state)
-    return (torch.cat(logits) if logits else torch.empty(0)), states
-
-
 def state_length(model: Any, state: Any) -> int:
     """Tokens held in a request's state (0: none yet)."""
-    if state is None:
-        return 0
-    measure = getattr(model, "state_length", None)
-    return int(measure(state)) if measure is not None else int(state.get_seq_length())
+    return 0 if state is None else int(model.state_length(state))
 
 
 def crop_state(model: Any, state: Any, length: int) -> Any:
     """The state cut back to ``length`` tokens (None at 0: the request is prefilled again)."""
-    if state is None or length == 0:
-        return None
-    crop = getattr(model, "crop_state", None)
-    if crop is not None:
-        return crop(state, length)
-    state.crop(length)
-    return state
+    return None if state is None or length == 0 else model.crop_state(state, length)
 
 
 class RequestBatch:
@@ -148,7 +125,7 @@ class RequestBatch:
         self._before = [(r, len(r.generated), r.last, state_length(self.model, r.cache)) for _, r in requests]
         inputs = [(torch.tensor(r.spec.prompt, dtype=torch.long) if r.cache is None or r.last is None else r.last,
                    r.cache) for _, r in requests]
-        logits, states = _forward_batch(self.model, inputs)
+        logits, states = self.model.forward_batch(inputs)
         logical, physical = self.model.take_load()
         out: list[TokenOut] = []
         for (rid, r), row, state in zip(requests, logits, states):
