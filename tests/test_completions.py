@@ -190,13 +190,15 @@ def test_an_idle_deployment_stops_stepping_uses_almost_no_cpu_and_an_admission_w
     workers = c.live_workers()
     steps = [r["step"] for r in c.snapshot()["ranks"]]
     reported = [w.last_report for w in workers]
-    cpu = [cpu_seconds(w.pid) for w in workers]
-    started = time.monotonic()
-    time.sleep(3)
-    cores = [(cpu_seconds(w.pid) - before) / (time.monotonic() - started) for w, before in zip(workers, cpu)]
+    windows = []
+    for _ in range(2):  # the better of two 2 s windows: one stray blip of a shared machine is not idling
+        cpu = [cpu_seconds(w.pid) for w in workers]
+        started = time.monotonic()
+        time.sleep(2)
+        windows.append([(cpu_seconds(w.pid) - before) / (time.monotonic() - started) for w, before in zip(workers, cpu)])
     assert [r["step"] for r in c.snapshot()["ranks"]] == steps  # no step ran
     assert all(w.last_report > before for w, before in zip(workers, reported))  # heartbeats went on (every 0.05 s)
-    assert max(cores) <= 0.05, f"idle ranks used {cores} cores"
+    assert min(max(cores) for cores in windows) <= 0.05, f"idle ranks used {windows} cores"
     prompt = prompt_of(7)
     r = live.client.post("/v1/completions", json={"model": live.model, "prompt": prompt, "max_tokens": 6, "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == live.greedy(prompt, 6)
@@ -494,7 +496,7 @@ def test_a_step_that_fails_midway_is_rolled_back_and_the_requests_go_on_with_the
             if step == fail_at:
                 calls = itertools.count()
 
-                def failing(*args, **kwargs):
+                def failing(*args, calls=calls, **kwargs):
                     if next(calls) == 1:
                         raise RuntimeError("a peer died in the combine")
                     return real(*args, **kwargs)
