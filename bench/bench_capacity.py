@@ -435,29 +435,40 @@ def _collect_profile(d: Deployment, samples: Path) -> dict[str, Any]:
     return out
 
 
+#: innermost frames of a thread blocked with nothing to do (a lock, a poll): left out of the shares
+WAITING_FRAMES = frozenset({"threading.py:wait", "threading.py:_wait_for_tstate_lock", "selectors.py:select",
+                            "queues.py:get", "connection.py:poll", "connection.py:_recv", "socket.py:accept"})
+
+
 def summarize_samples(records: list[list[Any]], thread: str | None, top: int = 15) -> dict[str, Any]:
-    """From ``[thread, stack (outermost first), count]`` records: the share of samples per innermost
-    frame (self) and per frame anywhere in the stack (inclusive, without the frames in nearly every
-    sample: the loop's own callers)."""
+    """From ``[thread, stack (outermost first), count]`` records: the share of samples spent waiting
+    (``WAITING_FRAMES``), and of the others the share per innermost frame (self) and per frame
+    anywhere in the stack (inclusive, without the frames in nearly every sample: the loop's callers)."""
     from collections import Counter
 
     own, anywhere = Counter(), Counter()  # type: ignore[var-annotated]
-    total = 0
+    total = waiting = 0
     for name, stack, count in records:
         if thread is not None and name != thread:
             continue
         total += count
+        if stack and stack[-1] in WAITING_FRAMES:
+            waiting += count
+            continue
         own[stack[-1] if stack else "?"] += count
         for frame in set(stack):
             anywhere[frame] += count
-    if not total:
-        raise BenchError(f"no stack samples of thread {thread}")
-    inclusive = [(f, c / total) for f, c in anywhere.most_common() if c / total < 0.97][:top]
-    return {"samples": total, "self": [(f, c / total) for f, c in own.most_common(top)], "inclusive": inclusive}
+    busy = total - waiting
+    if not busy:
+        raise BenchError(f"no stack samples of thread {thread} outside waits ({total} samples)")
+    inclusive = [(f, c / busy) for f, c in anywhere.most_common() if c / busy < 0.9][:top]
+    return {"samples": total, "waiting": waiting / total, "self": [(f, c / busy) for f, c in own.most_common(top)],
+            "inclusive": inclusive}
 
 
 def format_profile(role: str, summary: dict[str, Any]) -> str:
-    lines = [f"{role}: {summary['samples']} samples; self (innermost frame):"]
+    lines = [f"{role}: {summary['samples']} samples, {summary['waiting']:.0%} waiting; of the others, "
+             "self (innermost frame):"]
     lines += [f"  {share:6.1%}  {frame}" for frame, share in summary["self"]]
     lines.append("  inclusive (frame anywhere in the stack):")
     lines += [f"  {share:6.1%}  {frame}" for frame, share in summary["inclusive"]]
