@@ -186,9 +186,17 @@ def test_an_idle_deployment_stops_stepping_uses_almost_no_cpu_and_an_admission_w
     c = live.coordinator
     # serving.background_load is off by default (this deployment does not set it), as for `serve`
     assert not c.config.serving.background_load and not DeploymentConfig(model=MODEL).serving.background_load
-    wait_until(lambda: all(r["idle"] for r in c.snapshot()["ranks"]), timeout=60, what="every rank idle")
+    settled: list = []
+
+    def asleep() -> bool:  # every rank idle, at the same steps as half a second ago (a rebalance may end first)
+        ranks = c.snapshot()["ranks"]
+        settled.append([r["step"] for r in ranks] if all(r["idle"] for r in ranks) else None)
+        time.sleep(0.5)
+        return len(settled) > 1 and settled[-1] is not None and settled[-1] == settled[-2]
+
+    wait_until(asleep, timeout=60, what="every rank idle")
     workers = c.live_workers()
-    steps = [r["step"] for r in c.snapshot()["ranks"]]
+    steps = settled[-1]
     reported = [w.last_report for w in workers]
     windows = []
     for _ in range(2):  # the better of two 2 s windows: one stray blip of a shared machine is not idling
@@ -202,7 +210,8 @@ def test_an_idle_deployment_stops_stepping_uses_almost_no_cpu_and_an_admission_w
     prompt = prompt_of(7)
     r = live.client.post("/v1/completions", json={"model": live.model, "prompt": prompt, "max_tokens": 6, "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == live.greedy(prompt, 6)
-    assert min(r["step"] for r in c.snapshot()["ranks"]) >= min(steps) + 6  # it woke and decoded
+    # it woke and decoded: 6 steps (the last heartbeats may come after the response)
+    wait_until(lambda: min(r["step"] for r in c.snapshot()["ranks"]) >= min(steps) + 6, timeout=10, what="6 steps")
 
 
 @pytest.mark.multiprocess
@@ -277,7 +286,9 @@ def test_a_full_batch_and_queue_answer_429_and_a_client_that_leaves_frees_its_sl
     c = live.coordinator
     # 4 decode (max_batch) and 4 wait (max_queue): of 14 sent at once, the rest are refused at once
     streams = [Stream(live, prompt_of(10 + i), 64).start() for i in range(14)]
-    wait_until(lambda: all(s.status is not None for s in streams), what="every answer's status")
+    # (a refused stream's status is set before its error body is read)
+    wait_until(lambda: all(s.status == 200 or (s.status is not None and s.error is not None) for s in streams),
+               what="every answer's status")
     refused = [s for s in streams if s.status == 429]
     assert len(refused) >= 6 and all("max_batch" in s.error for s in refused), [s.status for s in streams]
     r = live.client.post("/v1/completions", json={"model": live.model, "prompt": [1, 2], "max_tokens": 4})
@@ -316,15 +327,15 @@ def test_requests_decode_through_a_scale_without_restarting_and_with_the_same_to
         # three requests in flight all the time, whatever the scale's phase, of three lengths: requests
         # of one length started together would finish together, and the pause could fall in the gap
         # before the next three decode their first token
-        while not stop.is_set():
-            if sum(s.thread.is_alive() for s in streams) < 3:
+        while not stop.is_set():  # as many as ranks, at least 3: each rank holds one (the least loaded takes the next)
+            if sum(s.thread.is_alive() for s in streams) < max(3, start):
                 streams.append(Stream(live, prompt_of(1000 * target + len(streams)), (36, 50, 64)[len(streams) % 3]).start())
             time.sleep(0.02)
 
+    start = c.size
     feeder = threading.Thread(target=feed, daemon=True)
     feeder.start()
     wait_until(lambda: sum(len(s.tokens) >= 3 for s in streams) >= 3, what="three requests decoding")
-    start = c.size
     # each request is owned by one rank, the least loaded: at the scale, requests are on every rank
     owners = {s.id: c.requests.get(s.id).rank for s in streams if s.id and s.thread.is_alive()}
     op = c.scale(target, timeout=180)
@@ -340,10 +351,10 @@ def test_requests_decode_through_a_scale_without_restarting_and_with_the_same_to
         assert s.finish == "length" and s.replays == 0, "a request restarted from its prompt"
     if later:  # a scale up's new ranks serve new requests (the least loaded: they held none)
         assert {c.requests.get(s.id).rank for s in later} & set(range(start, target)), "no new request on a new rank"
-    moved = [rid for rid, rank in owners.items() if rank >= target]
     if target < start:  # a scale down moved the leaving ranks' requests, KV caches included: none replayed
-        assert moved, f"no request on a leaving rank at the scale: {owners}"
-        assert all(c.requests.get(rid).rank < target for rid in moved)
+        rescaled = [r.result for done in list(c.registry.done.values()) for r in list(done.values())
+                    if r.operation_id == op.id and isinstance(r.result, p.RescaleDone)]
+        assert sum(r.timing.get("requests_moved", 0) for r in rescaled) >= 1, [r.timing for r in rescaled]
         assert c.requests.stats()["replayed"] == 0
     pause = c.get_operation(op.id)["phases"]["rescaling"]
     assert any(spanned(s, pause["started"], pause["ended"]) for s in streams), (

@@ -312,6 +312,7 @@ class Worker:
         self._maybe_heartbeat(0.0, None, force=True, idle=True)
         while not ctx.stopping and not self.inbox.wait(ctx.spec.heartbeat_s):
             self._maybe_heartbeat(0.0, None, force=True, idle=True)
+        self._maybe_heartbeat(0.0, None, force=True)  # awake: the coordinator's view says so at once
 
     def _steady_step_seconds(self) -> float:
         """The step time of the last steps (taken at a Drain: the pace the operation's prepare
