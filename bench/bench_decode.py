@@ -67,7 +67,8 @@ def deployment(args: argparse.Namespace, mode: str) -> DeploymentConfig:
     trace = [TracePhase(start_step=s, trace=TraceConfig(kind="zipf", tokens_per_step=args.tokens, seed=i))
              for i, s in enumerate(starts)]
     return DeploymentConfig(model=shape, eplb=eplb, trace=trace, ep_size=args.ranks, max_ep_size=args.ranks,
-                            seed=args.seed, timeouts=BENCH_TIMEOUTS)
+                            seed=args.seed, timeouts=BENCH_TIMEOUTS,
+                            serving={"background_load": True})  # a real model decodes synthetic batches
 
 
 def run_mode(args: argparse.Namespace, mode: str, console: Console) -> dict[str, Any]:

@@ -75,7 +75,8 @@ def deployment(args: argparse.Namespace, intermediate: int | None = None) -> Dep
     # the pre-transfer of the largest size takes a while at its share of the wall time
     timeouts = BENCH_TIMEOUTS.model_copy(update={"draining": 600.0, "rescaling": 600.0})
     return DeploymentConfig(model=shape, eplb=eplb, trace=trace, ep_size=args.start, max_ep_size=max(args.sizes),
-                            seed=args.seed, timeouts=timeouts, scaling=scaling)
+                            seed=args.seed, timeouts=timeouts, scaling=scaling,
+                            serving={"background_load": True})  # a real model decodes synthetic batches
 
 
 def intermediate_for(args: argparse.Namespace, mib_per_rank: float) -> int:

@@ -37,7 +37,7 @@ def deployment(**serving) -> DeploymentConfig:
         "eplb": {"num_redundant_experts": 4, "use_async": True, "window_size": 6, "step_interval": 6},
         "timeouts": {"collective": 6, "heartbeat": 8, "worker_start": 120},
         "step_delay_s": 0.01, "scaling": TEST_SCALING,
-        "serving": {"background_load": False, "max_batch": 4, "max_queue": 4, "max_tokens_limit": 64, **serving},
+        "serving": {"max_batch": 4, "max_queue": 4, "max_tokens_limit": 64, **serving},
     })
 
 
@@ -168,6 +168,36 @@ def test_a_completion_is_the_unsharded_models_greedy_output_streamed_or_not(live
     samples = {(s.name, s.labels.get("outcome")): s.value
                for family in text_string_to_metric_families(live.client.get("/metrics").text) for s in family.samples}
     assert samples[("elastic_ep_requests_total", "ok")] >= 2 and ("elastic_ep_requests_running", None) in samples
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU time, every thread (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_an_idle_deployment_stops_stepping_uses_almost_no_cpu_and_an_admission_wakes_it(live):
+    c = live.coordinator
+    # serving.background_load is off by default (this deployment does not set it), as for `serve`
+    assert not c.config.serving.background_load and not DeploymentConfig(model=MODEL).serving.background_load
+    wait_until(lambda: all(r["idle"] for r in c.snapshot()["ranks"]), timeout=60, what="every rank idle")
+    workers = c.live_workers()
+    steps = [r["step"] for r in c.snapshot()["ranks"]]
+    reported = [w.last_report for w in workers]
+    cpu = [cpu_seconds(w.pid) for w in workers]
+    started = time.monotonic()
+    time.sleep(3)
+    cores = [(cpu_seconds(w.pid) - before) / (time.monotonic() - started) for w, before in zip(workers, cpu)]
+    assert [r["step"] for r in c.snapshot()["ranks"]] == steps  # no step ran
+    assert all(w.last_report > before for w, before in zip(workers, reported))  # heartbeats went on (every 0.05 s)
+    assert max(cores) <= 0.05, f"idle ranks used {cores} cores"
+    prompt = prompt_of(7)
+    r = live.client.post("/v1/completions", json={"model": live.model, "prompt": prompt, "max_tokens": 6, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == live.greedy(prompt, 6)
+    assert min(r["step"] for r in c.snapshot()["ranks"]) >= min(steps) + 6  # it woke and decoded
 
 
 @pytest.mark.multiprocess

@@ -29,7 +29,7 @@ def hf_config(architecture: str, **overrides) -> DeploymentConfig:
     data = {"model": {"kind": "hf", "architecture": architecture}, "ep_size": 2, "max_ep_size": 3,
             "eplb": {"num_redundant_experts": 4, "use_async": True, "window_size": 6, "step_interval": 6},
             "timeouts": {"collective": 20, "heartbeat": 25, "worker_start": 120}, "heartbeat_s": 0.05,
-            "scaling": TEST_SCALING}
+            "scaling": TEST_SCALING, "serving": {"background_load": True}}  # synthetic batches: the EPLB's load
     for key, value in overrides.items():
         data[key] = {**data[key], **value} if isinstance(value, dict) and key in data else value
     return DeploymentConfig.model_validate(data)

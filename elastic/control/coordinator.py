@@ -542,12 +542,15 @@ class Coordinator:
                                   digest=first.digest, exported_at=self.clock.wall())
 
     def wait_for_step(self, step: int, timeout: float = 60.0) -> int:
-        """Block until every live worker has passed ``step``; returns the slowest worker's step."""
+        """Block until every live worker has passed ``step``, or sleeps in an idle group (a real
+        model with no request and no background load: no step comes until a request or a
+        command); returns the slowest worker's step."""
         deadline = self.clock.monotonic() + timeout
         with self._reports:
             while True:
-                steps = [w.heartbeat.step if w.heartbeat else 0 for w in self.live_workers()]
-                if steps and min(steps) >= step:
+                beats = [w.heartbeat for w in self.live_workers()]
+                steps = [b.step if b else 0 for b in beats]
+                if steps and (min(steps) >= step or all(b is not None and b.idle for b in beats)):
                     return min(steps)
                 if (self.machine.state == Phase.FAILED and self.book.busy() is None
                         and not self.registry.serving()):  # failed and not decoding: no step comes

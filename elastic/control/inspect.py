@@ -100,4 +100,5 @@ def _rank(w: Any) -> dict[str, Any]:
     return {"rank": w.rank, "pid": w.pid, "generation": w.generation, "step": beat.step if beat else 0,
             "state": str(beat.state) if beat else p.WorkerMode.STARTING.value,
             "requests": beat.requests if beat else 0,
+            "idle": bool(beat.idle) if beat else False,  # the group is idle: this rank sleeps on its inbox
             "progress": list(beat.progress) if beat and beat.progress else None}

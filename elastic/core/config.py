@@ -61,10 +61,11 @@ class ServingConfig(BaseModel):
     max_batch: int = Field(8, ge=1, le=1024, description="requests decoded at once (the batch); more wait in the queue")
     max_queue: int = Field(64, ge=0, le=100_000, description="requests waiting for a batch slot; beyond it: 429")
     max_tokens_limit: int = Field(1024, ge=1, description="the most tokens one request may ask for")
-    background_load: bool = Field(True, description="while no request runs, decode seeded synthetic batches so the "
-                                  "EPLB has load to balance (demos, scenarios); false: idle ranks only keep the "
-                                  "step-boundary agreement going")
-    idle_step_s: float = Field(0.002, ge=0, le=1.0, description="sleep of a decode step with nothing to decode")
+    background_load: bool = Field(False, description="while no request runs, decode seeded synthetic batches so the "
+                                  "EPLB has load to balance (demos, scenarios set it); false (the default): a group "
+                                  "with no request, command, rebalance or prepare sleeps on its command inbox")
+    idle_step_s: float = Field(0.002, ge=0, le=1.0, description="sleep of a decode step with nothing to decode while "
+                               "the group is not idle (a rebalance or a prepare under way)")
     failed_grace_s: float = Field(30.0, gt=0, description="requests in flight when the deployment fails wait this long "
                                   "for a recovery (then replay); past it, or with nothing recovering, they get 503")
     retry_after_s: int = Field(1, ge=1, le=3600, description="the Retry-After of a 429 or 503")

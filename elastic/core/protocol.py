@@ -306,6 +306,8 @@ class Heartbeat(Report):
     #: sent by the step watch while a step waits on its peers (elastic.worker.liveness): liveness
     #: only; the coordinator refreshes the worker's last report and reads nothing else from it
     waiting: bool = False
+    #: the group is idle and this rank sleeps on its command inbox (no step runs until a command comes)
+    idle: bool = False
 
 
 @dataclass(frozen=True)

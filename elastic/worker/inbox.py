@@ -48,6 +48,18 @@ class CommandInbox:
                 return
             self.take(command)
 
+    def wait(self, timeout: float) -> bool:
+        """Block (at most ``timeout``) until a command not executed yet is here; True when one is.
+        An idle group's ranks sleep here: an admission or any other command wakes them at once."""
+        if self.received_seq > self.executed_seq or self.pending:
+            return True
+        try:
+            command = self.source.get(timeout=max(0.0, timeout))
+        except queue.Empty:
+            return False
+        self.take(command)
+        return True
+
     def pop_next(self) -> p.Command:
         """The next command in sequence (it must be here: see :meth:`poll`), marked executed."""
         command = self.pending.pop(self.executed_seq + 1)

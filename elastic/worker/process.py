@@ -53,6 +53,8 @@ log = logging.getLogger("elastic.worker.process")
 
 #: decode steps in the steady pace a prepare keeps (``Preparation.steady_step_s``)
 STEADY_STEPS = 32
+#: where the step-boundary all-reduce's work words start (after the seq, the EPLB's and a prepare's words)
+WORK = 1 + CONTROL_WORDS + PREPARE_WORDS
 
 
 class BrokenGroup(RuntimeError):
@@ -271,18 +273,42 @@ class Worker:
         words = self.ctx.eplb.control()
         self._control_seconds = (time.perf_counter() - mark, time.thread_time() - cpu)
         prepare = self.preparer.words(time.perf_counter())
-        control = torch.tensor([self.inbox.received_seq, *words, *prepare], dtype=torch.int64)
+        control = torch.tensor([self.inbox.received_seq, *words, *prepare, *self._work_words()], dtype=torch.int64)
         try:
             dist.all_reduce(control, op=dist.ReduceOp.MAX)
         except Exception as exc:  # noqa: BLE001
             raise BrokenGroup(f"step-boundary all-reduce failed at step {self.ctx.step}: {exc}") from exc
         return control.tolist()
 
+    def _work_words(self) -> tuple[int, int]:
+        """This rank's ``(holds requests, has other work that needs steps)``: MAX-reduced at the step
+        boundary, they tell every rank alike whether the group is idle (:meth:`_sleep`)."""
+        ctx = self.ctx
+        eplb = ctx.eplb_if_any
+        active = (ctx.decoder is None or ctx.spec.serving.background_load or self.draining_op is not None
+                  or self.preparer.preparation is not None
+                  or (eplb is not None and (eplb.in_flight is not None or not eplb.all_idle)))
+        return int(bool(ctx.requests)), int(active)
+
     def decode_step(self) -> None:
         self.ctx.faults.at_step(self.ctx.step, steady=self.ctx.mode == p.WorkerMode.DECODING)  # a stall here is silence
         with self.step_watch.step():
-            self._decode_step()
-        self._step_ends.append(time.perf_counter())
+            idle = self._decode_step()
+        if idle:
+            self._sleep()
+        else:
+            self._step_ends.append(time.perf_counter())
+
+    def _sleep(self) -> None:
+        """The group is idle (no request on any rank, no background load, no command at this step,
+        no rebalance, drain or prepare under way): block on the command inbox, the same on every
+        rank, until a command arrives (every rank receives every command, so all wake), reporting
+        every ``heartbeat_s`` meanwhile. No step runs, so the step counter stands still."""
+        ctx = self.ctx
+        self._step_ends.clear()  # the steady pace is that of steps, not of a sleep
+        self._maybe_heartbeat(0.0, None, force=True, idle=True)
+        while not ctx.stopping and not self.inbox.wait(ctx.spec.heartbeat_s):
+            self._maybe_heartbeat(0.0, None, force=True, idle=True)
 
     def _steady_step_seconds(self) -> float:
         """The step time of the last steps (taken at a Drain: the pace the operation's prepare
@@ -295,12 +321,14 @@ class Worker:
         gaps = [b - a for a, b in zip(ends, ends[1:])]
         return min(statistics.median(gaps), statistics.fmean(gaps))
 
-    def _decode_step(self) -> None:
+    def _decode_step(self) -> bool:
+        """One step; True when the group is idle and this step decoded nothing (the loop sleeps)."""
         ctx = self.ctx
         reduced = self._sync()
+        executed = self.inbox.executed_seq
         try:
             if not self._run_commands_up_to(reduced[0]) or ctx.stopping:
-                return
+                return False
         except BrokenGroup:
             raise
         except Exception as exc:  # noqa: BLE001 - a failed phase leaves the group unusable
@@ -326,6 +354,8 @@ class Worker:
                                      steps_while_draining=ctx.step - self.drain_started_step))
         if self.preparer.preparation is not None:
             self.preparer.advance(reduced[1 + CONTROL_WORDS : 1 + CONTROL_WORDS + PREPARE_WORDS])
+        if self.inbox.executed_seq == executed and not any(reduced[WORK:]) and self._work_words() == (0, 0):
+            return True  # the agreed words and the commands (none) are the same on every rank: all sleep
         started = time.perf_counter()
         physical, tokens = self._decode_tokens()
         mark, cpu = time.perf_counter(), time.thread_time()
@@ -333,6 +363,7 @@ class Worker:
             ctx.eplb.record(physical)
         self._end_step(started, physical, tokens, eplb_seconds + time.perf_counter() - mark,
                        eplb_cpu + time.thread_time() - cpu, rebalancing)
+        return False
 
     def _decode_tokens(self) -> tuple[torch.Tensor | None, int]:
         """This step's tokens: ``(the router's choices per physical slot, the group's sum; tokens)``."""
@@ -378,7 +409,8 @@ class Worker:
         if ctx.spec.step_delay_s:
             time.sleep(ctx.spec.step_delay_s)
 
-    def _maybe_heartbeat(self, step_seconds: float, physical: torch.Tensor | None, force: bool = False) -> None:
+    def _maybe_heartbeat(self, step_seconds: float, physical: torch.Tensor | None, force: bool = False,
+                         idle: bool = False) -> None:
         ctx = self.ctx
         if ctx.faults.drops_heartbeat(ctx.step):
             return
@@ -397,7 +429,7 @@ class Worker:
                    in_flight_layer=eplb.in_flight_layer if eplb else None,
                    eplb=eplb_report(eplb.stats) if eplb else None, rank_load=rank_load,
                    requests=len(ctx.requests) if ctx.requests is not None else 0,
-                   step_timings=tuple(self.step_timings))
+                   step_timings=tuple(self.step_timings), idle=idle)
         self.tokens_since = 0
         self.step_timings = []
 

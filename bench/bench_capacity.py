@@ -1,0 +1,669 @@
+"""Capacity: CPU per token, throughput and idle CPU of a served deployment against transformers alone (issue 29).
+
+    python -m bench.bench_capacity [--ep 2,4] [--concurrency 1,16] [--quick] [--json FILE]
+                                   [--hidden 512 --layers 4 --experts 32 --top-k 2 --moe-intermediate 512]
+
+1. Writes a random qwen3_moe checkpoint (seeded, ``save_pretrained``, no download) into a
+   temporary directory; its size is set by the flags (by default 108 M parameters, where the
+   reference spends most of its CPU in matrix multiplications: the share is measured and shown).
+2. The reference, in this process: transformers alone, ``torch.set_num_threads(1)``, greedy
+   ``generate`` on the same requests (``--requests`` seeded prompts of ``--prompt-len`` token ids,
+   ``--new-tokens`` each, no EOS), 16 at once (``--ref-batch``) and 1 at a time. CPU time
+   (``time.process_time``) and wall time of each.
+3. The deployment, as a user runs it: ``elastic-ep serve DEPLOYMENT.yaml`` in a child process on
+   the same checkpoint at each EP size of ``--ep`` (``serving.background_load: false``). Each
+   concurrency of ``--concurrency`` sends the requests over HTTP (``POST /v1/completions``,
+   greedy, ``ignore_eos``, token ids back), at most that many in flight (closed loop; at
+   concurrency 1 only the first ``--single-requests``). CPU time is summed over every process of
+   the deployment (the server, its coordinator and every worker, found as the server's
+   descendants in ``/proc``, forkserver children included; every rank's pid from ``GET /state``
+   must be among them), from before the first request is sent to after the last answer.
+   Idle CPU: the same sum over ``--idle-s`` seconds with no request, divided by the ranks.
+4. Checks the served tokens of every request against the reference's (1 at a time), and prints
+   one table with every figure and the issue's targets (PASS/FAIL). A figure that cannot be
+   measured (a failed request, a missing process) ends the bench with an error, never a blank.
+
+The exit status is 0 when every target measured passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.common import machine_info, write_json
+
+CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+#: transformers' own ops that do the model's arithmetic (the "compute" share of the reference)
+MATMUL_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm",
+                        "aten::_scaled_dot_product_flash_attention_for_cpu"})
+
+
+class BenchError(RuntimeError):
+    """A figure could not be measured: the bench stops and says which."""
+
+
+# -- the model and the requests -------------------------------------------------------------------
+
+def checkpoint_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The qwen3_moe config of the checkpoint (every layer an MoE layer, no EOS: every request runs its length)."""
+    heads = args.heads
+    if args.hidden % heads:
+        raise BenchError(f"--hidden {args.hidden} is not a multiple of --heads {heads}")
+    return {"vocab_size": args.vocab, "hidden_size": args.hidden, "num_hidden_layers": args.layers,
+            "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 2), "head_dim": args.hidden // heads,
+            "intermediate_size": 4 * args.moe_intermediate, "moe_intermediate_size": args.moe_intermediate,
+            "num_experts": args.experts, "num_experts_per_tok": args.top_k, "decoder_sparse_step": 1,
+            "mlp_only_layers": [], "max_position_embeddings": max(128, args.prompt_len + args.new_tokens),
+            "tie_word_embeddings": False, "eos_token_id": None, "bos_token_id": None, "pad_token_id": None}
+
+
+def write_checkpoint(directory: Path, config: dict[str, Any], seed: int) -> int:
+    """A random (seeded) qwen3_moe checkpoint in ``directory``; returns its parameter count."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", **config))
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(directory)
+    return sum(p.numel() for p in model.parameters())
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """``n`` seeded prompts of ``length`` token ids."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
+
+
+# -- CPU time of a process tree (Linux /proc) ---------------------------------------------------------
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:  # gone
+        return None
+    return text[text.rindex(")") + 2:].split()  # after "pid (comm) ": state is field 0 here
+
+
+def descendants(root: int) -> list[int]:
+    """``root`` and every process below it (children of children: forkserver workers too)."""
+    parent_of: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _stat_fields(int(entry))
+            if fields is not None:
+                parent_of[int(entry)] = int(fields[1])
+    tree, frontier = {root} if root in parent_of else set(), [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, ppid in parent_of.items():
+            if ppid == parent and pid not in tree:
+                tree.add(pid)
+                frontier.append(pid)
+    return sorted(tree)
+
+
+def process_cpu(pid: int) -> tuple[tuple[int, int], float] | None:
+    """``((pid, start time), CPU seconds)``: user + system of the process and its reaped children."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        return None
+    utime, stime, cutime, cstime = (int(fields[i]) for i in (11, 12, 13, 14))
+    return (pid, int(fields[19])), (utime + stime + cutime + cstime) / CLK_TCK
+
+
+def tree_cpu(root: int) -> dict[tuple[int, int], float]:
+    """CPU seconds of every process of the tree under ``root``, by (pid, start time)."""
+    out = {}
+    for pid in descendants(root):
+        got = process_cpu(pid)
+        if got is not None:
+            out[got[0]] = got[1]
+    return out
+
+
+def cpu_between(before: dict[tuple[int, int], float], after: dict[tuple[int, int], float]) -> float:
+    """CPU seconds the tree spent between two snapshots (a process started in between counts whole)."""
+    return sum(seconds - before.get(key, 0.0) for key, seconds in after.items())
+
+
+# -- the reference: transformers alone ------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RunFigures:
+    """One measured run: CPU seconds, wall seconds and tokens generated."""
+
+    cpu_s: float
+    wall_s: float
+    tokens: int
+
+    @property
+    def cpu_per_token_ms(self) -> float:
+        return 1e3 * self.cpu_s / self.tokens
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self) | {"cpu_per_token_ms": self.cpu_per_token_ms, "tokens_per_s": self.tokens_per_s}
+
+
+def reference(model_dir: Path, prompts: list[list[int]], new_tokens: int, batch: int
+              ) -> tuple[RunFigures, list[list[int]]]:
+    """Greedy ``generate`` of transformers in this process at one thread, ``batch`` prompts at a time."""
+    import torch
+
+    torch.set_num_threads(1)
+    model = _load_reference(model_dir)
+    outputs: list[list[int]] = []
+    with torch.inference_mode():
+        _generate(model, torch.tensor(prompts[:1]), 2)  # warm-up
+        cpu, wall = time.process_time(), time.perf_counter()
+        for i in range(0, len(prompts), batch):
+            ids = torch.tensor(prompts[i:i + batch])
+            out = _generate(model, ids, new_tokens)
+            outputs += [row[ids.shape[1]:].tolist() for row in out]
+        figures = RunFigures(time.process_time() - cpu, time.perf_counter() - wall, sum(len(o) for o in outputs))
+    return figures, outputs
+
+
+def _generate(model: Any, ids: Any, new_tokens: int) -> Any:
+    """Greedy ``generate`` of every prompt whole: an explicit all-ones attention mask (with none,
+    transformers masks every prompt token equal to the pad id as padding)."""
+    import torch
+
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                          pad_token_id=0)
+
+
+def _load_reference(model_dir: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def matmul_share(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> float:
+    """The share of the reference's operator time in matrix multiplications (torch profiler, one batch)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.set_num_threads(1)
+    model = _load_reference(model_dir)
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        _generate(model, torch.tensor(prompts), new_tokens)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    return sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS) / total if total else math.nan
+
+
+# -- the deployment: elastic-ep serve, as a user runs it ----------------------------------------------
+
+def deployment_yaml(model_dir: Path, ep: int, args: argparse.Namespace) -> dict[str, Any]:
+    return {"ep_size": ep, "max_ep_size": ep, "model": {"kind": "hf", "path": str(model_dir)},
+            "eplb": {"num_redundant_experts": args.redundant, "use_async": True},
+            "serving": {"max_batch": max(args.concurrency), "max_queue": 4 * len(args.prompts_all),
+                        "background_load": False, "max_tokens_limit": max(1024, args.new_tokens)},
+            "timeouts": {"worker_start": 600}}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Deployment:
+    """A running ``elastic-ep serve``: its URL, server process, model name and rank pids."""
+
+    url: str
+    process: subprocess.Popen
+    model: str = ""
+    rank_pids: tuple[int, ...] = ()
+
+    def cpu(self) -> dict[tuple[int, int], float]:
+        """A CPU snapshot of the whole deployment; fails when a rank is not in the server's tree."""
+        snapshot = tree_cpu(self.process.pid)
+        pids = {pid for pid, _ in snapshot}
+        missing = [pid for pid in self.rank_pids if pid not in pids]
+        if missing or self.process.poll() is not None:
+            raise BenchError(f"rank pids {missing} not under the server (pid {self.process.pid}, "
+                             f"exit {self.process.poll()}): their CPU would not be counted")
+        return snapshot
+
+
+@contextmanager
+def serve(model_dir: Path, ep: int, args: argparse.Namespace, workdir: Path,
+          samples: Path | None = None) -> Iterator[Deployment]:
+    """``elastic-ep serve`` on a free port until the block ends; every process of it is gone afterwards.
+    With ``samples``, every process of it runs the stack sampler (``bench/capacity_sampler``) into it."""
+    import yaml
+
+    config = workdir / f"ep{ep}.yaml"
+    config.write_text(yaml.safe_dump(deployment_yaml(model_dir, ep, args)))
+    port = _free_port()
+    log = open(workdir / f"serve-ep{ep}.log", "wb")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+    if samples is not None:
+        samples.mkdir(parents=True, exist_ok=True)
+        sampler = str(Path(__file__).resolve().parent / "capacity_sampler")
+        env |= {"ELASTIC_EP_SAMPLE_DIR": str(samples),
+                "PYTHONPATH": os.pathsep.join(filter(None, [sampler, os.environ.get("PYTHONPATH")]))}
+    process = subprocess.Popen([sys.executable, "-m", "elastic.cli", "serve", str(config), "--port", str(port),
+                                "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT, env=env,
+                               start_new_session=True)
+    deployment = Deployment(f"http://127.0.0.1:{port}", process)
+    try:
+        _wait_ready(deployment, ep, args.start_timeout, workdir / f"serve-ep{ep}.log")
+        yield deployment
+    finally:
+        _stop(process)
+        log.close()
+
+
+def _wait_ready(d: Deployment, ep: int, timeout: float, log: Path) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if d.process.poll() is not None:
+            raise BenchError(f"elastic-ep serve exited with {d.process.returncode}: {log.read_text()[-2000:]}")
+        try:
+            state = httpx.get(f"{d.url}/state", timeout=5).json()
+            if state.get("state") == "running" and len(state.get("ranks", [])) == ep and \
+                    httpx.get(f"{d.url}/health", timeout=5).status_code == 200:
+                d.model = str(httpx.get(f"{d.url}/v1/models", timeout=5).json()["data"][0]["id"])
+                d.rank_pids = tuple(int(r["pid"]) for r in sorted(state["ranks"], key=lambda r: int(r["rank"])))
+                return
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        time.sleep(1.0)
+    raise BenchError(f"elastic-ep serve at EP {ep} not ready within {timeout:.0f} s: {log.read_text()[-2000:]}")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """SIGTERM the server (it stops its workers), then SIGKILL whatever of its tree is left."""
+    tree = descendants(process.pid)
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(30)
+    for pid in tree:
+        if _stat_fields(pid) is not None and pid != process.pid:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+# -- the client ---------------------------------------------------------------------------------------
+
+async def _complete(client: Any, d: Deployment, prompt: list[int], max_tokens: int) -> list[int]:
+    body = {"model": d.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    response = await client.post(f"{d.url}/v1/completions", json=body)
+    if response.status_code != 200:
+        raise BenchError(f"a request failed: HTTP {response.status_code}: {response.text[:300]}")
+    choice = response.json()["choices"][0]
+    if choice.get("finish_reason") != "length" or choice.get("token_ids") is None:
+        raise BenchError(f"a request ended with {choice.get('finish_reason')!r} (token_ids "
+                         f"{'present' if choice.get('token_ids') is not None else 'absent'})")
+    return [int(t) for t in choice["token_ids"]]
+
+
+async def _send_all(d: Deployment, prompts: list[list[int]], max_tokens: int, concurrency: int) -> list[list[int]]:
+    import httpx
+
+    gate = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
+    async with httpx.AsyncClient(limits=limits, timeout=1800.0) as client:
+        async def one(prompt: list[int]) -> list[int]:
+            async with gate:
+                return await _complete(client, d, prompt, max_tokens)
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+def cpu_by_process(d: Deployment, before: dict[tuple[int, int], float], after: dict[tuple[int, int], float],
+                   seconds: float) -> dict[str, float]:
+    """Cores each part of the deployment used between two snapshots: rank N, the server, other (forkserver...)."""
+    names = {pid: f"rank {r}" for r, pid in enumerate(d.rank_pids)} | {d.process.pid: "server"}
+    by: dict[str, float] = {}
+    for key, cpu in after.items():
+        name = names.get(key[0], "other")
+        by[name] = by.get(name, 0.0) + (cpu - before.get(key, 0.0)) / seconds
+    return by
+
+
+def served_run(d: Deployment, prompts: list[list[int]], max_tokens: int, concurrency: int
+               ) -> tuple[RunFigures, list[list[int]], dict[str, float]]:
+    """The requests at ``concurrency`` in flight: the deployment's CPU over the run, wall time, tokens;
+    the outputs; the cores by process."""
+    before, wall = d.cpu(), time.perf_counter()
+    outputs = asyncio.run(_send_all(d, prompts, max_tokens, concurrency))
+    seconds = time.perf_counter() - wall
+    after = d.cpu()
+    figures = RunFigures(cpu_between(before, after), seconds, sum(len(o) for o in outputs))
+    return figures, outputs, cpu_by_process(d, before, after, seconds)
+
+
+def idle_cores(d: Deployment, seconds: float) -> tuple[float, dict[str, float]]:
+    """Cores the whole deployment uses with no request, over ``seconds``; and by process."""
+    before, wall = d.cpu(), time.perf_counter()
+    time.sleep(seconds)
+    after = d.cpu()
+    elapsed = time.perf_counter() - wall
+    return cpu_between(before, after) / elapsed, cpu_by_process(d, before, after, elapsed)
+
+
+def mismatches(served: Sequence[list[int]], expected: Sequence[list[int]]) -> list[int]:
+    """Indices of the requests whose tokens differ from the expected ones."""
+    if len(served) > len(expected):
+        raise BenchError(f"{len(served)} served requests against {len(expected)} reference outputs")
+    return [i for i, (s, e) in enumerate(zip(served, expected)) if s != e]
+
+
+def measure_ep(model_dir: Path, ep: int, args: argparse.Namespace, expected: list[list[int]],
+               workdir: Path) -> dict[str, Any]:
+    """Idle CPU, then every concurrency's run, on one deployment of ``ep`` ranks."""
+    out: dict[str, Any] = {"ep": ep, "runs": {}}
+    samples = workdir / f"samples-ep{ep}" if args.profile else None
+    with serve(model_dir, ep, args, workdir, samples) as d:
+        asyncio.run(_send_all(d, args.prompts_all[:2], 4, 2))  # warm-up: the first requests' set-up
+        time.sleep(args.settle_s)
+        idle, by_process = idle_cores(d, args.idle_s)
+        out |= {"idle_cores": idle, "idle_cores_per_rank": idle / ep, "idle_by_process": by_process,
+                "processes": len(d.cpu())}
+        print(f"EP {ep}, idle: {idle:.3f} cores ({_cores(by_process)})", file=sys.stderr)
+        for concurrency in args.concurrency:
+            prompts = args.prompts_all if concurrency > 1 else args.prompts_all[:args.single_requests]
+            profiled = samples is not None and concurrency == max(args.concurrency)
+            if profiled:
+                (samples / "on").touch()  # type: ignore[operator]
+            figures, outputs, by_process = served_run(d, prompts, args.new_tokens, concurrency)
+            out["runs"][concurrency] = figures.as_dict() | {"requests": len(prompts), "cores_by_process": by_process,
+                                                            "mismatched": mismatches(outputs, expected)}
+            print(f"EP {ep}, concurrency {concurrency}: {figures.tokens_per_s:.1f} tokens/s, "
+                  f"{figures.cpu_per_token_ms:.2f} ms CPU/token ({_cores(by_process)})", file=sys.stderr)
+            if profiled:
+                out["profile"] = _collect_profile(d, samples)  # type: ignore[arg-type]
+    return out
+
+
+def _cores(by_process: dict[str, float]) -> str:
+    return ", ".join(f"{name} {cores:.2f} cores" for name, cores in sorted(by_process.items()))
+
+
+# -- where the time goes (--profile) -------------------------------------------------------------------
+
+def _collect_profile(d: Deployment, samples: Path) -> dict[str, Any]:
+    """Stop the samplers, wait for their last dump, and summarize each rank's main thread and the server."""
+    (samples / "on").unlink()
+    time.sleep(1.5)
+    roles = {pid: f"rank {r}" for r, pid in enumerate(d.rank_pids)} | {d.process.pid: "server"}
+    out: dict[str, Any] = {}
+    for pid, role in roles.items():
+        path = samples / f"{pid}.json"
+        if not path.exists():
+            raise BenchError(f"--profile: no samples from {role} (pid {pid}) in {samples}")
+        records = json.loads(path.read_text())
+        out[role] = summarize_samples(records, None if role == "server" else "MainThread")
+        print(format_profile(role, out[role]), file=sys.stderr)
+    return out
+
+
+#: innermost frames of a thread blocked with nothing to do (a lock, a poll): left out of the shares
+WAITING_FRAMES = frozenset({"threading.py:wait", "threading.py:_wait_for_tstate_lock", "selectors.py:select",
+                            "queues.py:get", "connection.py:poll", "connection.py:_recv", "socket.py:accept"})
+
+
+def summarize_samples(records: list[list[Any]], thread: str | None, top: int = 15) -> dict[str, Any]:
+    """From ``[thread, stack (outermost first), count]`` records: the share of samples spent waiting
+    (``WAITING_FRAMES``), and of the others the share per innermost frame (self) and per frame
+    anywhere in the stack (inclusive, without the frames in nearly every sample: the loop's callers)."""
+    from collections import Counter
+
+    own, anywhere = Counter(), Counter()  # type: ignore[var-annotated]
+    total = waiting = 0
+    for name, stack, count in records:
+        if thread is not None and name != thread:
+            continue
+        total += count
+        if stack and stack[-1] in WAITING_FRAMES:
+            waiting += count
+            continue
+        own[stack[-1] if stack else "?"] += count
+        for frame in set(stack):
+            anywhere[frame] += count
+    busy = total - waiting
+    if not busy:
+        raise BenchError(f"no stack samples of thread {thread} outside waits ({total} samples)")
+    inclusive = [(f, c / busy) for f, c in anywhere.most_common() if c / busy < 0.9][:top]
+    return {"samples": total, "waiting": waiting / total, "self": [(f, c / busy) for f, c in own.most_common(top)],
+            "inclusive": inclusive}
+
+
+def format_profile(role: str, summary: dict[str, Any]) -> str:
+    lines = [f"{role}: {summary['samples']} samples, {summary['waiting']:.0%} waiting; of the others, "
+             "self (innermost frame):"]
+    lines += [f"  {share:6.1%}  {frame}" for frame, share in summary["self"]]
+    lines.append("  inclusive (frame anywhere in the stack):")
+    lines += [f"  {share:6.1%}  {frame}" for frame, share in summary["inclusive"]]
+    return "\n".join(lines)
+
+
+# -- targets ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    value: float
+    limit: float
+    at_most: bool  # value <= limit (else value >= limit)
+
+    @property
+    def ok(self) -> bool:
+        return self.value <= self.limit if self.at_most else self.value >= self.limit
+
+
+def _figure(figures: dict[str, Any], *path: Any) -> float:
+    node: Any = figures
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            raise BenchError(f"figure {'/'.join(map(str, path))} was not measured")
+        node = node[key]
+    value = float(node)
+    if not math.isfinite(value):
+        raise BenchError(f"figure {'/'.join(map(str, path))} is {value}")
+    return value
+
+
+def targets(figures: dict[str, Any], eps: Sequence[int], concurrencies: Sequence[int]) -> list[Target]:
+    """The issue's targets that this run's EP sizes and concurrencies measure (a missing figure raises).
+
+    ``figures``: ``{"reference": {"batched"|"single": {cpu_per_token_ms, tokens_per_s}}, "ep": {ep: {"runs":
+    {concurrency: {cpu_per_token_ms, tokens_per_s, mismatched, ...}}, "idle_cores_per_rank"}}}``.
+    """
+    def run(size: int, concurrency: int, name: str) -> float:
+        return _figure(figures, "ep", size, "runs", concurrency, name)
+
+    out: list[Target] = []
+    if 16 in concurrencies:
+        ref_cpu = _figure(figures, "reference", "batched", "cpu_per_token_ms")
+        for size, factor in ((2, 2.0), (4, 3.0)):
+            if size in eps:
+                out.append(Target(f"CPU/token at 16, EP {size} / reference (x)",
+                                  run(size, 16, "cpu_per_token_ms") / ref_cpu, factor, True))
+        if 2 in eps and 4 in eps:
+            out.append(Target("CPU/token at 16, EP 4 / EP 2 (x)",
+                              run(4, 16, "cpu_per_token_ms") / run(2, 16, "cpu_per_token_ms"), 1.5, True))
+        if 2 in eps:
+            out.append(Target("tokens/s at 16, EP 2 / reference (x)", run(2, 16, "tokens_per_s")
+                              / _figure(figures, "reference", "batched", "tokens_per_s"), 0.5, False))
+        if 2 in eps and 1 in concurrencies:
+            out.append(Target("tokens/s at 16 / at 1, EP 2 (x)",
+                              run(2, 16, "tokens_per_s") / run(2, 1, "tokens_per_s"), 4.0, False))
+    for size in eps:
+        out.append(Target(f"idle, EP {size} (cores per rank)", _figure(figures, "ep", size, "idle_cores_per_rank"),
+                          0.05, True))
+        wrong = sum(len(_mismatched(figures, size, c)) for c in concurrencies)
+        out.append(Target(f"requests with tokens unlike the reference, EP {size}", wrong, 0, True))
+    return out
+
+
+def _mismatched(figures: dict[str, Any], size: int, concurrency: int) -> list[int]:
+    try:
+        return list(figures["ep"][size]["runs"][concurrency]["mismatched"])
+    except (KeyError, TypeError) as exc:
+        raise BenchError(f"the output check of EP {size} at concurrency {concurrency} was not made") from exc
+
+
+# -- the table ----------------------------------------------------------------------------------------
+
+def _fmt(value: float, digits: int = 2) -> str:
+    if not math.isfinite(value):
+        raise BenchError(f"a figure is {value}")
+    return f"{value:,.{digits}f}"
+
+
+def print_table(figures: dict[str, Any], checks: list[Target], eps: Sequence[int], concurrencies: Sequence[int],
+                caption: str = "") -> None:
+    """Every figure, then the targets (a second header row names their columns), in one table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"capacity: {figures['model']['summary']}", caption=caption)
+    for column in ("", "CPU/token (ms)", "tokens/s", "x reference CPU/token", "idle (cores/rank)", "tokens unlike ref."):
+        table.add_column(column, justify="left" if not column else "right")
+    ref = figures["reference"]
+    for key in ("batched", "single"):
+        row = ref[key]
+        table.add_row(f"transformers, 1 process, 1 thread, batch {row['batch']}", _fmt(row["cpu_per_token_ms"]),
+                      _fmt(row["tokens_per_s"], 1), _fmt(row["cpu_per_token_ms"] / ref["batched"]["cpu_per_token_ms"]),
+                      "-", "-")
+    for size in eps:
+        data = figures["ep"][size]
+        for c in concurrencies:
+            run = data["runs"][c]
+            table.add_row(f"elastic-ep EP {size}, {c} concurrent", _fmt(run["cpu_per_token_ms"]),
+                          _fmt(run["tokens_per_s"], 1), _fmt(run["cpu_per_token_ms"] / ref["batched"]["cpu_per_token_ms"]),
+                          _fmt(data["idle_cores_per_rank"], 3), f"{len(run['mismatched'])} of {run['requests']}")
+    table.add_section()
+    table.add_row("[bold]target[/bold]", "[bold]measured[/bold]", "[bold]limit[/bold]", "", "", "[bold]verdict[/bold]")
+    for t in checks:
+        table.add_row(t.name, _fmt(t.value, 3), f"{'<=' if t.at_most else '>='} {t.limit:g}", "", "",
+                      "[green]PASS[/green]" if t.ok else "[red]FAIL[/red]")
+    Console(width=150).print(table)
+
+
+# -- main ---------------------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ep", default="2,4", help="EP sizes to serve")
+    ap.add_argument("--concurrency", default="1,16", help="requests in flight")
+    ap.add_argument("--quick", action="store_true", help="a smaller model and fewer requests (a smoke run)")
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--moe-intermediate", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--redundant", type=int, default=4, help="redundant expert slots (must divide over every EP size)")
+    ap.add_argument("--requests", type=int, default=16, help="requests of each run at concurrency > 1")
+    ap.add_argument("--single-requests", type=int, default=4, help="requests of the run at concurrency 1")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--ref-batch", type=int, default=16, help="the reference's batch (16 at once) beside 1 at a time")
+    ap.add_argument("--idle-s", type=float, default=10.0)
+    ap.add_argument("--settle-s", type=float, default=2.0, help="wait after the warm-up before the idle measure")
+    ap.add_argument("--start-timeout", type=float, default=900.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", action="store_true",
+                    help="sample every process's Python stacks during the largest concurrency's run and print "
+                         "where each rank's decode thread and the server spend their time")
+    ap.add_argument("--keep", type=Path, default=None, help="write the checkpoint, configs and server logs here")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.hidden, args.layers, args.experts, args.moe_intermediate, args.vocab = 128, 2, 16, 128, 512
+        args.requests, args.single_requests, args.new_tokens, args.idle_s = 16, 2, 16, 4.0
+    args.ep = [int(x) for x in args.ep.split(",")]
+    args.concurrency = [int(x) for x in args.concurrency.split(",")]
+    bad = [e for e in args.ep if e < 1 or (args.experts + args.redundant) % e]
+    if bad:
+        raise SystemExit(f"--ep {bad}: {args.experts} experts + {args.redundant} redundant slots do not divide over it")
+    args.prompts_all = make_prompts(args.requests, args.prompt_len, args.vocab, args.seed + 1)
+    return args
+
+
+def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Every measure of the bench; returns the figures."""
+    model_dir = workdir / "checkpoint"
+    config = checkpoint_config(args)
+    params = write_checkpoint(model_dir, config, args.seed)
+    summary = (f"qwen3_moe {params / 1e6:.0f} M params, hidden {args.hidden}, {args.layers} layers, {args.experts} "
+               f"experts top-{args.top_k}, moe_intermediate {args.moe_intermediate}; {args.requests} requests of "
+               f"{args.prompt_len} + {args.new_tokens} tokens")
+    figures: dict[str, Any] = {"model": {"summary": summary, "parameters": params, "config": config},
+                               "reference": {}, "ep": {}, "machine": machine_info()}
+    batch_figures, expected = reference(model_dir, args.prompts_all, args.new_tokens, 1)
+    batched, batched_out = reference(model_dir, args.prompts_all, args.new_tokens, args.ref_batch)
+    figures["reference"] = {"batched": batched.as_dict() | {"batch": args.ref_batch},
+                            "single": batch_figures.as_dict() | {"batch": 1}}
+    figures["reference_batched_unlike_single"] = mismatches(batched_out, expected)
+    figures["reference_matmul_share"] = matmul_share(model_dir, args.prompts_all[:args.ref_batch], args.new_tokens)
+    print(f"reference: batch {args.ref_batch} {batched.tokens_per_s:.1f} tokens/s, "
+          f"{batched.cpu_per_token_ms:.2f} ms CPU/token; batch 1 {batch_figures.tokens_per_s:.1f} tokens/s; "
+          f"matmul share {figures['reference_matmul_share']:.2f}", file=sys.stderr)
+    for ep in args.ep:
+        figures["ep"][ep] = measure_ep(model_dir, ep, args, expected, workdir)
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="bench-capacity-") as tmp:
+        workdir = args.keep or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        figures = run(args, workdir)
+    checks = targets(figures, args.ep, args.concurrency)
+    caption = (f"CPU: every process of the deployment (server, coordinator, ranks). Reference: "
+               f"{100 * figures['reference_matmul_share']:.0f}% of its operator time in matrix multiplications; "
+               f"batch {args.ref_batch} and 1 differ on {len(figures['reference_batched_unlike_single'])} requests. "
+               f"Load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after.")
+    print_table(figures, checks, args.ep, args.concurrency, caption)
+    write_json(args.json, {"args": {k: v for k, v in vars(args).items() if k != "prompts_all"} | {"keep": str(args.keep)},
+                           "figures": json.loads(json.dumps(figures, default=str)),
+                           "targets": [asdict(t) | {"ok": t.ok} for t in checks], "load_average": load_before})
+    return 0 if all(t.ok for t in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
