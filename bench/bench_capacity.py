@@ -458,9 +458,9 @@ def summarize_samples(records: list[list[Any]], thread: str | None, top: int = 1
         own[stack[-1] if stack else "?"] += count
         for frame in set(stack):
             anywhere[frame] += count
-    busy = total - waiting
-    if not busy:
-        raise BenchError(f"no stack samples of thread {thread} outside waits ({total} samples)")
+    if not total:
+        raise BenchError(f"no stack samples of thread {thread}")
+    busy = max(1, total - waiting)
     inclusive = [(f, c / busy) for f, c in anywhere.most_common() if c / busy < 0.9][:top]
     return {"samples": total, "waiting": waiting / total, "self": [(f, c / busy) for f, c in own.most_common(top)],
             "inclusive": inclusive}

@@ -134,6 +134,7 @@ def test_summarize_samples_self_and_inclusive() -> None:
     assert "run.py:main" not in inclusive and "loop.py:step" not in inclusive  # in (nearly) every sample: left out
     assert inclusive["kernel.py:matmul"] == 0.6
     assert summarize_samples(records, None)["samples"] == 70
+    assert summarize_samples(records, "heartbeat") == {"samples": 50, "waiting": 1.0, "self": [], "inclusive": []}
     with pytest.raises(BenchError, match="no stack samples"):
         summarize_samples(records, "nobody")
 
