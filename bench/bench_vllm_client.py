@@ -32,6 +32,7 @@ import hashlib
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -274,7 +275,10 @@ def report(fetched: dict[str, Any], rounds: list[tuple[dict[str, Any], dict[str,
         spread = (max(xs) - min(xs)) / (sum(xs) / len(xs))
         print(f"{name}: {', '.join(f'{x:.1f}' for x in xs)} output tok/s (mean {sum(xs) / len(xs):.1f}, "
               f"spread {100 * spread:.0f}%)")
-    print(f"ratio of the means, vLLM's / loadgen's: {sum(v) / sum(lg):.3f}")
+    ratios = sorted(a / b for a, b in zip(v, lg))  # each round's pair ran back to back: the drift of the load cancels
+    print(f"vLLM's / loadgen's: per round {', '.join(f'{r:.2f}' for r in ratios)} (sorted), median "
+          f"{statistics.median(ratios):.3f}; "
+          f"ratio of the means {sum(v) / sum(lg):.3f}")
 
 
 if __name__ == "__main__":
