@@ -254,8 +254,10 @@ class Deployment:
 
 
 @contextmanager
-def serve(model_dir: Path, ep: int, args: argparse.Namespace, workdir: Path) -> Iterator[Deployment]:
-    """``elastic-ep serve`` on a free port until the block ends; every process of it is gone afterwards."""
+def serve(model_dir: Path, ep: int, args: argparse.Namespace, workdir: Path,
+          samples: Path | None = None) -> Iterator[Deployment]:
+    """``elastic-ep serve`` on a free port until the block ends; every process of it is gone afterwards.
+    With ``samples``, every process of it runs the stack sampler (``bench/capacity_sampler``) into it."""
     import yaml
 
     config = workdir / f"ep{ep}.yaml"
@@ -263,6 +265,11 @@ def serve(model_dir: Path, ep: int, args: argparse.Namespace, workdir: Path) -> 
     port = _free_port()
     log = open(workdir / f"serve-ep{ep}.log", "wb")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+    if samples is not None:
+        samples.mkdir(parents=True, exist_ok=True)
+        sampler = str(Path(__file__).resolve().parent / "capacity_sampler")
+        env |= {"ELASTIC_EP_SAMPLE_DIR": str(samples),
+                "PYTHONPATH": os.pathsep.join(filter(None, [sampler, os.environ.get("PYTHONPATH")]))}
     process = subprocess.Popen([sys.executable, "-m", "elastic.cli", "serve", str(config), "--port", str(port),
                                 "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT, env=env,
                                start_new_session=True)
@@ -340,28 +347,36 @@ async def _send_all(d: Deployment, prompts: list[list[int]], max_tokens: int, co
         return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
-def served_run(d: Deployment, prompts: list[list[int]], max_tokens: int, concurrency: int
-               ) -> tuple[RunFigures, list[list[int]]]:
-    """The requests at ``concurrency`` in flight: the deployment's CPU over the run, wall time, tokens."""
-    before, wall = d.cpu(), time.perf_counter()
-    outputs = asyncio.run(_send_all(d, prompts, max_tokens, concurrency))
-    seconds = time.perf_counter() - wall
-    cpu = cpu_between(before, d.cpu())
-    return RunFigures(cpu, seconds, sum(len(o) for o in outputs)), outputs
-
-
-def idle_cores(d: Deployment, seconds: float) -> tuple[float, dict[str, float]]:
-    """Cores the whole deployment uses with no request, over ``seconds``; and by process (rank N, server, other)."""
-    before, wall = d.cpu(), time.perf_counter()
-    time.sleep(seconds)
-    after = d.cpu()
-    elapsed = time.perf_counter() - wall
+def cpu_by_process(d: Deployment, before: dict[tuple[int, int], float], after: dict[tuple[int, int], float],
+                   seconds: float) -> dict[str, float]:
+    """Cores each part of the deployment used between two snapshots: rank N, the server, other (forkserver...)."""
     names = {pid: f"rank {r}" for r, pid in enumerate(d.rank_pids)} | {d.process.pid: "server"}
     by: dict[str, float] = {}
     for key, cpu in after.items():
         name = names.get(key[0], "other")
-        by[name] = by.get(name, 0.0) + (cpu - before.get(key, 0.0)) / elapsed
-    return cpu_between(before, after) / elapsed, by
+        by[name] = by.get(name, 0.0) + (cpu - before.get(key, 0.0)) / seconds
+    return by
+
+
+def served_run(d: Deployment, prompts: list[list[int]], max_tokens: int, concurrency: int
+               ) -> tuple[RunFigures, list[list[int]], dict[str, float]]:
+    """The requests at ``concurrency`` in flight: the deployment's CPU over the run, wall time, tokens;
+    the outputs; the cores by process."""
+    before, wall = d.cpu(), time.perf_counter()
+    outputs = asyncio.run(_send_all(d, prompts, max_tokens, concurrency))
+    seconds = time.perf_counter() - wall
+    after = d.cpu()
+    figures = RunFigures(cpu_between(before, after), seconds, sum(len(o) for o in outputs))
+    return figures, outputs, cpu_by_process(d, before, after, seconds)
+
+
+def idle_cores(d: Deployment, seconds: float) -> tuple[float, dict[str, float]]:
+    """Cores the whole deployment uses with no request, over ``seconds``; and by process."""
+    before, wall = d.cpu(), time.perf_counter()
+    time.sleep(seconds)
+    after = d.cpu()
+    elapsed = time.perf_counter() - wall
+    return cpu_between(before, after) / elapsed, cpu_by_process(d, before, after, elapsed)
 
 
 def mismatches(served: Sequence[list[int]], expected: Sequence[list[int]]) -> list[int]:
@@ -375,22 +390,89 @@ def measure_ep(model_dir: Path, ep: int, args: argparse.Namespace, expected: lis
                workdir: Path) -> dict[str, Any]:
     """Idle CPU, then every concurrency's run, on one deployment of ``ep`` ranks."""
     out: dict[str, Any] = {"ep": ep, "runs": {}}
-    with serve(model_dir, ep, args, workdir) as d:
+    samples = workdir / f"samples-ep{ep}" if args.profile else None
+    with serve(model_dir, ep, args, workdir, samples) as d:
         asyncio.run(_send_all(d, args.prompts_all[:2], 4, 2))  # warm-up: the first requests' set-up
         time.sleep(args.settle_s)
         idle, by_process = idle_cores(d, args.idle_s)
         out |= {"idle_cores": idle, "idle_cores_per_rank": idle / ep, "idle_by_process": by_process,
                 "processes": len(d.cpu())}
-        print(f"EP {ep}, idle: {idle:.3f} cores ({', '.join(f'{k} {v:.3f}' for k, v in sorted(by_process.items()))})",
-              file=sys.stderr)
+        print(f"EP {ep}, idle: {idle:.3f} cores ({_cores(by_process)})", file=sys.stderr)
         for concurrency in args.concurrency:
             prompts = args.prompts_all if concurrency > 1 else args.prompts_all[:args.single_requests]
-            figures, outputs = served_run(d, prompts, args.new_tokens, concurrency)
-            out["runs"][concurrency] = figures.as_dict() | {"requests": len(prompts),
+            profiled = samples is not None and concurrency == max(args.concurrency)
+            if profiled:
+                (samples / "on").touch()  # type: ignore[operator]
+            figures, outputs, by_process = served_run(d, prompts, args.new_tokens, concurrency)
+            out["runs"][concurrency] = figures.as_dict() | {"requests": len(prompts), "cores_by_process": by_process,
                                                             "mismatched": mismatches(outputs, expected)}
             print(f"EP {ep}, concurrency {concurrency}: {figures.tokens_per_s:.1f} tokens/s, "
-                  f"{figures.cpu_per_token_ms:.2f} ms CPU/token", file=sys.stderr)
+                  f"{figures.cpu_per_token_ms:.2f} ms CPU/token ({_cores(by_process)})", file=sys.stderr)
+            if profiled:
+                out["profile"] = _collect_profile(d, samples)  # type: ignore[arg-type]
     return out
+
+
+def _cores(by_process: dict[str, float]) -> str:
+    return ", ".join(f"{name} {cores:.2f} cores" for name, cores in sorted(by_process.items()))
+
+
+# -- where the time goes (--profile) -------------------------------------------------------------------
+
+def _collect_profile(d: Deployment, samples: Path) -> dict[str, Any]:
+    """Stop the samplers, wait for their last dump, and summarize each rank's main thread and the server."""
+    (samples / "on").unlink()
+    time.sleep(1.5)
+    roles = {pid: f"rank {r}" for r, pid in enumerate(d.rank_pids)} | {d.process.pid: "server"}
+    out: dict[str, Any] = {}
+    for pid, role in roles.items():
+        path = samples / f"{pid}.json"
+        if not path.exists():
+            raise BenchError(f"--profile: no samples from {role} (pid {pid}) in {samples}")
+        records = json.loads(path.read_text())
+        out[role] = summarize_samples(records, None if role == "server" else "MainThread")
+        print(format_profile(role, out[role]), file=sys.stderr)
+    return out
+
+
+#: innermost frames of a thread blocked with nothing to do (a lock, a poll): left out of the shares
+WAITING_FRAMES = frozenset({"threading.py:wait", "threading.py:_wait_for_tstate_lock", "selectors.py:select",
+                            "queues.py:get", "connection.py:poll", "connection.py:_recv", "socket.py:accept"})
+
+
+def summarize_samples(records: list[list[Any]], thread: str | None, top: int = 15) -> dict[str, Any]:
+    """From ``[thread, stack (outermost first), count]`` records: the share of samples spent waiting
+    (``WAITING_FRAMES``), and of the others the share per innermost frame (self) and per frame
+    anywhere in the stack (inclusive, without the frames in nearly every sample: the loop's callers)."""
+    from collections import Counter
+
+    own, anywhere = Counter(), Counter()  # type: ignore[var-annotated]
+    total = waiting = 0
+    for name, stack, count in records:
+        if thread is not None and name != thread:
+            continue
+        total += count
+        if stack and stack[-1] in WAITING_FRAMES:
+            waiting += count
+            continue
+        own[stack[-1] if stack else "?"] += count
+        for frame in set(stack):
+            anywhere[frame] += count
+    if not total:
+        raise BenchError(f"no stack samples of thread {thread}")
+    busy = max(1, total - waiting)
+    inclusive = [(f, c / busy) for f, c in anywhere.most_common() if c / busy < 0.9][:top]
+    return {"samples": total, "waiting": waiting / total, "self": [(f, c / busy) for f, c in own.most_common(top)],
+            "inclusive": inclusive}
+
+
+def format_profile(role: str, summary: dict[str, Any]) -> str:
+    lines = [f"{role}: {summary['samples']} samples, {summary['waiting']:.0%} waiting; of the others, "
+             "self (innermost frame):"]
+    lines += [f"  {share:6.1%}  {frame}" for frame, share in summary["self"]]
+    lines.append("  inclusive (frame anywhere in the stack):")
+    lines += [f"  {share:6.1%}  {frame}" for frame, share in summary["inclusive"]]
+    return "\n".join(lines)
 
 
 # -- targets ------------------------------------------------------------------------------------------
@@ -521,6 +603,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--settle-s", type=float, default=2.0, help="wait after the warm-up before the idle measure")
     ap.add_argument("--start-timeout", type=float, default=900.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", action="store_true",
+                    help="sample every process's Python stacks during the largest concurrency's run and print "
+                         "where each rank's decode thread and the server spend their time")
     ap.add_argument("--keep", type=Path, default=None, help="write the checkpoint, configs and server logs here")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class EPLBConfig(BaseModel):
@@ -14,6 +14,12 @@ class EPLBConfig(BaseModel):
     num_redundant_experts: int = Field(
         0, ge=0, description="redundant physical slots beyond one per logical expert, at the initial EP size")
     window_size: int = Field(1000, ge=1, description="steps of load kept in the sliding window")
+    load_smoothing: float = Field(
+        0.3, gt=0.0, le=1.0,
+        description="weight of the last window in the load a rebalance fits (eplb.estimate.smoothed_load: an "
+                    "exponential average over the windows seen at each rebalance, raised per layer to 1 where the "
+                    "load moved beyond sampling noise); 1.0: the last window alone, as vLLM does. Chosen on the "
+                    "placement bench's tune seeds (docs/design.md)")
     step_interval: int = Field(3000, ge=1, description="steps between rebalances")
     use_async: bool = Field(False, description="compute and transfer on a background thread, commit one layer per step")
     policy: str = Field("default", description="name of a policy in eplb.algorithm.POLICIES")
@@ -46,3 +52,10 @@ class EPLBConfig(BaseModel):
     communicator: Literal["auto", "gloo", "nccl", "nixl"] = Field(
         "auto", description="how expert weights move (eplb.communicator): auto = NIXL when installed, "
                             "then NCCL on an NCCL deployment, then gloo")
+
+    @field_validator("load_smoothing", mode="before")
+    @classmethod
+    def _smoothing_is_a_number(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError(f"load_smoothing must be a number in (0, 1] (1: the last window alone), got {value!r}")
+        return value

@@ -36,6 +36,7 @@ import torch
 
 from eplb.algorithm import compute_placement
 from eplb.config import EPLBConfig
+from eplb.estimate import smoothed_load, smoothed_noise
 from eplb.placement import Placement, align_slots
 from eplb.plan import plan_layer
 from eplb.transfer import TransferStats, commit_layer, execute_layer
@@ -54,16 +55,32 @@ __all__ = [
 # load window
 
 class LoadWindow:
-    """The last ``size`` steps of global logical load, ``[size, layers, L]`` int64.
+    """The last ``size`` steps of global logical load, ``[size, layers, L]`` int64, and the
+    estimate of the next window's load that the rebalances so far fitted (``estimate``).
 
-    Logical load does not depend on which rank holds what, so the window carries over a
-    rescale unchanged; :meth:`state` / :meth:`from_state` move it to ranks that join.
+    Logical load does not depend on which rank holds what, so the window and the estimate carry
+    over a rescale unchanged; :meth:`state` / :meth:`from_state` move them to ranks that join.
     """
 
     def __init__(self, size: int, num_layers: int, num_logical: int):
         self.buffer = torch.zeros(size, num_layers, num_logical, dtype=torch.int64)
         self.filled = 0
         self.position = 0
+        #: ``[layers, L]`` float64: the last :meth:`fold`'s result (None: no rebalance yet)
+        self.estimate: torch.Tensor | None = None
+
+    def fold(self, weight: float, total: torch.Tensor | None = None) -> torch.Tensor:
+        """The load a rebalance fits: the window's total folded into the running estimate
+        (:func:`eplb.estimate.smoothed_load` with the last window's ``weight``), which it
+        updates. ``weight`` 1: the total itself (int64, as vLLM fits), and the estimate restarts.
+        ``total``: :meth:`total`, when the caller has it. Every rank folds the same agreed total at
+        the same step, so the estimates agree."""
+        total = self.total() if total is None else total
+        if weight >= 1.0:
+            self.estimate = None
+            return total
+        self.estimate = smoothed_load(self.estimate, total, weight)
+        return self.estimate
 
     def record(self, logical_load: torch.Tensor) -> None:
         self.buffer[self.position].copy_(logical_load)
@@ -74,7 +91,8 @@ class LoadWindow:
         return self.buffer.sum(dim=0)
 
     def state(self) -> dict[str, Any]:
-        return {"buffer": self.buffer.clone(), "filled": self.filled, "position": self.position}
+        estimate = None if self.estimate is None else self.estimate.clone()
+        return {"buffer": self.buffer.clone(), "filled": self.filled, "position": self.position, "estimate": estimate}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> LoadWindow:
@@ -82,6 +100,8 @@ class LoadWindow:
         window = cls(size, layers, logical)
         window.buffer.copy_(state["buffer"])
         window.filled, window.position = state["filled"], state["position"]
+        estimate = state.get("estimate")  # absent in a state from before the estimate
+        window.estimate = None if estimate is None else estimate.clone()
         return window
 
 
@@ -115,11 +135,26 @@ def balancedness_summary(per_layer: torch.Tensor) -> dict[str, float]:
     return {"min": ordered[0], "p50": nearest_rank(0.5), "p90": nearest_rank(0.9), "mean": sum(ordered) / n}
 
 
+def estimate_options(config: EPLBConfig) -> dict[str, Any]:
+    """Options for a policy fitting :meth:`LoadWindow.fold`'s estimate: with ``load_smoothing``
+    below 1 and a policy that judges noise (``migration_aware``), ``noise`` = the next window's
+    variance against the estimate per unit of load (:func:`eplb.estimate.smoothed_noise`), unless
+    ``policy_options`` set it. The estimate is float64, which the policy's ``noise="auto"`` would
+    read as noiseless; the last window alone (1.0) stays int64 token counts (noise 2)."""
+    from eplb.algorithm import policy_option_names
+
+    names = policy_option_names(config.policy)
+    if config.load_smoothing >= 1.0 or "noise" in config.policy_options or (names is not None and "noise" not in names):
+        return {}
+    return {"noise": smoothed_noise(config.load_smoothing)}
+
+
 def placement_for(config: EPLBConfig, load: torch.Tensor, num_physical: int, num_ranks: int,
                   previous: Placement, *, held: torch.Tensor | None = None,
                   held_mapping: Sequence[int] | None = None, **extra: Any) -> Placement:
     """The configured policy's placement: ``policy_options`` carry ``num_groups``/``num_nodes``
     (the hierarchy) beside the policy's own options; ``extra`` adds or overrides options.
+    A rebalance fitting :meth:`LoadWindow.fold`'s estimate passes :func:`estimate_options` in ``extra``.
 
     The result is slot-aligned (:func:`~eplb.placement.align_slots`) to what the ranks hold:
     ``held`` (``[layers, P_old]``, default ``previous``'s maps) under ``held_mapping`` (old rank
@@ -148,7 +183,7 @@ def placement_for(config: EPLBConfig, load: torch.Tensor, num_physical: int, num
 @dataclass(frozen=True)
 class RebalanceJob:
     rebalance_id: int
-    load: torch.Tensor  # [layers, L] window total, identical on every rank
+    load: torch.Tensor  # [layers, L] the load to fit (LoadWindow.fold), identical on every rank
     placement: Placement  # the placement being served when the job started
     num_ranks: int
     rank: int
@@ -342,7 +377,8 @@ class AsyncEPLBWorker:
                 raise HandshakeMismatch(f"rebalance {job.rebalance_id} of generation {job.generation} reached the "
                                         f"thread of generation {self.generation}")
             started = time.perf_counter()
-            new = placement_for(self.config, job.load, job.placement.num_physical, job.num_ranks, job.placement)
+            new = placement_for(self.config, job.load, job.placement.num_physical, job.num_ranks, job.placement,
+                                **estimate_options(self.config))
             changed = tuple(
                 int(i) for i in (new.physical_to_logical != job.placement.physical_to_logical).any(dim=1).nonzero().flatten()
             )
@@ -776,10 +812,12 @@ class EPLBState:
         A ``scheduled`` one (every ``step_interval`` steps) is skipped while the window's
         balancedness under the current placement is above ``min_balancedness``: the window and
         the placement are identical on every rank, so every rank skips at the same step. One an
-        operator asked for is never skipped. Returns False when skipped."""
+        operator asked for is never skipped. Returns False when skipped. Either way the window is
+        folded into the load estimate (``load_smoothing``), which is what a rebalance fits."""
         self.steps_since_rebalance = 0
-        load = self.window.total()
-        before = float(self.placement.balancedness(load, self.num_ranks).mean())
+        window = self.window.total()
+        load = self.window.fold(self.config.load_smoothing, window)
+        before = float(self.placement.balancedness(window, self.num_ranks).mean())
         self.stats.balancedness_before = before
         if scheduled and before > self.config.min_balancedness:
             self.stats.rebalances_skipped += 1
@@ -804,7 +842,8 @@ class EPLBState:
         """Move every changed layer now, in the decode thread. The maps follow the weights layer
         by layer, so a transfer that fails half-way leaves maps that say what each slot holds."""
         started = time.perf_counter()
-        new = placement_for(self.config, load, self.placement.num_physical, self.num_ranks, self.placement)
+        new = placement_for(self.config, load, self.placement.num_physical, self.num_ranks, self.placement,
+                            **estimate_options(self.config))
         slots = self.placement.slots_per_rank(self.num_ranks)
         identity = list(range(self.num_ranks))
         weights = self.model.expert_weights()

@@ -38,6 +38,52 @@ def small_config(**overrides):
     return DeploymentConfig(**base)
 
 
+#: half of ``eplb.algorithm.warm_up``'s compiled kernels (about 13 s of one core's compile on an empty
+#: numba cache), compiled by a helper process while this one compiles the other half
+_HALF_OF_THE_KERNELS = """
+import numpy as np
+from eplb import _compiled
+load = np.array([[4.0, 2.0, 1.0, 0.0, 0.0, 0.0]])
+counts = np.array([[2, 2, 1, 1, 1, 1]])
+_compiled.bfd_pack(load, 2, 4, np.ones(1), 1, 1.0)
+_compiled.replica_counts(load, 8, 2)
+_compiled.repair_counts(load, counts.copy(), np.ones(1), 2, 1)
+_compiled.add_replicas(load, counts, np.ones(1, dtype=np.int64), load > 0, 2)
+"""
+
+
+def compile_kernels_on_two_cores() -> None:
+    """Fill numba's on-disk cache of the placement kernels with both cores, then load them all here.
+
+    On a fresh checkout (CI) the cache is empty: compiling every kernel takes about 28 s of one
+    core, and the forkserver (which warms up too) and this process each paid it, at the same time.
+    Now a helper process compiles half while this one compiles the other half; ``warm_up`` then
+    loads the helper's half from the cache (and compiles whatever the split misses), and the
+    forkserver started after this finds everything cached. With a warm cache this costs ~1 s."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from eplb import _compiled
+    from eplb.algorithm import _fill_pack, warm_up
+
+    helper = subprocess.Popen([sys.executable, "-c", _HALF_OF_THE_KERNELS])
+    try:
+        load = np.array([[4.0, 2.0, 1.0, 0.0, 0.0, 0.0]])
+        counts = np.array([[2, 2, 1, 1, 1, 1]])
+        slot_load, slot_expert = _fill_pack(load, counts, 2)
+        _compiled.swap_refine(slot_load, slot_expert, 1, np.ones(1))
+        _compiled.take_counts(slot_expert, load, counts)
+        _compiled.improve(slot_expert.copy(), load, np.array([0.0]), np.array([2]), 4, 8, counts, 0.2)
+        helper.wait(timeout=300)
+    finally:
+        if helper.poll() is None:
+            helper.kill()
+            helper.wait()
+    warm_up()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def one_forkserver_for_every_model_kind(request, tmp_path_factory):
     """One forkserver for the whole session, loaded for every model kind the tests deploy.
@@ -47,7 +93,10 @@ def one_forkserver_for_every_model_kind(request, tmp_path_factory):
     worker after it would import transformers itself (2-3 s of CPU each, on two cores). Workers
     write to the forkserver's stderr: ``workers.log`` in the session's base temporary directory,
     not the terminal (a test that needs a worker's output reads its reports)."""
-    if not any(item.get_closest_marker("multiprocess") for item in request.session.items):
+    items = request.session.items
+    if any(item.get_closest_marker("multiprocess") or item.path.name == "test_algorithm.py" for item in items):
+        compile_kernels_on_two_cores()
+    if not any(item.get_closest_marker("multiprocess") for item in items):
         return
     import multiprocessing
     import multiprocessing.forkserver

@@ -17,6 +17,7 @@ from bench.bench_capacity import (
     descendants,
     make_prompts,
     mismatches,
+    summarize_samples,
     targets,
     tree_cpu,
 )
@@ -118,3 +119,58 @@ def test_tree_cpu_counts_a_forkserver_worker(tmp_path) -> None:
         for pid in descendants(parent.pid)[::-1]:
             subprocess.run(["kill", "-9", str(pid)], check=False)
         parent.wait(10)
+
+
+def test_summarize_samples_self_and_inclusive() -> None:
+    records = [["MainThread", ["run.py:main", "loop.py:step", "kernel.py:matmul"], 6],
+               ["MainThread", ["run.py:main", "loop.py:step", "dist.py:all_reduce"], 3],
+               ["MainThread", ["run.py:main", "loop.py:idle"], 1],
+               ["MainThread", ["run.py:main", "threading.py:wait"], 10],
+               ["heartbeat", ["threading.py:wait"], 50]]
+    summary = summarize_samples(records, "MainThread")
+    assert summary["samples"] == 20 and summary["waiting"] == 0.5
+    assert summary["self"] == [("kernel.py:matmul", 0.6), ("dist.py:all_reduce", 0.3), ("loop.py:idle", 0.1)]
+    inclusive = dict(summary["inclusive"])
+    assert "run.py:main" not in inclusive and "loop.py:step" not in inclusive  # in (nearly) every sample: left out
+    assert inclusive["kernel.py:matmul"] == 0.6
+    assert summarize_samples(records, None)["samples"] == 70
+    assert summarize_samples(records, "heartbeat") == {"samples": 50, "waiting": 1.0, "self": [], "inclusive": []}
+    with pytest.raises(BenchError, match="no stack samples"):
+        summarize_samples(records, "nobody")
+
+
+_SAMPLED = textwrap.dedent("""
+    import multiprocessing as mp, time
+    def spin_in_the_worker():
+        end = time.monotonic() + 3
+        while time.monotonic() < end:
+            pass
+    if __name__ == "__main__":
+        worker = mp.get_context("forkserver").Process(target=spin_in_the_worker)
+        worker.start()
+        print(worker.pid, flush=True)
+        worker.join()
+""")
+
+
+@pytest.mark.timeout(60)
+def test_the_sampler_records_a_forkserver_worker_while_switched_on(tmp_path) -> None:
+    import json
+    import os
+    from pathlib import Path
+
+    import bench.bench_capacity as bc
+
+    script, samples = tmp_path / "sampled.py", tmp_path / "samples"
+    script.write_text(_SAMPLED)
+    samples.mkdir()
+    (samples / "on").touch()
+    sampler = str(Path(bc.__file__).parent / "capacity_sampler")
+    env = {**os.environ, "ELASTIC_EP_SAMPLE_DIR": str(samples), "PYTHONPATH": sampler}
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=50)
+    worker = int(run.stdout.split()[0])
+    records = json.loads((samples / f"{worker}.json").read_text())
+    summary = summarize_samples(records, "MainThread")
+    assert summary["samples"] >= 20
+    assert dict(summary["inclusive"]).get("sampled.py:spin_in_the_worker", 0) > 0.5 or \
+        dict(summary["self"]).get("sampled.py:spin_in_the_worker", 0) > 0.5

@@ -136,3 +136,98 @@ def test_the_compiled_moves_never_raise_the_peak_stay_in_budget_and_keep_every_e
     peak_before = 1 / np.maximum(_balancedness(p2l, load, gpus), 1e-300)
     peak_after = 1 / np.maximum(_balancedness(out, load, gpus), 1e-300)
     assert (peak_after <= peak_before * (1 + 1e-12)).all()
+
+
+# --- the deployment knob: eplb.load_smoothing -------------------------------------------------
+
+
+def _deployment(**eplb):
+    from elastic.deployment import DeploymentConfig
+
+    return DeploymentConfig.model_validate({
+        "ep_size": 1, "model": {"num_layers": 3, "num_experts": 8, "hidden_size": 8, "intermediate_size": 8},
+        "eplb": {"num_redundant_experts": 4, "window_size": 1, "step_interval": 1000, **eplb}})
+
+
+def _physical_counts(placement, logical: torch.Tensor) -> torch.Tensor:
+    """Per-slot counts whose logical sum is ``logical`` (each expert's load on its first slot)."""
+    out = torch.zeros(placement.num_layers, placement.num_physical, dtype=torch.int64)
+    first = placement.logical_to_physical[:, :, 0]
+    out.scatter_(1, first, logical)
+    return out
+
+
+def _spied_rebalances(monkeypatch, smoothing: float, windows: list[torch.Tensor]) -> list[tuple[np.ndarray, dict]]:
+    """Windows fed one by one to the EPLB of a one-rank deployment (a real model, sync moves),
+    rebalancing after each; what the policy saw (load, options) at each rebalance."""
+    import functools
+
+    from elastic.control.spawn import worker_spec
+    from elastic.worker.rescale_plan import eplb_config_for
+    from eplb.algorithm import POLICIES
+    from eplb.model import ReferenceMoE
+    from eplb.placement import Placement
+    from eplb.state import EPLBState
+
+    spec = worker_spec(_deployment(policy="migration_aware", load_smoothing=smoothing), 0, 1, 0, store_port=1)
+    seen: list[tuple[np.ndarray, dict]] = []
+    real = POLICIES["migration_aware"]
+
+    @functools.wraps(real)
+    def spy(problem, **options):
+        seen.append((problem.load.copy(), options))
+        return real(problem, **options)
+
+    monkeypatch.setitem(POLICIES, "migration_aware", spy)
+    placement = Placement.static(3, 8, 12)
+    state = EPLBState(eplb_config_for(spec.eplb, ("localhost",)), ReferenceMoE(spec.shape, placement, 0, 1),
+                      placement, 0, 1)
+    for window in windows:
+        state.record(_physical_counts(state.placement, window))
+        assert state.rebalance_now(scheduled=True) is True
+    return seen
+
+
+def test_the_deployment_knob_reaches_the_policy_as_the_smoothed_estimate_and_its_noise(monkeypatch):
+    rng = np.random.default_rng(11)
+    windows = [torch.from_numpy(_zipf_counts(np.random.default_rng(5), 3, 8, 4000))]
+    profile = windows[0].double().numpy() / 4000
+    windows += [torch.from_numpy(np.stack([rng.multinomial(4000, row / row.sum()) for row in profile])) for _ in range(2)]
+    seen = _spied_rebalances(monkeypatch, 0.5, windows)
+    assert len(seen) == 3
+    est = None
+    for (load, options), window in zip(seen, windows):
+        est = smoothed_load(est, window, 0.5)
+        np.testing.assert_allclose(load, est.numpy())  # the estimate the config's weight gives, window by window
+        assert options["noise"] == pytest.approx(smoothed_noise(0.5))
+    assert not np.allclose(seen[-1][0], windows[-1].double().numpy())  # not the last window alone
+    last = _spied_rebalances(monkeypatch, 1.0, windows)
+    for (load, options), window in zip(last, windows):
+        np.testing.assert_array_equal(load, window.double().numpy())  # 1.0: the window total, as vLLM
+        assert "noise" not in options  # int64 counts: the policy's own "auto" (two windows' noise)
+
+
+def test_the_estimate_carries_over_a_rescale_with_the_window():
+    from eplb.state import LoadWindow
+
+    window = LoadWindow(2, 3, 8)
+    window.record(torch.arange(24).reshape(3, 8))
+    first = window.fold(0.3).clone()
+    window.record(torch.arange(24).reshape(3, 8).flip(1))
+    expected = window.fold(0.3).clone()
+    moved = LoadWindow.from_state(window.state())
+    assert moved.estimate is not None and torch.equal(moved.estimate, expected)
+    assert not torch.equal(first, expected)
+    old = window.state()
+    del old["estimate"]  # a state sent by a rank from before the estimate
+    assert LoadWindow.from_state(old).estimate is None
+    assert window.fold(1.0).dtype == torch.int64 and window.estimate is None  # 1.0: the total, estimate restarts
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -0.2, 1.5, float("nan"), True, "often"])
+def test_a_bad_load_smoothing_is_refused_naming_the_knob(bad):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="load_smoothing"):
+        _deployment(load_smoothing=bad)
+    assert _deployment().eplb.load_smoothing == 0.3  # the bench's choice (tune seeds) is the default

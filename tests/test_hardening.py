@@ -209,8 +209,11 @@ def test_scale_cycles_leave_no_records_queues_store_keys_or_fds_behind():
             for size in (3, 2):
                 op = c.scale(size, timeout=60)
                 assert op.status == OperationStatus.SUCCEEDED, op.error
-            if pause:
-                time.sleep(2.5)  # retired workers' records are forgotten a moment after they exit
+            if pause:  # retired workers' records are forgotten a moment (2 s) after they exit
+                deadline = time.monotonic() + 10
+                while len(c.workers) > 2:
+                    assert time.monotonic() < deadline, f"{len(c.workers) - 2} retired workers' records kept 10 s on"
+                    time.sleep(0.05)
 
         for _ in range(2):
             cycle()  # warm up: the forkserver, the store's first keys

@@ -65,26 +65,33 @@ def body_architectures(rank: int, world_size: int, cases: list[tuple[str, str]])
         reference = unsharded(spec)
         ref = reference.probe()
         serve_ids = torch.randint(0, reference.vocab_size, (3, 5), generator=torch.Generator().manual_seed(99))
-        ref_tokens, ref_logits = reference.generate(serve_ids, 6)
+        ref_tokens, ref_logits = reference.generate(serve_ids, 7)
         del reference
+        # the ranks own different requests: rank 0 the first two, rank 1 the third
+        own = [0, 1] if rank == 0 else [2]
 
         s = 6  # 12 slots over 2 ranks: 4 redundant
         placement = Placement.static(layers, L, s * world_size)
-        # the bf16 runs combine in two all_gathers (sizes agreed first), the fp32 runs in one
-        model = HFMoE(spec, placement, rank, world_size, timeout=TIMEOUT,
-                      combine_one_shot_bytes=0 if dtype == "bfloat16" else 1 << 20)
+        model = HFMoE(spec, placement, rank, world_size, timeout=TIMEOUT)
         checks = {"start": model.probe().compare(ref)}
 
         # serve a batch; the rebalance commits one layer per decode step, as the async EPLB does
-        state = model.prefill(serve_ids)
+        state = model.prefill(serve_ids[own])
         model.decode_step(state)
         logical, physical = model.take_load()
+        balance = model.take_dispatch_balance()
         new = Placement.from_physical_to_logical(
             swap_rank_blocks(compute_placement(logical, s * world_size, world_size).physical_to_logical, world_size), L)
         transfers = _rebalance_while_serving(model, rank, world_size, s, new, state)
         while len(state.tokens) < 6:
             model.decode_step(state)
+        # one more step in which rank 1 has no request: it only takes part in the exchanges
+        if rank == 0:
+            model.decode_step(state)
+        else:
+            idle = model.forward_batch([])
         serve_tokens, serve_logits = torch.stack(state.tokens, 1), torch.stack(state.logits, 1)
+        n = serve_tokens.shape[1]
         checks["rebalance"] = model.probe().compare(ref)
 
         # rank 1's weights are lost: a fresh placement, experts only rank 1 held are reloaded
@@ -97,7 +104,8 @@ def body_architectures(rank: int, world_size: int, cases: list[tuple[str, str]])
 
         out[f"{arch}/{dtype}"] = {
             "checks": checks, "verify": model.verify(), "transfers": transfers, "reloads": reloads,
-            "serve_equal": torch.equal(serve_tokens, ref_tokens) and torch.equal(serve_logits, ref_logits),
+            "serve_equal": torch.equal(serve_tokens, ref_tokens[own, :n]) and torch.equal(serve_logits, ref_logits[own, :n]),
+            "served": n, "idle": None if rank == 0 else (tuple(idle[0].shape), idle[1]), "balance": balance,
             # lists: tensors would travel as shared memory, gone when the worker exits
             "load": logical.tolist(), "physical": physical.tolist(),
             "tokens_per_layer": (3 * 5 + 3) * info_top_k(spec),  # prefill + one step
@@ -187,9 +195,14 @@ def check_case(arch_runs, case: str) -> None:
         for when, check in r["checks"].items():
             assert check["identical"], (rank, when, check)
         assert r["serve_equal"], f"rank {rank}: tokens or logits served across the rebalance differ"
+        # rank 0 decoded one step more, while rank 1 had no request and only exchanged pairs
+        assert r["served"] == (7 if rank == 0 else 6)
+        assert r["idle"] in (None, ((0, 128), []))
+        # both ranks' experts computed pairs; the mean/max of their pairs is the same on both ranks
+        assert 0 < r["balance"] <= 1 and r["balance"] == arch_runs[0][case]["balance"]
         assert r["verify"] == [], r["verify"]
         assert r["transfers"] > 0
-        # load is the real router's choices: every (token, k) pair of the prefill and a step, per layer
+        # load is the group's: every (token, k) pair of both ranks' prefills and a step, per layer
         load, physical = torch.tensor(r["load"]), torch.tensor(r["physical"])
         assert load.sum(dim=1).tolist() == [r["tokens_per_layer"]] * load.shape[0]
         assert r["load"] == arch_runs[0][case]["load"]  # the group's counts, the same on every rank
@@ -255,7 +268,7 @@ def body_checkpoint(rank: int, world_size: int, paths: dict[str, str]) -> dict:
         _trip_a_slot(model, rank, grown, s, ref, r)
 
         # one replicated weight one ulp off on rank 1 (what another thread count or a bad copy does)
-        _diverge(model, rank, r)
+        _diverge(model, rank, ref, r)
         out[arch] = r
     return out
 
@@ -324,21 +337,31 @@ def _trip_a_slot(model: Any, rank: int, back: Placement, s: int, ref: Any, r: di
     r["repaired"] = model.probe().compare(ref)
 
 
-def _diverge(model: Any, rank: int, r: dict) -> None:
-    """One replicated weight one ulp off on rank 1: both combine paths raise ReplicaDivergence."""
+def _diverge(model: Any, rank: int, ref: Any, r: dict) -> None:
+    """Rank 1 one ulp off in a non-expert weight: only its own probe trips (it runs its own
+    requests). Rank 1 on another placement of layer 0: both ranks refuse at MoE layer 0."""
     from eplb.models.kernel import ReplicaDivergence
 
     emb = model.model.get_input_embeddings().weight
+    kept = emb.detach().clone()
     if rank == 1:
         with torch.no_grad():
             emb.copy_(torch.nextafter(emb, torch.full_like(emb, float("inf"))))
-    for combine, limit in (("diverged", 1 << 20), ("diverged_two_step", 0)):  # one all_gather, then two
-        model.set_combine_one_shot_bytes(limit)
-        try:
-            model.probe()
-            r[combine] = "no error"
-        except ReplicaDivergence as exc:
-            r[combine] = f"{type(exc).__name__}: {exc}"
+    r["diverged"] = model.probe().compare(ref)
+    with torch.no_grad():
+        emb.copy_(kept)
+    placement = model.placement
+    if rank == 1:
+        row = placement.physical_to_logical[0].clone()
+        row[[0, 1]] = row[[1, 0]]
+        model.install_placement(placement.with_layer(0, row), rank, 2)
+    try:
+        model.probe()
+        r["placement_diverged"] = "no error"
+    except ReplicaDivergence as exc:
+        r["placement_diverged"] = f"{type(exc).__name__}: {exc}"
+    model.install_placement(placement, rank, 2)
+    r["after"] = model.probe().compare(ref)
 
 
 @pytest.fixture(scope="module")
@@ -371,10 +394,12 @@ def test_checkpoint_serves_joins_and_reloads_lost_experts(checkpoint_runs, arch)
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("arch", CHECKPOINT_ARCHS)
 def test_wrong_expert_in_one_slot_trips_the_probe(checkpoint_runs, arch):
+    # every rank probes with its own requests; the pairs of an expert are spread over all its
+    # replicas, so the group's probe (every rank's digest must match) reaches the wrong slot
+    tripped = [per_rank[arch]["tripped"] for per_rank in checkpoint_runs]
+    assert any(not t["identical"] and t["max_abs_logit_diff"] > 0 for t in tripped), tripped
     for rank, per_rank in enumerate(checkpoint_runs):
         r = per_rank[arch]
-        assert not r["tripped"]["identical"], f"rank {rank}: a wrong expert in slot {r['wrong_slot']} went unseen"
-        assert r["tripped"]["max_abs_logit_diff"] > 0
         assert r["tripped_verify"] == ([r["wrong_slot"]] if rank == 1 else [])
         assert r["repaired"]["identical"]
 
@@ -468,12 +493,14 @@ def test_load_recording_and_placement_checks():
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("arch", CHECKPOINT_ARCHS)
-def test_ranks_whose_replicated_compute_diverges_fail_with_a_reason(checkpoint_runs, arch):
-    # both ranks refuse at the first MoE layer, instead of gloo aborting on unequal combine sizes
-    for per_rank in checkpoint_runs:
-        for combine in ("diverged", "diverged_two_step"):
-            assert per_rank[arch][combine].startswith("ReplicaDivergence: MoE layer 0: rank "), per_rank[arch][combine]
-            assert "ranks [" in per_rank[arch][combine]
+def test_ranks_that_diverge_fail_with_a_reason(checkpoint_runs, arch):
+    r0, r1 = (per_rank[arch] for per_rank in checkpoint_runs)
+    # a rank runs attention for its own requests: only the rank with the bad weight fails its probe
+    assert r0["diverged"]["identical"] and not r1["diverged"]["identical"]
+    # ranks on different placements refuse at the first MoE layer, instead of gloo aborting on unequal sizes
+    for r in (r0, r1):
+        assert r["placement_diverged"].startswith("ReplicaDivergence: MoE layer 0: rank "), r["placement_diverged"]
+        assert "ranks [" in r["placement_diverged"] and r["after"]["identical"]
 
 
 def test_serving_helpers_for_both_kinds():

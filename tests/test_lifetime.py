@@ -187,26 +187,43 @@ def stop_and_check(proc: subprocess.Popen, log: Path, sig: signal.Signals, worke
     return exited, workers_gone, time.monotonic() - sent
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_serve_stops_gracefully_and_leaves_no_process(tmp_path, sig):
-    proc, log = start_serve(tmp_path)
-    tree: set[int] = set()
+def serving_workers(proc: subprocess.Popen, log: Path) -> tuple[set[int], set[int]]:
+    """Once serve's API answers and its deployment decodes: (its workers, its process tree)."""
+    port = wait_for(lambda: re.search(r"Uvicorn running on http://[\d.]+:(\d+)", log.read_text()),
+                    120, "server", proc, log).group(1)
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+        state = wait_for(lambda: (s := client.get("/state").json())["step"] >= 3 and s, 60, "decoding", proc, log)
+    workers = {r["pid"] for r in state["ranks"]}
+    tree = descendants(proc.pid)
+    assert len(workers) == 2 and workers <= tree, f"workers {workers} not in the serve tree {tree}"
+    assert any("multiprocessing.forkserver" in cmdline(pid) for pid in tree), "no forkserver to check"
+    return workers, tree
+
+
+@pytest.mark.timeout(240)
+def test_serve_stops_gracefully_and_leaves_no_process(tmp_path):
+    """One serve stopped with SIGTERM, another with SIGINT (started side by side: their starts
+    overlap on the two cores; each is stopped and checked on its own)."""
+    signals = (signal.SIGTERM, signal.SIGINT)
+    serves = {}
+    for sig in signals:
+        (tmp_path / sig.name).mkdir()
+        serves[sig] = start_serve(tmp_path / sig.name)
+    trees: dict[signal.Signals, set[int]] = {sig: set() for sig in signals}
     try:
-        port = wait_for(lambda: re.search(r"Uvicorn running on http://[\d.]+:(\d+)", log.read_text()),
-                        120, "server", proc, log).group(1)
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
-            state = wait_for(lambda: (s := client.get("/state").json())["step"] >= 3 and s, 60, "decoding", proc, log)
-        workers = {r["pid"] for r in state["ranks"]}
-        tree = descendants(proc.pid)
-        assert len(workers) == 2 and workers <= tree, f"workers {workers} not in the serve tree {tree}"
-        assert any("multiprocessing.forkserver" in cmdline(pid) for pid in tree), "no forkserver to check"
-        exited, workers_gone, gone = stop_and_check(proc, log, sig, workers, tree)
-        print(f"{sig.name}: serve exited in {exited:.2f}s, its workers were gone in {workers_gone:.2f}s, "
-              f"its whole tree in {gone:.2f}s")
+        started = {}
+        for sig, (proc, log) in serves.items():
+            started[sig] = serving_workers(proc, log)
+            trees[sig] = started[sig][1]
+        for sig, (proc, log) in serves.items():
+            workers, tree = started[sig]
+            exited, workers_gone, gone = stop_and_check(proc, log, sig, workers, tree)
+            print(f"{sig.name}: serve exited in {exited:.2f}s, its workers were gone in {workers_gone:.2f}s, "
+                  f"its whole tree in {gone:.2f}s")
     finally:
-        kill_all({proc.pid, *tree})
-        proc.wait(10)
+        for sig, (proc, _log) in serves.items():
+            kill_all({proc.pid, *trees[sig]})
+            proc.wait(10)
 
 
 @pytest.mark.timeout(180)
@@ -234,7 +251,8 @@ def test_serve_stopped_while_its_workers_start_leaves_no_process(tmp_path):
         proc.wait(10)
 
 
-def start_coordinator(tmp_path: Path, overrides: dict) -> tuple[subprocess.Popen, dict]:
+def launch_coordinator(tmp_path: Path, overrides: dict) -> tuple[subprocess.Popen, Path, Path]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     config = tmp_path / "deployment.yaml"
     config.write_text(DEPLOYMENT)
     script = tmp_path / "coordinator.py"
@@ -243,13 +261,17 @@ def start_coordinator(tmp_path: Path, overrides: dict) -> tuple[subprocess.Popen
     with out.open("w") as stdout, log.open("w") as stderr:
         proc = subprocess.Popen([sys.executable, str(script), str(config), json.dumps(overrides)],
                                 cwd=ROOT, env=python_env(), stdout=stdout, stderr=stderr)
+    return proc, out, log
+
+
+def started_coordinator(proc: subprocess.Popen, out: Path, log: Path) -> dict:
+    """What the coordinator printed once its workers decode (it is killed with its tree if not)."""
     try:
-        line = wait_for(lambda: out.read_text().strip(), 120, "worker pids", proc, log)
+        return json.loads(wait_for(lambda: out.read_text().strip(), 120, "worker pids", proc, log))
     except BaseException:
         kill_all({proc.pid, *descendants(proc.pid)})
         proc.wait(10)
         raise
-    return proc, json.loads(line)
 
 
 # a command-launcher worker started here descends from the coordinator just like a local one
@@ -258,28 +280,37 @@ COMMAND_LAUNCHER = {"launcher": {"kind": "command", "hosts": [{"name": "here"}],
                                               "--worker-id", "{worker_id}"]}}
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("overrides", [{}, COMMAND_LAUNCHER], ids=["local", "command"])
-def test_workers_end_within_10s_of_a_killed_coordinator(tmp_path, overrides):
-    proc, info = start_coordinator(tmp_path, overrides)
-    tree = descendants(proc.pid)
+LAUNCHERS = {"local": {}, "command": COMMAND_LAUNCHER}
+
+
+@pytest.mark.timeout(240)
+def test_workers_end_within_10s_of_a_killed_coordinator(tmp_path):
+    """A coordinator of each launcher, started side by side (their starts overlap on the two
+    cores), then killed one after the other: each one's workers and forkserver are gone within 10 s."""
+    launched = {name: launch_coordinator(tmp_path / name, overrides) for name, overrides in LAUNCHERS.items()}
+    trees: dict[str, set[int]] = {name: set() for name in LAUNCHERS}
     try:
-        if overrides:  # the command launcher's worker ids are not pids: take its children
-            workers = {pid for pid in tree if "elastic.launch.remote_worker" in cmdline(pid)}
-        else:
-            workers = set(info["workers"])
-            assert info["forkserver"] in tree, "no forkserver to check"
-        assert len(workers) == 2 and workers <= tree, f"workers {workers}, tree {tree}"
-        os.kill(proc.pid, signal.SIGKILL)
-        killed = time.monotonic()
-        proc.wait(10)
-        left = wait_gone(tree, killed + STOP_WITHIN_S)
-        gone = time.monotonic() - killed
-        assert not left, f"still running {STOP_WITHIN_S}s after the coordinator was killed: {describe(left)}"
-        print(f"{'command' if overrides else 'local'}: every worker and the forkserver gone {gone:.2f}s after SIGKILL")
+        infos = {name: started_coordinator(*launched[name]) for name in LAUNCHERS}
+        for name, (proc, _out, _log) in launched.items():
+            trees[name] = tree = descendants(proc.pid)
+            if name == "command":  # the command launcher's worker ids are not pids: take its children
+                workers = {pid for pid in tree if "elastic.launch.remote_worker" in cmdline(pid)}
+            else:
+                workers = set(infos[name]["workers"])
+                assert infos[name]["forkserver"] in tree, "no forkserver to check"
+            assert len(workers) == 2 and workers <= tree, f"{name}: workers {workers}, tree {tree}"
+        for name, (proc, _out, _log) in launched.items():
+            os.kill(proc.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            proc.wait(10)
+            left = wait_gone(trees[name], killed + STOP_WITHIN_S)
+            gone = time.monotonic() - killed
+            assert not left, f"{name}: still running {STOP_WITHIN_S}s after the coordinator was killed: {describe(left)}"
+            print(f"{name}: every worker and the forkserver gone {gone:.2f}s after SIGKILL")
     finally:
-        kill_all({proc.pid, *tree})
-        proc.wait(10)
+        for name, (proc, _out, _log) in launched.items():
+            kill_all({proc.pid, *trees[name], *descendants(proc.pid)})
+            proc.wait(10)
 
 
 # -- the watch itself, without torch ---------------------------------------------------------

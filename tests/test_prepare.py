@@ -158,7 +158,7 @@ def test_a_standby_group_carries_transfers_beside_the_serving_group_and_becomes_
     from elastic.worker.groups import open_store
 
     store = open_store("127.0.0.1", 0)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")  # the session's, torch already loaded (spawn: 3 fresh interpreters)
     out = ctx.Queue()
     procs = [ctx.Process(target=_standby_peer, args=(r, store.port, r == 2, out), daemon=True) for r in range(3)]
     for proc in procs:

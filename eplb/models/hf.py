@@ -34,7 +34,16 @@ from eplb.models.kernel import (
     KERNEL_NAME,
     ExpertsContext,
     check_row_independent,
+    placement_print,
     register,
+)
+from eplb.models.packed import (
+    SeqState,
+    check_batch_invariant,
+    crop_state,
+    forward_packed,
+    register_attention,
+    wrap_linear_attention,
 )
 from eplb.placement import Placement
 
@@ -308,22 +317,23 @@ class HFMoE:
     EP group the experts combine over (``None``: the default group; unused with one rank).
     ``materialize=False`` leaves the slots unfilled (a rank whose experts arrive by transfer);
     ``load_non_expert=False`` leaves the non-expert weights for :meth:`sync_non_expert`.
-    ``combine_one_shot_bytes``: below this many bytes of expert outputs per MoE layer the combine
-    is one all_gather (decode), above it two (see :func:`eplb.models.kernel._combine`).
+    Each rank serves its own requests (:meth:`forward_batch`); the experts of every MoE layer
+    are exchanged over the group (:mod:`eplb.models.dispatch`).
     """
 
     def __init__(self, spec: HFModelConfig | dict, placement: Placement, rank: int, num_ranks: int, *,
                  group: Any = None, timeout: float = 30.0, materialize: bool = True,
-                 load_non_expert: bool = True, self_check: bool = True, combine_one_shot_bytes: int = 1 << 20):
+                 load_non_expert: bool = True, self_check: bool = True):
         register()
+        register_attention()
         self.spec = spec if isinstance(spec, HFModelConfig) else HFModelConfig.model_validate(spec)
         self.source = open_source(self.spec)
         self.model = self.source.build(load=load_non_expert)
         self.model.set_experts_implementation(KERNEL_NAME)
+        wrap_linear_attention(self.model)
         self.moe_layer_ids = _moe_layers(self.model)
         self.group = group
         self.timeout = timeout
-        self.combine_one_shot_bytes = combine_one_shot_bytes
         first = _experts_of(self.model, self.moe_layer_ids[0])
         self.names = _expert_names(first)
         self._tails = [(tuple(getattr(first, n).shape[1:]), getattr(first, n).dtype) for n in self.names]
@@ -390,21 +400,19 @@ class HFMoE:
                 logical_to_physical=self.placement.logical_to_physical[index],
                 replica_count=self.placement.replica_count[index], rank=self.rank, num_ranks=self.num_ranks,
                 slots_per_rank=self.num_local_physical_experts, group=self.group, timeout=self.timeout,
-                one_shot_bytes=self.combine_one_shot_bytes,
+                placement_print=placement_print(self.placement.logical_to_physical[index],
+                                                self.placement.replica_count[index]),
                 logical_counts=torch.zeros(self.num_logical_experts, dtype=torch.int64),
                 physical_counts=torch.zeros(self.num_physical_experts, dtype=torch.int64),
+                rank_pairs=torch.zeros(self.num_ranks, dtype=torch.int64),
             )
             if prev is not None and _counts(prev)[1].numel() == _counts(ctx)[1].numel():
                 ctx.logical_counts, ctx.physical_counts = _counts(prev)
+            if prev is not None and prev.rank_pairs is not None and prev.rank_pairs.numel() == self.num_ranks:
+                ctx.rank_pairs = prev.rank_pairs
             # ignore: torch types Module.__setattr__'s value as Tensor | Module, yet plain attributes work
             experts._eplb = ctx  # type: ignore[assignment]
             self._contexts.append(ctx)
-
-    def set_combine_one_shot_bytes(self, limit: int) -> None:
-        """Combine in one all_gather while a layer's expert outputs fit in ``limit`` bytes (0: always two)."""
-        self.combine_one_shot_bytes = limit
-        for ctx in self._contexts:
-            ctx.one_shot_bytes = limit
 
     def set_group(self, group: Any) -> None:
         """The EP group to combine over from now on (after a rescale formed a new one)."""
@@ -443,6 +451,7 @@ class HFMoE:
         g = torch.Generator().manual_seed(0)
         weights = {n: (torch.randn((4, *tail), generator=g) * 0.2).to(dtype) for n, (tail, dtype) in zip(self.names, self._tails)}
         check_row_independent(experts, weights, self.hidden_size, self._tails[0][1])
+        check_batch_invariant(self.model)
 
     # -- non-expert weights for joining ranks ---------------------------------------------------
     def non_expert_tensors(self) -> list[tuple[str, torch.Tensor]]:
@@ -491,10 +500,10 @@ class HFMoE:
 
     # -- load -----------------------------------------------------------------------------------
     def take_load(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The router's choices since the last call: ``(logical [layers, L], physical [layers, P])``.
+        """The pairs the dispatch delivered since the last call: ``(logical [layers, L], physical [layers, P])``.
 
-        Every rank runs the router on the whole batch, so these are already the group's counts
-        (identical on every rank): no all-reduce is needed. The counters restart at zero.
+        Summed over the whole group from the pair counts every rank exchanges in the dispatch
+        (no collective of its own), so identical on every rank. The counters restart at zero.
         """
         logical = torch.stack([_counts(c)[0].clone() for c in self._contexts])
         physical = torch.stack([_counts(c)[1].clone() for c in self._contexts])
@@ -503,24 +512,98 @@ class HFMoE:
                 counts.zero_()
         return logical, physical
 
+    def take_dispatch_balance(self) -> float | None:
+        """Mean over max of the pairs each rank's experts computed since the last call, averaged
+        over the MoE layers that computed any (the group's, identical on every rank); ``None``
+        when nothing was dispatched. The counters restart at zero."""
+        ratios = []
+        for c in self._contexts:
+            assert c.rank_pairs is not None  # _bind gives every context its counter
+            top = int(c.rank_pairs.max()) if c.rank_pairs.numel() else 0
+            if top:
+                ratios.append(float(c.rank_pairs.float().mean()) / top)
+            c.rank_pairs.zero_()
+        return sum(ratios) / len(ratios) if ratios else None
+
     def _recording(self, on: bool) -> None:
         for c in self._contexts:
             c.record = on
 
-    # -- decoding -------------------------------------------------------------------------------
+    # -- serving ------------------------------------------------------------------------------------
     @torch.no_grad()
+    def forward_batch(self, inputs: Sequence[tuple[torch.Tensor, Any]]) -> tuple[torch.Tensor, list[Any]]:
+        """ONE forward over this rank's whole batch; a collective on the EP group.
+
+        ``inputs[i] = (new token ids of request i [n_i], its state or None for a new request)``;
+        returns ``(logits [len(inputs), V] of each request's last new token, the new states)``.
+        The states given are left unchanged (a failed step is rolled back by keeping them).
+        Every rank of the group calls it once per step in which any rank has tokens; a rank
+        with none calls it with ``[]`` and only takes part in the MoE exchanges. A request's
+        logits are bitwise independent of the other requests, their order, the rank and the
+        EP size (see :mod:`eplb.models.packed`).
+        """
+        checked = [self._checked_input(i, tokens, state) for i, (tokens, state) in enumerate(inputs)]
+        if not checked:
+            self._idle_step()
+            return torch.empty(0, self.vocab_size, dtype=self.dtype), []
+
+        def on_rows(rows: int) -> None:
+            for c in self._contexts:
+                c.rows = rows
+
+        try:
+            return forward_packed(self.model, checked, on_rows)
+        finally:
+            for c in self._contexts:
+                c.rows = None
+
+    def _checked_input(self, index: int, tokens: Any, state: Any) -> tuple[torch.Tensor, SeqState | None]:
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.numel() == 0 or tokens.is_floating_point():
+            raise ValueError(f"request {index}: new tokens must be a non-empty 1-D tensor of token ids")
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size:
+            raise ValueError(f"request {index}: token ids must be in [0, {self.vocab_size})")
+        if state is not None and not isinstance(state, SeqState):
+            raise ValueError(f"request {index}: state must be None or a state forward_batch returned")
+        return tokens.to(torch.long), state
+
+    def _idle_step(self) -> None:
+        """Take part in every MoE layer's exchanges with no tokens of our own (vLLM's dummy batch)."""
+        from eplb.models.dispatch import exchange
+
+        dtype = self.dtype
+        hidden = torch.empty(0, self.hidden_size, dtype=dtype)
+        for c, layer_id in zip(self._contexts, self.moe_layer_ids):
+            exchange(c, _experts_of(self.model, layer_id), hidden, torch.empty(0, 1, dtype=torch.long),
+                     torch.empty(0, 1, dtype=dtype))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's dtype (its ``model.dtype`` spec)."""
+        return getattr(torch, self.spec.dtype)
+
+    @staticmethod
+    def state_length(state: Any) -> int:
+        """Tokens held in a state's KV cache."""
+        return int(state.length)
+
+    @staticmethod
+    def crop_state(state: Any, length: int) -> Any:
+        """``state`` cut back to ``length`` tokens (a new state; see :func:`eplb.models.packed.crop_state`)."""
+        return crop_state(state, length)
+
+    # -- decoding -------------------------------------------------------------------------------
     def next_logits(self, input_ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
-        """Logits of the next token after ``input_ids [B, T]`` (appended to ``cache``; ``None``:
-        a prefill): ``(logits [B, V], cache)``. A collective on the EP group, like every forward."""
-        out = self.model(input_ids=input_ids, cache=cache, use_cache=True)
-        return out.logits[:, -1, :], out.cache
+        """Logits of the next token after ``input_ids [B, T]`` (``cache``: the states this returned
+        before, ``None``: a prefill): ``(logits [B, V], states)``. One :meth:`forward_batch`."""
+        states = [None] * input_ids.shape[0] if cache is None else cache
+        return self.forward_batch(list(zip(input_ids, states)))
 
     _forward = next_logits
 
     def prefill(self, input_ids: torch.Tensor) -> DecodeState:
         """Start decoding ``input_ids [B, T]`` (equal-length prompts); the first greedy token is chosen.
 
-        Every rank of the EP group must call it with the same ids (attention is replicated).
+        A collective: every rank of the EP group calls it at the same step, each with its own ids.
         """
         logits, cache = self._forward(input_ids, None)
         state = DecodeState(cache=cache, last=logits.argmax(dim=-1))
@@ -549,9 +632,10 @@ class HFMoE:
         return torch.randint(0, self.vocab_size, (p.batch, p.prompt_len), generator=g)
 
     def probe(self) -> ProbeResult:
-        """Greedy tokens and logits of the fixed probe batch (a collective on the EP group).
+        """Greedy tokens and logits of the fixed probe batch (a collective on the EP group: every
+        rank runs the whole batch as its own requests, so every rank checks its own compute).
 
-        The router's choices on the probe batch are not recorded as load.
+        The probe's pairs are not recorded as load.
         """
         self._recording(False)
         try:

@@ -3,7 +3,7 @@
 Registered in transformers' ``ALL_EXPERTS_FUNCTIONS`` as :data:`KERNEL_NAME`; a model selects it
 with ``model.set_experts_implementation(KERNEL_NAME)``. Each experts module it runs on carries an
 :class:`ExpertsContext` (attribute ``_eplb``) saying which MoE layer it is, which physical slots
-this rank holds, and the group to combine over.
+this rank holds, and the group to exchange pairs over.
 
 Why a kernel of our own (measured on this machine, CPU torch 2.13 with MKL):
 
@@ -15,28 +15,25 @@ Why a kernel of our own (measured on this machine, CPU torch 2.13 with MKL):
 - *Summation order.* Eager HF sums a token's k contributions in ascending expert id, the
   batched kernels in k order. Here always in k order, in float32, then cast to the model dtype
   (eager bf16 accumulates in bf16 and differs from the other kernels by up to 0.29 in logits).
-- *Rows per rank.* Non-expert compute (attention, norms, router) runs on the whole batch on
-  every rank (replicated), so the router's choices, and with them every pair's input, are the
-  same bits on every rank and in one process: splitting the batch across ranks would change them.
 
-Expert parallelism: a pair goes to one replica of its expert, ``token % replica_count``, so
-every rank computes the same assignment without talking. The owning rank computes it; one
-``all_gather`` (padded to the largest rank's pair count, waited on with a deadline) brings every
-rank's outputs back, and every rank combines all pairs in the same fixed order. The ranks check
-that they routed the same pairs from the same bits before the sizes are trusted (see :func:`_combine`).
+Expert parallelism: each rank runs attention and the dense layers for its own requests only
+(:mod:`eplb.models.packed`); each MoE layer sends every (token, expert) pair of the rank's
+tokens to one replica of its expert with ``all_to_all``, the holder computes it here, and the
+outputs come back to be combined by the owner (:mod:`eplb.models.dispatch`). A pair's output
+bits depend only on its row and its expert's weights, so they are the same whichever rank or
+replica computes them, and a token's logits equal the unsharded model's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 
-__all__ = ["KERNEL_NAME", "ExpertsContext", "ReplicaDivergence", "check_row_independent", "ep_experts_forward", "pair_forward", "register"]
+__all__ = ["KERNEL_NAME", "ExpertsContext", "ReplicaDivergence", "check_row_independent", "ep_experts_forward", "pair_forward",
+           "placement_print", "register"]
 
 KERNEL_NAME = "eplb_rowwise"
 
@@ -60,11 +57,13 @@ class ExpertsContext:
     slots_per_rank: int = 0
     group: Any = None
     timeout: float = 30.0
-    one_shot_bytes: int = 1 << 20  # combine in one all_gather while all pairs' outputs fit in this
+    placement_print: int = 0  # a fingerprint of this layer's placement row: the ranks must agree on it
+    rows: int | None = None  # real token rows of the packed step being run (None: outside forward_batch)
     record: bool = True
-    logical_counts: torch.Tensor | None = None  # [L] int64, accumulated while record is on
-    physical_counts: torch.Tensor | None = None  # [P] int64
-    stats: dict[str, float] = field(default_factory=lambda: {"pairs": 0, "gathered_bytes": 0})
+    logical_counts: torch.Tensor | None = None  # [L] int64: the group's pairs, accumulated while record is on
+    physical_counts: torch.Tensor | None = None  # [P] int64: the group's pairs delivered per physical slot
+    rank_pairs: torch.Tensor | None = None  # [R] int64: pairs each rank's experts computed
+    stats: dict[str, float] = field(default_factory=lambda: {"pairs": 0})
 
 
 def pair_forward(module: torch.nn.Module, weights: dict[str, torch.Tensor], x: torch.Tensor,
@@ -139,109 +138,27 @@ def _activate(module: torch.nn.Module, h: torch.Tensor, has_gate: bool) -> torch
     return _module_fn(module, "act_fn")(wide)[:, :width]
 
 
-def _wait(work, timeout: float, what: str) -> None:
-    if not work.wait(timeout=timedelta(seconds=timeout)):
-        raise TimeoutError(f"{what} did not finish within {timeout}s")
-
-
 class ReplicaDivergence(RuntimeError):
-    """The ranks' replicated compute (attention, router) gave different bits: EP cannot combine."""
-
-
-def _bits_sum(t: torch.Tensor) -> int:
-    """A fingerprint of a tensor's exact bits (integer sum of its bytes as int16 words, position-weighted)."""
-    words = t.detach().contiguous().view(torch.int16).to(torch.int64).reshape(-1)
-    return int((words * (torch.arange(words.numel()) % 65521 + 1)).sum())
-
-
-def _fingerprint(counts: torch.Tensor, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """What every rank must agree on before combining: pairs per rank, and the bits of the MoE
-    input and of the router's choices and weights (int64 ``[N + 3]``)."""
-    return torch.cat([counts.to(torch.int64),
-                      torch.tensor([_bits_sum(hidden), _bits_sum(ids), _bits_sum(weights)], dtype=torch.int64)])
-
-
-def _check_agreement(ctx: ExpertsContext, mine: torch.Tensor, everyone: list[torch.Tensor]) -> None:
-    differ = [r for r, other in enumerate(everyone) if not torch.equal(other, mine)]
-    if differ:
-        raise ReplicaDivergence(
-            f"MoE layer {ctx.layer}: rank {ctx.rank} and ranks {differ} routed different tokens or from different "
-            f"bits (replicated compute diverged: same torch intra-op thread count on every rank?)")
-
-
-def _gather(ctx: ExpertsContext, send: torch.Tensor, what: str) -> list[torch.Tensor]:
-    recv = [torch.empty_like(send) for _ in range(ctx.num_ranks)]
-    _wait(dist.all_gather(recv, send, group=ctx.group, async_op=True), ctx.timeout, f"{what} of MoE layer {ctx.layer}")
-    return recv
-
-
-def _combine(ctx: ExpertsContext, out: torch.Tensor, mine: torch.Tensor, owner: torch.Tensor, meta: torch.Tensor) -> None:
-    """Fill ``out``'s rows of other ranks' pairs from those ranks, after checking everyone agrees.
-
-    Every rank derives the combine's sizes from its own routing; ranks that disagreed would post
-    all_gathers of different sizes, which gloo answers by aborting the process. So the sizes are
-    agreed first: when every rank's whole pair list fits in ``one_shot_bytes``, one all_gather of
-    ``[meta | pairs padded to all pairs]`` (sizes fixed by the batch); else a small all_gather of
-    ``meta`` (fixed size), then the pairs padded to the largest rank's count. A disagreement
-    raises :class:`ReplicaDivergence` naming the layer on every rank.
-    """
-    counts = meta[: ctx.num_ranks]
-    hidden = out.shape[1]
-    one_shot = out.numel() * out.element_size() <= ctx.one_shot_bytes
-    if one_shot:
-        width = out.shape[0]
-    else:
-        _check_agreement(ctx, meta, _gather(ctx, meta, "routing agreement all_gather"))
-        width = int(counts.max())
-    rows = torch.zeros(width, hidden, dtype=out.dtype)
-    rows[: mine.numel()] = out[mine]
-    payload = rows.view(-1).view(torch.uint8)
-    if one_shot:  # the metadata travels in front of the rows, as raw bytes
-        payload = torch.cat([meta.view(torch.uint8), payload])
-    received = _gather(ctx, payload, "expert combine all_gather")
-    ctx.stats["gathered_bytes"] += payload.numel() * ctx.num_ranks
-    if one_shot:
-        meta_bytes = meta.numel() * meta.element_size()
-        _check_agreement(ctx, meta, [r[:meta_bytes].view(torch.int64) for r in received])
-        received = [r[meta_bytes:] for r in received]
-    for r, data in enumerate(received):
-        if r != ctx.rank and counts[r]:
-            # a rank's pairs come back in ascending pair order, the order it packed them in
-            out[(owner == r).nonzero().squeeze(1)] = data.view(out.dtype).view(width, hidden)[: int(counts[r])]
+    """The ranks of an EP group disagree on a layer's placement: its pairs cannot be exchanged."""
 
 
 def ep_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                        top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The ``ALL_EXPERTS_FUNCTIONS`` entry: ``hidden_states [T, H]``, routing ``[T, k]`` -> ``[T, H]``."""
+    """The ``ALL_EXPERTS_FUNCTIONS`` entry: ``hidden_states [T, H]``, routing ``[T, k]`` -> ``[T, H]``.
+
+    Inside a packed step (:mod:`eplb.models.packed`) only the first ``ctx.rows`` rows are real
+    tokens; the padding rows are dropped before the dispatch and come back as zeros.
+    """
+    from eplb.models.dispatch import exchange
+
     # cast: torch types nn.Module attributes as Tensor | Module; _eplb is the plain attribute HFMoE._bind sets
     ctx = cast(ExpertsContext, self._eplb)
-    num_tokens, top_k = top_k_index.shape
-    hidden = hidden_states.size(-1)
-    ids = top_k_index.reshape(-1)
-    num_pairs = ids.numel()
-    # replica of each pair: token % replicas, the same on every rank without communication
-    token = torch.arange(num_tokens).repeat_interleave(top_k)
-    replica = token % ctx.replica_count[ids]
-    physical = ctx.logical_to_physical[ids, replica]
-    if ctx.record and ctx.logical_counts is not None:
-        assert ctx.physical_counts is not None  # the counters are set together
-        ctx.logical_counts += torch.bincount(ids, minlength=ctx.logical_counts.numel())
-        ctx.physical_counts += torch.bincount(physical, minlength=ctx.physical_counts.numel())
-    owner = physical // ctx.slots_per_rank
-    local = physical % ctx.slots_per_rank
-    x = hidden_states.repeat_interleave(top_k, dim=0)
-    weights = dict(zip(ctx.names, ctx.weights))
-    out = torch.zeros(num_pairs, hidden, dtype=hidden_states.dtype)
-    mine = (owner == ctx.rank).nonzero().squeeze(1)
-    if mine.numel():
-        out[mine] = pair_forward(self, weights, x[mine], local[mine]).to(out.dtype)
-    ctx.stats["pairs"] += int(mine.numel())
-    if ctx.num_ranks > 1:
-        counts = torch.bincount(owner, minlength=ctx.num_ranks)
-        _combine(ctx, out, mine, owner, _fingerprint(counts, hidden_states, top_k_index, top_k_weights))
-    # combine in k order, in float32, whatever the rank layout: the same bits everywhere
-    weighted = out.float() * top_k_weights.reshape(-1, 1).float()
-    return weighted.view(num_tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
+    rows = hidden_states.shape[0] if ctx.rows is None else ctx.rows
+    if ctx.rows is None and ctx.num_ranks > 1:
+        raise RuntimeError("an expert-parallel model runs through HFMoE.forward_batch (its dispatch is a collective)")
+    out = torch.zeros_like(hidden_states)
+    out[:rows] = exchange(ctx, self, hidden_states[:rows], top_k_index[:rows], top_k_weights[:rows])
+    return out
 
 
 def check_row_independent(module: torch.nn.Module, weights: dict[str, torch.Tensor], hidden: int,
@@ -271,6 +188,12 @@ def check_row_independent(module: torch.nn.Module, weights: dict[str, torch.Tens
             f"when computed in smaller calls; max diff {float((whole.float() - pieces.float()).abs().max()):.3g}): "
             "expert-parallel output would not match the unsharded model"
         )
+
+
+def placement_print(logical_to_physical: torch.Tensor, replica_count: torch.Tensor) -> int:
+    """A fingerprint of one layer's placement row (ranks exchanging pairs must hold the same)."""
+    words = torch.cat([logical_to_physical.reshape(-1), replica_count.reshape(-1)]).to(torch.int64)
+    return int((words * (torch.arange(words.numel()) % 65521 + 1)).sum() % (1 << 62))
 
 
 def register() -> None:

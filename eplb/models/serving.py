@@ -3,9 +3,9 @@
 - :func:`model_info` gives the counts and the expert layout of a ``model:`` spec without building
   the model (a standby rank allocates its slots from it).
 - :func:`build_model` builds one EP rank of the reference model or of a Hugging Face model.
-- :class:`DecodeBatches` is the decode loop of a Hugging Face model: seeded prompts, greedy
-  decoding with the model's KV cache, a new batch when one is done; each step returns the
-  router's load (the group's counts already: every rank routes the whole batch).
+- :class:`DecodeBatches` is the decode loop of a Hugging Face model: seeded prompts of the
+  rank's own, greedy decoding with the model's KV cache (one ``forward_batch`` per step), a new
+  batch when one is done; each step returns the dispatch's load (the group's counts).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def build_model(spec: ModelShape | HFModelConfig, placement: Placement, rank: in
 class StepOutput:
     tokens: torch.Tensor  # [B] the greedy tokens of this step
     new_batch: bool  # this step prefilled a new batch
-    logical: torch.Tensor  # [layers, L] router choices of this step (the group's)
+    logical: torch.Tensor  # [layers, L] pairs the dispatch delivered this step (the group's)
     physical: torch.Tensor  # [layers, P] the same per physical slot
     seconds: float
 
@@ -85,10 +85,10 @@ class StepOutput:
 class DecodeBatches:
     """Greedy decoding of seeded batches, one token per sequence per step.
 
-    Batch ``b`` holds ``batch`` prompts of ``prompt_len`` tokens drawn from ``(seed, b)``; it is
-    prefilled at its first step and decoded until ``max_new_tokens``, then batch ``b + 1`` starts.
-    Every rank of the EP group calls :meth:`step` at the same step (a collective: attention is
-    replicated, so every rank decodes the same batch).
+    Batch ``b`` holds ``batch`` prompts of ``prompt_len`` tokens drawn from ``(seed, b, rank)``;
+    it is prefilled at its first step and decoded until ``max_new_tokens``, then batch ``b + 1``
+    starts. Every rank of the EP group calls :meth:`step` at the same step (a collective: the
+    experts are exchanged), each decoding its own prompts.
     """
 
     def __init__(self, model, *, batch: int = 4, prompt_len: int = 8, max_new_tokens: int = 16, seed: int = 0):
@@ -100,7 +100,7 @@ class DecodeBatches:
         self.state: DecodeState | None = None
 
     def prompts(self, index: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(seed_for(self.seed, "prompts", index))
+        g = torch.Generator().manual_seed(seed_for(self.seed, "prompts", index, getattr(self.model, "rank", 0)))
         return torch.randint(0, self.model.vocab_size, (self.batch, self.prompt_len), generator=g)
 
     def step(self) -> StepOutput:

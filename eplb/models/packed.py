@@ -1,0 +1,325 @@
+"""One forward over a rank's whole batch: requests packed into one sequence, attention per request.
+
+:func:`forward_packed` runs a transformers causal LM once over many requests (prefill and decode
+tokens alike), the way vLLM packs a step (varlen): the new tokens of every request side by side
+in one ``[1, T]`` sequence, ``T`` padded to a multiple of :data:`TILE` rows. Everything that
+works row by row runs packed (embeddings, the q/k/v/o projections, norms, rotary, router,
+shared experts, dense MLPs; the experts through the dispatch in :mod:`eplb.models.dispatch`);
+what mixes rows runs per request, on the request's own Hugging Face cache (a ``DynamicCache`` of
+batch 1):
+
+- *attention*: a :class:`RoutingCache` stands in for the model's cache: its ``update`` splits
+  the packed keys and values by request, appends each request's to that request's own cache,
+  and hands back every request's whole keys and values side by side (each padded to a multiple
+  of :data:`TILE`, so position-wise code between the cache and the attention, like DeepSeek's
+  MLA ``expand_kv``, runs at a fixed tile too); the attention function registered as
+  :data:`ATTENTION_NAME` then calls the model's own attention function (sdpa, or its eager one
+  with gpt_oss's sinks) once per request, with the causal or sliding-window mask transformers
+  builds for that request alone (:func:`request_masks`, from the request's cache before the step);
+- *linear attention* (qwen3_next's gated delta net): the module's forward is wrapped to run
+  once per request on its slice of the rows with the request's own cache.
+
+Why the bits do not depend on the batch: every packed op is row-independent at a fixed row
+tile (a GEMM's rows are bitwise the same for any row count >= 4 on this machine, and ``T``, a
+multiple of 32, leaves no scalar tail in a vectorized elementwise loop whose transcendentals
+would differ in the last bit), and everything else runs per request on inputs that are the
+same whoever shares the step. :func:`check_batch_invariant` proves the packed ops at start-up.
+The states handed in are never changed: a step returns new ones, so a failed step is rolled
+back by keeping the old states.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["ATTENTION_NAME", "TILE", "RoutingCache", "SeqState", "check_batch_invariant", "crop_state",
+           "forward_packed", "register_attention", "request_masks", "wrap_linear_attention"]
+
+#: Packed rows (and each request's keys and values handed to attention) are padded to a multiple of this.
+TILE = 32
+#: The attention function registered in transformers' AttentionInterface while a packed step runs.
+ATTENTION_NAME = "eplb_packed"
+
+
+@dataclass
+class SeqState:
+    """One request's sequence state: its Hugging Face cache (batch 1) and how many tokens it holds."""
+
+    cache: Any
+    length: int
+
+
+@dataclass
+class _Step:
+    """What one packed forward's hooks read: each request's rows, cache, masks and keys/values."""
+
+    segments: list[tuple[int, int]]
+    caches: list[Any]
+    masks: list[dict[str, Any]]
+    layer_types: Callable[[int], str]
+    attention: str  # the model's own attention implementation
+    kv: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+
+
+_ACTIVE: list[_Step] = []
+
+
+def _padded(n: int) -> int:
+    return max(TILE, -(-n // TILE) * TILE)
+
+
+class RoutingCache:
+    """The model's ``cache`` during a packed step: routes each request's new keys and values to
+    its own cache, and returns all requests' whole keys and values side by side."""
+
+    def __init__(self, step: _Step):
+        self.step = step
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values, spans = [], [], []
+        offset = 0
+        for (start, end), cache in zip(self.step.segments, self.step.caches):
+            k, v = cache.update(key_states[:, :, start:end].contiguous(), value_states[:, :, start:end].contiguous(),
+                                layer_idx, *args, **kwargs)
+            keys.append(k)
+            values.append(v)
+            spans.append((offset, offset + k.shape[2]))
+            offset += _padded(k.shape[2])
+        self.step.kv[layer_idx] = spans
+        return _side_by_side(keys, spans, offset), _side_by_side(values, spans, offset)
+
+
+def _side_by_side(parts: list[torch.Tensor], spans: list[tuple[int, int]], total: int) -> torch.Tensor:
+    first = parts[0]
+    out = first.new_zeros(first.shape[0], first.shape[1], total, first.shape[3])
+    for part, (start, end) in zip(parts, spans):
+        out[:, :, start:end] = part
+    return out
+
+
+def _model_attention(module: nn.Module, implementation: str) -> Callable[..., tuple[torch.Tensor, Any]]:
+    """The attention function the module runs outside a packed step (its modeling file's eager one for eager)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager)
+
+
+def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The model's own attention once per request, on the request's rows, keys, values and mask."""
+    step = _ACTIVE[-1]
+    layer = int(module.layer_idx)  # type: ignore[arg-type]  # every attention module carries its layer index
+    function = _model_attention(module, step.attention)
+    kind = step.layer_types(layer)
+    kwargs.pop("position_ids", None)  # the packed positions; sdpa and eager do not read them
+    out = None
+    for i, ((start, end), (k0, k1)) in enumerate(zip(step.segments, step.kv[layer])):
+        o, _ = function(module, query[:, :, start:end].contiguous(), key[:, :, k0:k1].contiguous(),
+                        value[:, :, k0:k1].contiguous(), step.masks[i][kind], **kwargs)
+        if out is None:
+            out = o.new_zeros(o.shape[0], query.shape[2], *o.shape[2:])
+        out[:, start:end] = o
+    assert out is not None  # a packed step holds at least one request
+    return out, None
+
+
+def register_attention() -> None:
+    """Register :data:`ATTENTION_NAME` in transformers' AttentionInterface (idempotent)."""
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, packed_attention)
+
+
+def wrap_linear_attention(model: Any) -> None:
+    """Make every ``linear_attn`` module (qwen3_next) run per request during a packed step."""
+    for layer in model.model.layers:
+        module = getattr(layer, "linear_attn", None)
+        if module is None or getattr(module, "_eplb_wrapped", False):
+            continue
+        original = module.forward
+
+        def per_request(hidden_states: torch.Tensor, *args: Any, _original: Callable = original, **kwargs: Any):
+            if not _ACTIVE:
+                return _original(hidden_states, *args, **kwargs)
+            step = _ACTIVE[-1]
+            kwargs.pop("cache", None)
+            kwargs.pop("attention_mask", None)
+            kwargs.pop("position_ids", None)
+            out = hidden_states.new_zeros(hidden_states.shape)
+            for i, (start, end) in enumerate(step.segments):
+                out[:, start:end] = _original(hidden_states[:, start:end], cache=step.caches[i],
+                                              attention_mask=step.masks[i].get("linear_attention"), **kwargs)
+            return out
+
+        module.forward = per_request
+        module._eplb_wrapped = True
+
+
+def layer_types(config: Any) -> Callable[[int], str]:
+    """The mask kind of each decoder layer, as the model's own forward picks it."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return lambda i: str(types[i])
+    default = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+    return lambda i: default
+
+
+def request_masks(config: Any, kinds: set[str], cache: Any, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, Any]:
+    """The masks transformers builds for this request alone (its cache as before the step)."""
+    from transformers.masking_utils import LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING as MASKS
+
+    embeds = torch.zeros((), dtype=dtype).expand(1, positions.numel(), int(config.hidden_size))
+    return {kind: MASKS[kind](config=config, inputs_embeds=embeds, attention_mask=None, cache=cache,
+                              position_ids=positions[None]) for kind in kinds}
+
+
+def _fork(cache: Any) -> Any:
+    """A copy of ``cache`` whose updates leave ``cache`` as it is (tensors are shared until replaced)."""
+    from transformers.cache_utils import LinearAttentionLayer
+
+    forked = copy.copy(cache)
+    forked.layers = [copy.deepcopy(layer) if isinstance(layer, LinearAttentionLayer) else copy.copy(layer)
+                     for layer in cache.layers]
+    return forked
+
+
+def crop_state(state: SeqState, length: int) -> SeqState:
+    """``state`` cut back to its first ``length`` tokens (a new state; ``state`` is unchanged)."""
+    if not 0 <= length <= state.length:
+        raise ValueError(f"cannot crop a state of {state.length} tokens to {length}")
+    if length == state.length:
+        return state
+    forked = _fork(state.cache)
+    try:
+        for layer in forked.layers:
+            if hasattr(layer, "crop"):
+                layer.crop(length - state.length)
+            else:
+                raise RuntimeError(f"{type(layer).__name__} holds no per-token history")
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(f"this model's state cannot be cut back from {state.length} to {length} tokens ({exc}); "
+                         "keep the state from before the step instead (forward_batch never changes its inputs)") from exc
+    return SeqState(forked, length)
+
+
+def _pack(inputs: Sequence[tuple[torch.Tensor, SeqState | None]]) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+    """Token ids and positions of the packed sequence (padded to the tile), and each request's rows."""
+    ids, positions, segments = [], [], []
+    row = 0
+    for tokens, state in inputs:
+        past = 0 if state is None else state.length
+        ids.append(tokens)
+        positions.append(torch.arange(past, past + tokens.numel()))
+        segments.append((row, row + tokens.numel()))
+        row += tokens.numel()
+    pad = _padded(row) - row
+    ids.append(torch.zeros(pad, dtype=torch.long))
+    positions.append(torch.zeros(pad, dtype=torch.long))
+    return torch.cat(ids), torch.cat(positions), segments
+
+
+def forward_packed(model: Any, inputs: Sequence[tuple[torch.Tensor, SeqState | None]],
+                   on_rows: Callable[[int], None]) -> tuple[torch.Tensor, list[SeqState]]:
+    """Logits ``[len(inputs), V]`` of each request's last new token, and the requests' new states.
+
+    ``on_rows(n)`` is told how many packed rows are real before the model runs (the experts
+    dispatch only those)."""
+    from transformers import DynamicCache
+
+    config = model.config
+    ids, positions, segments = _pack(inputs)
+    caches = [DynamicCache(config=config) if state is None else _fork(state.cache) for _, state in inputs]
+    types = layer_types(config)
+    kinds = {types(i) for i in range(int(config.num_hidden_layers))}
+    dtype = model.get_input_embeddings().weight.dtype
+    masks = [request_masks(config, kinds, cache, positions[start:end], dtype)
+             for cache, (start, end) in zip(caches, segments)]
+    step = _Step(segments, caches, masks, types, config._attn_implementation)
+    on_rows(segments[-1][1])
+    _ACTIVE.append(step)
+    config._attn_implementation = ATTENTION_NAME
+    try:
+        hidden = model.model(input_ids=ids[None], position_ids=positions[None],
+                                              cache=RoutingCache(step), use_cache=True).last_hidden_state
+    finally:
+        config._attn_implementation = step.attention
+        _ACTIVE.pop()
+    last = torch.tensor([end - 1 for _, end in segments])
+    rows = hidden.new_zeros(_padded(len(segments)), hidden.shape[-1])
+    rows[: len(segments)] = hidden[0, last]
+    logits = model.get_output_embeddings()(rows)[: len(segments)]
+    states = [SeqState(cache, (0 if state is None else state.length) + tokens.numel())
+              for cache, (tokens, state) in zip(caches, inputs)]
+    return logits, states
+
+
+def check_batch_invariant(model: nn.Module, *, seed: int = 0) -> None:
+    """Raise if a packed op's rows change bits with the number of rows in the call.
+
+    Runs a seeded copy of every distinct row-wise module outside the experts (``nn.Linear``,
+    norms, dense MLPs, routers) on random rows: once in one call of three tiles, and again one
+    tile at a time in another order, and compares bitwise (what :func:`forward_packed` relies on).
+    """
+    g = torch.Generator().manual_seed(seed)
+    seen: set[tuple] = set()
+    for name, module in model.named_modules():
+        width = _in_features(module) if _row_wise(module) else None
+        key = (type(module).__name__, width, tuple(tuple(p.shape) for p in module.parameters()))
+        if width is None or key in seen:
+            continue
+        seen.add(key)
+        probe = _seeded_copy(module, g)
+        dtype = next(probe.parameters()).dtype
+        x = torch.randn(3 * TILE, width, generator=g).to(dtype)
+        with torch.no_grad():
+            whole = _flat(probe(x))
+            parts = [_flat(probe(x[i * TILE:(i + 1) * TILE])) for i in (2, 0, 1)]
+        tiles = torch.cat([parts[1], parts[2], parts[0]])
+        if not torch.equal(whole, tiles):
+            raise RuntimeError(
+                f"{name} ({type(module).__name__}) is not batch-invariant on this machine: its rows change bits "
+                f"with the number of rows in the call (max diff {float((whole.float() - tiles.float()).abs().max()):.3g}); "
+                "a request's tokens would depend on the other requests in its step")
+
+
+def _row_wise(module: nn.Module) -> bool:
+    name = type(module).__name__
+    if any("experts" in n for n, _ in module.named_modules()) or not any(True for _ in module.parameters()):
+        return False
+    return isinstance(module, nn.Linear) or name.endswith(("RMSNorm", "LayerNorm", "MLP", "Router"))
+
+
+def _in_features(module: nn.Module) -> int | None:
+    if isinstance(module, nn.Linear):
+        return int(module.in_features)
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() in (1, 2):
+        return int(weight.shape[-1])
+    for child in module.modules():
+        if isinstance(child, nn.Linear):
+            return int(child.in_features)
+    return None
+
+
+def _seeded_copy(module: nn.Module, g: torch.Generator) -> nn.Module:
+    """A copy of ``module`` with seeded weights (a joining rank's weights are not there yet)."""
+    probe = copy.deepcopy(module)
+    with torch.no_grad():
+        for p in probe.parameters():
+            p.copy_((torch.randn(p.shape, generator=g) * 0.2).to(p.dtype))
+    return probe
+
+
+def _flat(out: Any) -> torch.Tensor:
+    """Every tensor a module returned, as float64 rows side by side (routers return several)."""
+    parts = out if isinstance(out, tuple) else (out,)
+    return torch.cat([t.reshape(t.shape[0], -1).to(torch.float64) for t in parts if isinstance(t, torch.Tensor)], dim=1)

@@ -1,0 +1,177 @@
+"""eplb.models.packed and eplb.models.dispatch: one forward per rank over its whole batch.
+
+A request's logits are bitwise the same alone and in any batch (other requests, order, prefill
+and decode mixed), and close to what transformers computes for it alone; the states handed in
+are left unchanged and travel by pickle; the replica assignment spreads a hot expert's pairs;
+the start-up check trips on an op whose rows depend on the batch; a dead peer becomes a
+TimeoutError naming the MoE layer.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+
+import pytest
+import torch
+
+from eplb.models.config import ARCHITECTURES, HFModelConfig
+from eplb.placement import Placement
+from tests.distributed import run_distributed
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    from eplb.models.hf import unsharded
+
+    torch.set_num_threads(1)
+    return unsharded({"architecture": "qwen3_moe", "seed": 5})
+
+
+def _prompts(n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g) for _ in range(n)]
+
+
+def test_a_request_has_the_same_bits_alone_and_in_any_batch(qwen):
+    """Request 0 decoded alone, then in batches of 16 whose mates, order and phases (prefill of
+    new mates next to decodes of old ones) change every step: bitwise the same logits."""
+    prompts = _prompts(40, seed=1)
+    target = prompts[0]
+    alone, state = [], None
+    tokens = target
+    for _ in range(5):
+        logits, (state,) = qwen.forward_batch([(tokens, state)])
+        alone.append(logits[0])
+        tokens = logits[0].argmax()[None]
+
+    g = torch.Generator().manual_seed(2)
+    mates: list[tuple[torch.Tensor, object]] = [(p, None) for p in prompts[1:16]]
+    fresh = iter(prompts[16:])
+    tokens, state = target, None
+    for step in range(5):
+        batch = [*mates, (tokens, state)]
+        order = torch.randperm(len(batch), generator=g).tolist()
+        logits, states = qwen.forward_batch([batch[i] for i in order])
+        at = order.index(len(batch) - 1)
+        assert torch.equal(logits[at], alone[step]), f"step {step}: the request's logits changed with its batch"
+        state = states[at]
+        tokens = logits[at].argmax()[None]
+        # mates go on decoding, a few leave and new ones arrive (prefill next to decode)
+        kept = [(logits[order.index(i)].argmax()[None], states[order.index(i)]) for i in range(len(mates))]
+        mates = kept[3:] + [(next(fresh), None) for _ in range(3)]
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_forward_batch_computes_what_transformers_computes(arch):
+    """Prefill and decode of requests of different lengths in one batch, against transformers'
+    own forward of each request alone with its own cache (gpt_oss's prompt is past its window)."""
+    from transformers import DynamicCache
+
+    from eplb.models.hf import unsharded
+
+    model = unsharded({"architecture": arch, "seed": 1})
+    prompts = _prompts(3, seed=3) + [torch.arange(20) % 128]
+    logits, states = model.forward_batch([(p, None) for p in prompts])
+    ours = [logits]
+    for _ in range(2):
+        logits, states = model.forward_batch([(ours[-1][i].argmax()[None], s) for i, s in enumerate(states)])
+        ours.append(logits)
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            out = model.model(input_ids=p[None], cache=DynamicCache(config=model.model.config), use_cache=True)
+            theirs = [out.logits[0, -1]]
+            for step in range(2):
+                out = model.model(input_ids=ours[step][i].argmax()[None, None], cache=out.cache, use_cache=True)
+                theirs.append(out.logits[0, -1])
+        for step, t in enumerate(theirs):
+            torch.testing.assert_close(ours[step][i], t, rtol=1e-4, atol=1e-5, msg=f"request {i} step {step}")
+
+
+def test_states_are_left_unchanged_travel_by_pickle_and_crop(qwen):
+    prompt = torch.tensor([3, 1, 4, 1, 5, 9, 2])
+    first, (state,) = qwen.forward_batch([(prompt, None)])
+    step = torch.tensor([7])
+    a, (after,) = qwen.forward_batch([(step, state)])
+    assert qwen.state_length(state) == 7 and qwen.state_length(after) == 8
+    b, _ = qwen.forward_batch([(step, state)])  # the old state again: a failed step rolls back by keeping it
+    c, _ = qwen.forward_batch([(step, pickle.loads(pickle.dumps(state)))])
+    cropped = qwen.crop_state(after, 7)
+    d, _ = qwen.forward_batch([(step, cropped)])
+    assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
+    with pytest.raises(ValueError, match="cannot crop"):
+        qwen.crop_state(after, 9)
+    for bad in ([(torch.tensor([[1, 2]]), None)], [(torch.tensor([128]), None)], [(torch.tensor([1]), "state")],
+                [(torch.tensor([], dtype=torch.long), None)]):
+        with pytest.raises(ValueError, match="request 0"):
+            qwen.forward_batch(bad)
+
+
+def test_the_replica_assignment_spreads_a_hot_expert():
+    """Expert 0 is hot on rank 0 only and has a replica on each of 2 ranks: its pairs are cut in
+    equal halves, so both ranks' experts compute the same number of pairs."""
+    from eplb.models.dispatch import assign, pair_slots
+
+    placement = Placement.from_physical_to_logical(torch.tensor([[0, 1, 2, 0, 3, 4]]), 5)  # 3 slots per rank
+    l2p, rc = placement.logical_to_physical[0], placement.replica_count[0]
+    counts = torch.tensor([[40, 2, 2, 0, 0], [0, 0, 0, 2, 2]])  # [R, L]
+    sent = assign(counts, l2p, rc, 6)
+    assert sent.sum(0).tolist() == [20, 2, 2, 20, 2, 2]  # slot 0 and slot 3 hold expert 0's replicas
+    assert sent.sum(0).view(2, 3).sum(1).tolist() == [24, 24]
+    assert torch.equal(sent.sum(1), counts.sum(1))
+    ids = torch.tensor([0] * 40 + [1, 1, 2, 2])[torch.randperm(44, generator=torch.Generator().manual_seed(0))]
+    slots = pair_slots(ids, 0, counts, l2p, rc)
+    # every pair goes to a replica of its own expert, in the numbers assign counted
+    assert torch.equal(placement.physical_to_logical[0][slots], ids)
+    assert torch.bincount(slots, minlength=6).tolist() == sent[0].tolist()
+
+
+def test_the_start_up_check_trips_on_an_op_that_depends_on_the_batch(qwen):
+    from eplb.models.packed import check_batch_invariant
+
+    check_batch_invariant(qwen.model)  # the real model passes
+    norm = qwen.model.model.layers[0].input_layernorm
+    norm.forward = lambda x: x - x.mean(dim=0, keepdim=True)  # rows that see the other rows
+    try:
+        with pytest.raises(RuntimeError, match="layers.0.input_layernorm .* is not batch-invariant"):
+            check_batch_invariant(qwen.model)
+    finally:
+        del norm.forward
+
+
+# -- a dead peer ---------------------------------------------------------------------------------
+
+DEADLINE = 3.0
+
+
+def body_dead_peer(rank: int, world_size: int) -> dict:
+    from eplb.models.hf import HFMoE, describe
+
+    torch.set_num_threads(1)
+    spec = HFModelConfig(architecture="qwen3_moe", seed=2)
+    layers = describe(spec).num_moe_layers
+    model = HFMoE(spec, Placement.static(layers, 8, 8), rank, world_size, timeout=DEADLINE)
+    ids = torch.tensor([1, 2, 3]) if rank == 0 else torch.tensor([4])
+    logits, states = model.forward_batch([(ids, None)])  # both ranks take part
+    out: dict = {"first": tuple(logits.shape)}
+    if rank == 1:
+        time.sleep(DEADLINE + 3)  # stalls, then leaves without stepping again
+        return out
+    started = time.monotonic()
+    try:
+        model.forward_batch([(torch.tensor([5]), states[0])])
+        out["error"] = "no error"
+    except TimeoutError as exc:
+        out["error"] = str(exc)
+    out["seconds"] = time.monotonic() - started
+    return out
+
+
+@pytest.mark.multiprocess
+def test_a_stalled_peer_becomes_a_timeout_naming_the_layer():
+    r0, r1 = run_distributed(body_dead_peer, 2, timeout=90, pg_timeout=30)
+    assert r0["first"] == (1, 128) and r1["first"] == (1, 128)
+    assert "MoE layer 0" in r0["error"] and "within 3.0s" in r0["error"], r0["error"]
+    assert DEADLINE - 0.5 <= r0["seconds"] <= DEADLINE + 2.5
