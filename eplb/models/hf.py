@@ -4,9 +4,11 @@
 deepseek_v3, gpt_oss, glm4_moe, qwen3_next). Every MoE layer's fused expert tensors
 (``gate_up_proj``/``down_proj``, plus biases for gpt_oss, expert index first) become this rank's
 slot tensors (``[num_local_slots, ...]``, what :meth:`expert_weights` returns and the EPLB moves
-unchanged); everything else (attention, norms, router, shared experts) is replicated and untouched.
-The experts run through :mod:`eplb.models.kernel`, which makes the output bitwise identical to
-the unsharded model served by the same kernel in one process (:func:`reference_probe`).
+unchanged); everything else (attention, norms, router, shared experts) is HF's own. Each rank
+serves its own requests in one packed forward per step (:meth:`HFMoE.forward_batch`,
+:mod:`eplb.models.packed`); the experts run through :mod:`eplb.models.kernel` on the rank that
+holds the chosen replica (:mod:`eplb.models.dispatch`), so a request's output is bitwise that of
+the unsharded model served by the same code in one process (:func:`reference_probe`).
 
 Weights come from a :class:`CheckpointSource` (a ``save_pretrained`` directory: a rank reads
 only its own slots' experts, slice by slice, and reloads lost experts from it) or a

@@ -8,10 +8,10 @@ this rank holds, and the group to exchange pairs over.
 Why a kernel of our own (measured on this machine, CPU torch 2.13 with MKL):
 
 - *Rows per call.* The bits of an expert GEMM depend on how many rows one call holds
-  (``F.linear`` at 1-5 rows differs from larger calls by ~1e-5, ``bmm(W[ids], x)`` too), and
-  expert parallelism changes how many rows each expert's call gets. Here every (token, k) pair
-  is its own ``1 x H`` product in a batched call (``bmm(x[rows, None, :], W[slot]^T.expand(...))``),
-  whose bits do not depend on the other rows: :func:`check_row_independent` proves it at start-up.
+  (``F.linear`` at 1-3 rows differs from larger calls by ~1e-5; from 4 rows up a row's bits do
+  not change with the row count), and expert parallelism changes how many rows each expert's
+  call gets. Here each slot's rows are one group of a grouped GEMM, padded with zero rows to at
+  least 4, so a pair's bits do not depend on the other rows: :func:`check_row_independent` proves it at start-up.
 - *Summation order.* Eager HF sums a token's k contributions in ascending expert id, the
   batched kernels in k order. Here always in k order, in float32, then cast to the model dtype
   (eager bf16 accumulates in bf16 and differs from the other kernels by up to 0.29 in logits).
@@ -66,41 +66,49 @@ class ExpertsContext:
     stats: dict[str, float] = field(default_factory=lambda: {"pairs": 0})
 
 
+#: A GEMM's rows are bitwise the same for any row count from this one up (fewer rows differ): a
+#: slot's rows are padded to it with zero rows.
+MIN_ROWS = 4
+
+
 def pair_forward(module: torch.nn.Module, weights: dict[str, torch.Tensor], x: torch.Tensor,
                  slots: torch.Tensor) -> torch.Tensor:
     """One expert per row: ``x [n, H]`` through slot ``slots[i]`` of ``weights``; ``[n, H]``.
 
-    Every row is its own ``1 x H`` GEMM: the rows of one slot go in one batched call against the
-    slot's weight expanded over the batch (stride 0, no copy), so a row's bits do not depend on
-    the other rows (checked by :func:`check_row_independent`); gathering ``W[slots]`` per row gave
-    the same bits 24x slower at H = I = 1024. Gating and activation are the module's.
+    The rows of each slot form one group of a grouped GEMM (``torch._grouped_mm`` over the slot
+    tensors, no weight copy), every group padded with zero rows to at least :data:`MIN_ROWS`
+    rows: on this machine (MKL) a GEMM row's bits are the same for any row count from 4 up and
+    differ at 1-3 rows, so a row's bits do not depend on the other rows (checked by
+    :func:`check_row_independent`). Gating and activation are the module's.
     """
     transposed = getattr(module, "is_transposed", False)
     has_gate = getattr(module, "has_gate", True)
+    num_slots = next(iter(weights.values())).shape[0]
     order = torch.argsort(slots, stable=True)
-    used, counts = torch.unique_consecutive(slots[order], return_counts=True)
-    groups = list(zip(used.tolist(), order.split(counts.tolist())))
+    counts = torch.bincount(slots, minlength=num_slots)
+    padded = torch.where(counts > 0, counts.clamp(min=MIN_ROWS), 0)
+    ends = torch.cumsum(padded, 0)
+    sorted_slots = slots[order]
+    within = torch.arange(slots.numel()) - (torch.cumsum(counts, 0) - counts)[sorted_slots]
+    dest = (ends - padded)[sorted_slots] + within  # each sorted row's place among the padded groups
+    offsets = ends.to(torch.int32)
+    row_slot = torch.repeat_interleave(torch.arange(num_slots), padded)
 
     def linear(inp: torch.Tensor, name: str) -> torch.Tensor:
         w_all, bias = weights[name], weights.get(name + "_bias")
-        out = None
-        for slot, rows in groups:
-            w = w_all[slot] if transposed else w_all[slot].t()  # [in, out]
-            r = torch.bmm(inp[rows, None, :], w.expand(rows.numel(), *w.shape)).squeeze(1)
-            if bias is not None:
-                r = r + bias[slot]
-            if out is None:
-                out = inp.new_empty(inp.shape[0], r.shape[1], dtype=r.dtype)
-            out[rows] = r
-        assert out is not None  # every caller passes at least one row
-        return out
+        out = torch._grouped_mm(inp, w_all if transposed else w_all.transpose(1, 2), offs=offsets)
+        return out if bias is None else out + bias[row_slot]
 
-    h = linear(x, "gate_up_proj" if has_gate else "up_proj")
+    rows = x.new_zeros(int(ends[-1]), x.shape[1])
+    rows[dest] = x[order]
+    h = linear(rows, "gate_up_proj" if has_gate else "up_proj")
     h = _activate(module, h, has_gate)
     h = linear(h, "down_proj")
     if getattr(module, "has_post_expert_norm", False):
         h = _module_fn(module, "post_expert_norm")(h)
-    return h
+    out = torch.empty(x.shape[0], h.shape[1], dtype=h.dtype)
+    out[order] = h[dest]
+    return out
 
 
 def _module_fn(module: torch.nn.Module, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -165,29 +173,30 @@ def check_row_independent(module: torch.nn.Module, weights: dict[str, torch.Tens
                           dtype: torch.dtype, *, rows: int = 37, seed: int = 0) -> None:
     """Raise if a pair's output bits depend on how many other pairs share the call.
 
-    Runs ``rows`` random pairs over the given slots in one call, then every row alone and in
-    uneven chunks (1..5 rows, the counts where MKL changed bits), and compares bitwise.
+    Runs ``rows`` random pairs in one call, over random slots and again all in one slot, then in
+    uneven chunks (1..5 rows, the counts where MKL changed bits, and the rest in one), and
+    compares bitwise.
     """
     g = torch.Generator().manual_seed(seed)
     num_slots = next(iter(weights.values())).shape[0]
     x = torch.randn(rows, hidden, generator=g).to(dtype)
-    slots = torch.randint(0, num_slots, (rows,), generator=g)
-    with torch.no_grad():
-        whole = pair_forward(module, weights, x, slots)
-        parts = []
-        start, size = 0, 1
-        while start < rows:
-            parts.append(pair_forward(module, weights, x[start : start + size], slots[start : start + size]))
-            start += size
-            size = size % 5 + 1
-    pieces = torch.cat(parts)
-    if not torch.equal(whole, pieces):
-        bad = (whole != pieces).any(dim=1).nonzero().squeeze(1).tolist()
-        raise RuntimeError(
-            f"the experts kernel is not row-independent on this machine (rows {bad[:8]} changed bits "
-            f"when computed in smaller calls; max diff {float((whole.float() - pieces.float()).abs().max()):.3g}): "
-            "expert-parallel output would not match the unsharded model"
-        )
+    for slots in (torch.randint(0, num_slots, (rows,), generator=g), torch.zeros(rows, dtype=torch.long)):
+        with torch.no_grad():
+            whole = pair_forward(module, weights, x, slots)
+            parts = []
+            start, size = 0, 1
+            while start < rows:
+                parts.append(pair_forward(module, weights, x[start : start + size], slots[start : start + size]))
+                start += size
+                size = size % 5 + 1 if start < rows // 2 else rows
+        pieces = torch.cat(parts)
+        if not torch.equal(whole, pieces):
+            bad = (whole != pieces).any(dim=1).nonzero().squeeze(1).tolist()
+            raise RuntimeError(
+                f"the experts kernel is not row-independent on this machine (rows {bad[:8]} changed bits "
+                f"when computed in smaller calls; max diff {float((whole.float() - pieces.float()).abs().max()):.3g}): "
+                "expert-parallel output would not match the unsharded model"
+            )
 
 
 def placement_print(logical_to_physical: torch.Tensor, replica_count: torch.Tensor) -> int:

@@ -283,12 +283,31 @@ def check_batch_invariant(model: nn.Module, *, seed: int = 0) -> None:
         with torch.no_grad():
             whole = _flat(probe(x))
             parts = [_flat(probe(x[i * TILE:(i + 1) * TILE])) for i in (2, 0, 1)]
-        tiles = torch.cat([parts[1], parts[2], parts[0]])
-        if not torch.equal(whole, tiles):
-            raise RuntimeError(
-                f"{name} ({type(module).__name__}) is not batch-invariant on this machine: its rows change bits "
-                f"with the number of rows in the call (max diff {float((whole.float() - tiles.float()).abs().max()):.3g}); "
-                "a request's tokens would depend on the other requests in its step")
+        _compare(name, module, whole, torch.cat([parts[1], parts[2], parts[0]]))
+    _check_rotary(model, g)
+
+
+def _compare(name: str, module: nn.Module, whole: torch.Tensor, tiles: torch.Tensor) -> None:
+    if not torch.equal(whole, tiles):
+        raise RuntimeError(
+            f"{name} ({type(module).__name__}) is not batch-invariant on this machine: its rows change bits "
+            f"with the number of rows in the call (max diff {float((whole.float() - tiles.float()).abs().max()):.3g}); "
+            "a request's tokens would depend on the other requests in its step")
+
+
+def _check_rotary(model: nn.Module, g: torch.Generator) -> None:
+    """The rotary embedding's cos/sin of packed positions: the same bits in one call and tile by tile."""
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if rotary is None:
+        return
+    dtype = next(model.parameters()).dtype
+    x = torch.zeros(1, 3 * TILE, 8, dtype=dtype)
+    positions = torch.randint(0, 64, (1, 3 * TILE), generator=g)
+    with torch.no_grad():
+        whole = torch.cat([t.reshape(3 * TILE, -1) for t in rotary(x, positions)], dim=1)
+        parts = [torch.cat([t.reshape(TILE, -1) for t in rotary(x[:, :TILE], positions[:, i * TILE:(i + 1) * TILE])], dim=1)
+                 for i in range(3)]
+    _compare("model.rotary_emb", rotary, whole, torch.cat(parts))
 
 
 def _row_wise(module: nn.Module) -> bool:
@@ -311,8 +330,12 @@ def _in_features(module: nn.Module) -> int | None:
 
 
 def _seeded_copy(module: nn.Module, g: torch.Generator) -> nn.Module:
-    """A copy of ``module`` with seeded weights (a joining rank's weights are not there yet)."""
-    probe = copy.deepcopy(module)
+    """A copy of ``module`` with seeded weights (a joining rank's weights are not there yet); a wide
+    linear (an lm_head) keeps its input width and at most 1024 outputs (a row's bits follow the input width)."""
+    if isinstance(module, nn.Linear) and module.out_features > 1024:
+        probe: nn.Module = nn.Linear(module.in_features, 1024, bias=module.bias is not None, dtype=module.weight.dtype)
+    else:
+        probe = copy.deepcopy(module)
     with torch.no_grad():
         for p in probe.parameters():
             p.copy_((torch.randn(p.shape, generator=g) * 0.2).to(p.dtype))
