@@ -173,9 +173,11 @@ def test_n_choices_with_a_seed_repeat_and_a_list_of_prompts_gets_a_choice_each(s
 
 
 def vllm_benchmark_body(model: str, prompt: str, output_len: int) -> dict:
-    """What vLLM's benchmark client (``vllm bench serve --backend openai``) posts to /v1/completions."""
-    return {"model": model, "prompt": prompt, "temperature": 0.0, "repetition_penalty": 1.0, "max_tokens": output_len,
-            "logprobs": None, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    """What ``vllm bench serve --backend openai --ignore-eos --temperature 0`` posts to /v1/completions: vLLM
+    0.33.0's ``async_request_openai_completions`` (its sdist's ``vllm/benchmarks/lib/endpoint_request_func.py``),
+    field for field and in its order: its payload, then ``ignore_eos``, then the sampling parameters given."""
+    return {"model": model, "prompt": prompt, "repetition_penalty": 1.0, "max_tokens": output_len, "logprobs": None,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.0}
 
 
 @pytest.mark.multiprocess
@@ -184,8 +186,8 @@ def test_vllm_benchmark_request_bodies_are_served_with_usage_and_every_token(ser
     for prompt in ("w3 w4 w5 w6 w7", EOS_PROMPT):
         events = []
         with served.http.stream("POST", "/v1/completions", json=vllm_benchmark_body(served.model, prompt, 10),
-                                headers={"Authorization": "Bearer None", "x-request-id": "bench-1"}) as r:
-            assert r.status_code == 200 and r.headers["x-request-id"] == "bench-1"
+                                headers={"x-request-id": "bench-1230946b-0"}) as r:  # no key: no Authorization
+            assert r.status_code == 200 and r.headers["x-request-id"] == "bench-1230946b-0"
             events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]

@@ -150,7 +150,7 @@ def test_recovery_retires_every_other_worker_once_and_rescales_the_survivors_wit
     rescale, resume = operation.steps
     assert rescale.joiners is JoinerWait.BEFORE_SEND and (rescale.trigger, resume.trigger) == (Trigger.RESCALED,
                                                                                              Trigger.RESUMED)
-    spec = p.RescaleSpec(generation=6, new_size=3, mapping=(0, -1, 1), lost=(1,), execute_on="new", keep_requests=False)
+    spec = p.RescaleSpec(generation=6, new_size=3, mapping=(0, -1, 1), lost=(1,), execute_on="new", keep_requests=True)
     assert rescale.build(8, 0.0) == p.Rescale(seq=8, operation_id="op-2", spec=spec, prepared=False)
     with pytest.raises(InvalidScaleRequest):
         plan.operation("op-2", generation=6, target=1)

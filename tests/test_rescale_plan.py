@@ -147,3 +147,23 @@ def test_the_worker_imports_nothing_above_it_and_its_executors_never_the_loop():
         assert not above, f"{path.name} imports {sorted(above)}"
         if path.stem not in ("process", "preload"):
             assert "elastic.worker.process" not in imported, f"{path.name} imports the decode loop"
+
+
+def test_a_scale_downs_leaving_requests_go_to_the_least_loaded_survivors():
+    from elastic.core.owners import least_loaded
+    from elastic.worker.rescale_plan import plan_request_moves
+
+    assert least_loaded([5, 0, 3], [4, 4, 1]) == [1, 2, 1]
+    with pytest.raises(ValueError, match="no rank"):
+        least_loaded([], [1])
+    # 4 -> 2: old ranks 1 and 3 leave; survivors 0 (new 0) and 2 (new 1) hold 4 and 2 tokens in flight
+    down = p.RescaleSpec(generation=2, new_size=2, mapping=(0, -1, 1, -1), execute_on="old")
+    held = [[("a", 4)], [("b", 5), ("c", 1)], [("d", 2)], [("e", 7)]]
+    assert plan_request_moves(down, held) == {"b": 2, "c": 0, "e": 0}  # 2+5=7 > 4+1=5 < 7: e to old rank 0
+    # nobody leaves: nothing moves; a lost rank's requests are not moved (they replay from their prompts)
+    assert plan_request_moves(p.RescaleSpec(generation=2, new_size=3, mapping=(0, 1), execute_on="new"),
+                              [[("a", 1)], [("b", 1)]]) == {}
+    recover = p.RescaleSpec(generation=3, new_size=1, mapping=(0, -1), lost=(1,))
+    assert plan_request_moves(recover, [[("a", 1)], [("b", 1)]]) == {}
+    with pytest.raises(ValueError, match="held lists 1 ranks"):
+        plan_request_moves(down, [[]])

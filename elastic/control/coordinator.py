@@ -317,8 +317,14 @@ class Coordinator:
         with self._lock:
             if self.machine.state not in SERVING_PHASES or self._stop.is_set():
                 return False
+            if any(spec.owner >= self.layout.size for spec in fields.get("requests", ())):
+                return False  # owners chosen for a group the last rescale replaced: chosen again
             self.registry.broadcast(command, **fields)
         return True
+
+    def group_size(self) -> int:
+        with self._lock:
+            return self.layout.size
 
     @property
     def auto_recoveries(self) -> int:

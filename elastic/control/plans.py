@@ -247,8 +247,8 @@ def _prepare_command(s: ScaleSnapshot, spec: p.RescaleSpec, seq: int, in_phase_s
 
 
 def _rescale_command(operation_id: str, spec: p.RescaleSpec, prepared: bool, seq: int, in_phase_s: float) -> p.Command:
-    # a recovery's survivors may hold a request's KV cache mid-step (spec.keep_requests is False): its
-    # batch starts empty, and the request engine replays every request from its prompt (elastic.control.requests)
+    # a recovery's survivors keep their requests (each rolled back to its last whole step); the lost
+    # ranks' requests are replayed from their prompts by the request engine (elastic.control.requests)
     return p.Rescale(seq=seq, operation_id=operation_id, spec=spec, prepared=prepared)
 
 
@@ -349,13 +349,13 @@ class RecoveryPlan:
 
     def operation(self, operation_id: str, generation: int, target: int, *, retire_grace_s: float = 1.0) -> OperationPlan:
         """The recovery's steps: the survivors (and, when they cannot hold every expert, fresh ranks
-        up to ``target``) rescale into ``generation``, then resume. Requests restart from their
-        prompts (a survivor's KV cache may be mid-step)."""
+        up to ``target``) rescale into ``generation``, then resume. The survivors' requests go on;
+        the lost ranks' restart from their prompts."""
         if target < self.new_size:
             raise InvalidScaleRequest("ep_size", f"a recovery keeps its {self.new_size} survivors", value=target)
         without = RankMapping.without(self.base_size, self.lost_ranks)
         mapping = RankMapping(without.old_to_new, target)  # fresh ranks after the survivors, if any
-        spec = rescale_spec(generation, mapping, self.lost_ranks, keep_requests=False)
+        spec = rescale_spec(generation, mapping, self.lost_ranks, keep_requests=True)
         rescale = _rescale_step(operation_id, spec, prepared=False, grace_s=retire_grace_s,
                                 joiners=JoinerWait.BEFORE_SEND)
         return OperationPlan(OperationKind.RECOVER, operation_id, mapping, spec, (rescale, _resume_step(operation_id)))

@@ -4,27 +4,32 @@ The coordinator is the source of truth for every request; the ranks only decode.
 
 1. is **queued** by :meth:`RequestEngine.submit` (or refused at once: 429 when the batch and the
    queue are full, 503 when the deployment is failed and nothing recovers it);
-2. is **admitted**: an :class:`~elastic.core.protocol.Admit` command puts it in the batch of every
-   rank at one agreed step. Admission stops while an operation replaces the group
-   (``rescaling``) and while the deployment is failed; requests already in the batch keep
-   decoding through ``draining``, ``suppressed`` and ``resuming``, and pause only in ``rescaling``
-   (their KV caches travel with the group);
-3. receives its tokens from rank 0's :class:`~elastic.core.protocol.TokensOut` reports, each at its
+2. is **admitted** to ONE rank, the least loaded by tokens in flight
+   (:func:`~elastic.core.owners.least_loaded` over
+   :meth:`~elastic.core.protocol.RequestSpec.in_flight`): an :class:`~elastic.core.protocol.Admit`
+   naming that owner reaches every rank at one agreed step, and only the owner holds the request.
+   Admission stops while an operation replaces the group (``rescaling``) and while the deployment
+   is failed; requests already in a batch keep decoding through ``draining``, ``suppressed`` and
+   ``resuming``, and pause only in ``rescaling``;
+3. receives its tokens from its rank's :class:`~elastic.core.protocol.TokensOut` reports, each at its
    position: a token at a position already known must be the same token (a replay), a gap waits;
 4. **finishes** with the rank's finish reason (``length``, ``stop``), a stop string (then a
    :class:`~elastic.core.protocol.Cancel` frees its slot), a client that went away (cancelled), or
    an error that says to retry.
 
-After every rescale, rank 0 of the new group lists what it holds (:class:`~elastic.core.protocol.RequestsHeld`);
-a request the group lacks is admitted again from its prompt. That is how a rank failure is
-survived: the recovery's group starts with an empty batch (a survivor's KV caches may be
-mid-step), every request in flight is **replayed**, and since decoding is deterministic its
-tokens come back bit for bit (checked: a different token is counted as an output mismatch and
-fails the request), so a streaming client only sees the new ones.
+After every rescale, rank 0 of the new group lists what every rank holds
+(:class:`~elastic.core.protocol.RequestsHeld`): the engine learns each request's rank, and a
+request no rank holds is admitted again from its prompt. A scale moves no request from its
+prompt (a scale down's leaving ranks hand theirs, KV caches included, to survivors); a rank
+failure loses that rank's requests only: they are **replayed** on the survivors, and since
+decoding is deterministic their tokens come back bit for bit (checked: a different token is
+counted as an output mismatch and fails the request), so a streaming client only sees the new
+ones. The survivors' own requests go on without a replay.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -38,6 +43,7 @@ from elastic.core import protocol as p
 from elastic.core.clock import Clock, as_clock
 from elastic.core.config import ServingConfig
 from elastic.core.errors import InvalidCompletionRequest, Overloaded, RequestNotServed, ServiceUnavailable
+from elastic.core.owners import least_loaded
 
 __all__ = ["Completion", "RequestEngine", "ServingGate"]
 
@@ -60,6 +66,7 @@ class Completion:
     replays: int = 0
     stalled_since: float | None = None  # the deployment failed with this request in the batch
     text_end: int | None = None  # a stop string matched: the text is cut here
+    rank: int | None = None  # the rank of the group that holds it (None: not admitted yet)
     _ahead: dict[int, p.TokenOut] = field(default_factory=dict)  # tokens past a gap, until it fills
 
     @property
@@ -76,6 +83,9 @@ class ServingGate(Protocol):
 
     def send_serving(self, command: type[p.Command], **fields: Any) -> bool:
         """Send an Admit or Cancel to the group if the group can take it now; False if not."""
+
+    def group_size(self) -> int:
+        """The ranks of the group an Admit sent now reaches (its owners are ``0 .. size - 1``)."""
 
     def serving_health(self) -> str:
         """``"ok"`` (decoding), ``"paused"`` (an operation replaces the group, or a recovery runs),
@@ -223,9 +233,10 @@ class RequestEngine:
 
     def on_held(self, report: p.RequestsHeld) -> None:
         """After a rescale: what the new group decodes. Requests it lacks are admitted again."""
-        held = {rid for rid, _ in report.held}
+        held = {rid: rank for rid, _, rank in report.held}
         with self._lock:
             for c in self._running.values():
+                c.rank = held.get(c.id, c.rank)
                 if c.id not in held and not c.done and c not in self._readmit:
                     c.replays += 1
                     self.counts["replayed"] += 1
@@ -254,12 +265,15 @@ class RequestEngine:
         if cancels and not self.gate.send_serving(p.Cancel, request_ids=tuple(cancels)):
             with self._lock:
                 self._cancels = cancels + self._cancels  # sent once the group can take it
-        batch = tuple(c.spec for c in replays + fresh)
-        if not batch:
+        if not replays and not fresh:
             return
+        with self._lock:
+            batch = self._owned(replays + fresh, self.gate.group_size())
         if not self.gate.send_serving(p.Admit, requests=batch):
             return
         with self._lock:
+            for c, spec in zip(replays + fresh, batch):
+                c.spec, c.rank = spec, spec.owner
             for c in replays:
                 if c in self._readmit:
                     self._readmit.remove(c)
@@ -271,6 +285,16 @@ class RequestEngine:
                     continue
                 c.status = "running"
                 self._running[c.id] = c
+
+    def _owned(self, admitting: list[Completion], size: int) -> tuple[p.RequestSpec, ...]:
+        """The specs of ``admitting``, each owned by the least loaded rank of a group of ``size``
+        (by tokens in flight: the requests its rank decodes, and those given before it)."""
+        loads = [0] * max(1, size)
+        for c in self._running.values():
+            if not c.done and c.rank is not None and c.rank < len(loads) and c not in admitting:
+                loads[c.rank] += c.spec.in_flight(len(c.tokens))
+        owners = least_loaded(loads, [c.spec.in_flight(0) for c in admitting])
+        return tuple(dataclasses.replace(c.spec, owner=rank) for c, rank in zip(admitting, owners))
 
     def _forget_done(self) -> None:
         for rid in [rid for rid, c in self._running.items() if c.done]:

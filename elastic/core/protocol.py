@@ -64,8 +64,10 @@ class RescaleSpec:
     #: "old": move over the old group first, then replace it (a scale down: the leaving ranks
     #: send); "new": form the new group first and move over it (a scale up, a recovery)
     execute_on: Literal["old", "new"] = "new"
-    #: a scale keeps the request batch (joining ranks get it, KV caches included, from a survivor);
-    #: a recovery drops it: survivors' caches may be mid-step, the coordinator replays the requests
+    #: every surviving rank keeps its own requests (a recovery's survivors first roll back a step
+    #: the failure cut short); a scale down moves the leaving ranks' requests, KV caches included, to
+    #: survivors; a joining rank starts with none. False: every batch is dropped and the coordinator
+    #: replays every request from its prompt (no plan sends it any more)
     keep_requests: bool = True
 
     def __post_init__(self) -> None:
@@ -214,11 +216,23 @@ class RequestSpec:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    #: the rank of the group that holds and decodes it (the coordinator's choice: the least loaded)
+    owner: int = 0
+
+    def __post_init__(self) -> None:
+        if self.owner < 0:
+            raise ValueError(f"request {self.request_id}: owner must be a rank (>= 0), got {self.owner}")
+
+    def in_flight(self, generated: int) -> int:
+        """The tokens its rank still has to compute for it after ``generated`` tokens: the prompt
+        until it is prefilled, and every token still to generate (the admission's load measure)."""
+        return (len(self.prompt) if generated == 0 else 0) + max(0, self.max_tokens - generated)
 
 
 @dataclass(frozen=True)
 class Admit(Command):
-    """Requests join the batch at this step (prefilled, then decoded one token per step).
+    """Requests join the batch at this step (prefilled, then decoded one token per step), each on
+    the rank its ``owner`` names (every rank receives the Admit; only the owner holds the request).
 
     No result: the tokens come back as :class:`TokensOut`. A rank outside a decoding group
     drops it; the coordinator re-admits what the group does not hold (:class:`RequestsHeld`).
@@ -324,7 +338,7 @@ class TokenOut:
 
 @dataclass(frozen=True)
 class TokensOut(Report):
-    """The tokens one decode step produced (sent by rank 0 of the group only)."""
+    """The tokens one decode step produced for the requests this rank owns (every rank sends its own)."""
 
     step: int = 0
     tokens: tuple[TokenOut, ...] = ()
@@ -332,11 +346,12 @@ class TokensOut(Report):
 
 @dataclass(frozen=True)
 class RequestsHeld(Report):
-    """After a rescale, rank 0 of the new group lists the requests the group decodes, with the
-    number of tokens each has generated: the coordinator re-admits those it misses."""
+    """After a rescale, rank 0 of the new group lists the requests the group decodes (gathered from
+    every rank): ``(request id, tokens generated, the rank that holds it)``. The coordinator learns
+    who holds what, and re-admits those it misses."""
 
     seq: int = 0  # the Rescale's
-    held: tuple[tuple[str, int], ...] = ()
+    held: tuple[tuple[str, int, int], ...] = ()
 
 
 # -- results: one type per command, carried by PhaseDone --------------------------------------

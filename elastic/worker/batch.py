@@ -1,25 +1,22 @@
-"""The request batch a worker decodes: continuous batching at step boundaries, identical on every rank.
+"""The request batch a worker decodes: this rank's own requests, continuous batching at step boundaries.
 
-Every rank of the EP group holds the same :class:`RequestBatch` (attention is replicated): the
-coordinator's :class:`~elastic.core.protocol.Admit` and :class:`~elastic.core.protocol.Cancel`
-commands change it at an agreed step, and a request leaves by itself at the same step
-everywhere (its ``max_tokens``, or a stop token: both follow from tokens every rank computed
-bit for bit alike).
+Requests are owned by ranks: the coordinator admits each request to one rank (its
+:class:`~elastic.core.protocol.RequestSpec` ``owner``), and only that rank holds it, with its KV
+cache (the model's sequence state). :class:`~elastic.core.protocol.Admit` and
+:class:`~elastic.core.protocol.Cancel` are broadcast and applied at an agreed step; each rank
+takes the requests it owns. A request leaves by itself at its ``max_tokens`` or a stop token.
 
-One step (:meth:`RequestBatch.step`):
+One step (:meth:`RequestBatch.step`) is ONE ``model.forward_batch`` over the rank's whole batch
+(a collective on the EP group: every rank calls it in a step where any rank has tokens, an empty
+batch included): the newly admitted requests are prefilled, every other one decodes a token with
+its own state; the requests that finished leave. A request's logits do not depend on which
+requests share the call (the data plane's batch invariance), so its tokens are the unsharded
+model's for the same prompt (greedy: ``argmax``; sampled: a generator seeded by ``(seed, position)``).
 
-1. every request admitted since the last step is prefilled (its first token is chosen);
-2. every other running request decodes one token with its own KV cache;
-3. the requests that finished leave the batch.
-
-Each request runs its own forward (batch size 1), in admission order. So its bits never
-depend on which other requests share the batch, and its tokens equal the unsharded model's
-for the same prompt (greedy: ``argmax``; sampled: a generator seeded by ``(seed, position)``):
-batch invariance, bought with one forward per request per step. The experts inside each forward
-still run across the whole EP group.
-
-The batch moves with the group: :meth:`export` and :meth:`restore` carry every request with its
-KV cache to a joining rank (a scale never restarts a request from its prompt).
+A step that fails midway (a peer died in a collective) is rolled back (:meth:`rollback`): every
+request's state is cropped to its length before the step and the half-made token dropped, so
+the batch goes on through the recovery without a replay. A scale down moves a leaving rank's
+requests, states included, to survivors (:meth:`take`, :meth:`restore`).
 """
 
 from __future__ import annotations
@@ -77,16 +74,28 @@ def choose(spec: RequestSpec, logits: torch.Tensor, position: int,
     return token, float(logp[token]), top
 
 
+def state_length(model: Any, state: Any) -> int:
+    """Tokens held in a request's state (0: none yet)."""
+    return 0 if state is None else int(model.state_length(state))
+
+
+def crop_state(model: Any, state: Any, length: int) -> Any:
+    """The state cut back to ``length`` tokens (None at 0: the request is prefilled again)."""
+    return None if state is None or length == 0 else model.crop_state(state, length)
+
+
 class RequestBatch:
-    """The requests one EP group decodes (see the module docstring). ``model`` is an
-    :class:`~eplb.models.hf.HFMoE` rank; every method that runs a forward is a collective."""
+    """This rank's requests (see the module docstring). ``model`` is an
+    :class:`~eplb.models.hf.HFMoE` rank; :meth:`step` is a collective on the EP group."""
 
     def __init__(self, model: Any, max_batch: int):
         if max_batch < 1:
             raise ValueError("max_batch must be positive")
         self.model = model
         self.max_batch = max_batch
-        self.running: dict[str, _Running] = {}  # admission order: every rank steps them in this order
+        self.running: dict[str, _Running] = {}  # admission order: the order of the batch's rows
+        #: while a step runs: every request as it was before it (what :meth:`rollback` restores)
+        self._before: list[tuple[_Running, int, torch.Tensor | None, int]] | None = None
 
     def __len__(self) -> int:
         return len(self.running)
@@ -94,11 +103,10 @@ class RequestBatch:
     def held(self) -> tuple[tuple[str, int], ...]:
         return tuple((rid, len(r.generated)) for rid, r in self.running.items())
 
-    def admit(self, specs: tuple[RequestSpec, ...]) -> None:
-        """Add requests (prefilled at the next step). One already held is left as it is; past
-        ``max_batch`` the rest wait for the coordinator to admit them again (it never sends more)."""
+    def admit(self, specs: tuple[RequestSpec, ...], rank: int) -> None:
+        """Add the requests ``rank`` owns (prefilled at the next step); one already held is left as it is."""
         for spec in specs:
-            if spec.request_id not in self.running and len(self.running) < self.max_batch:
+            if spec.owner == rank and spec.request_id not in self.running:
                 self.running[spec.request_id] = _Running(spec)
 
     def cancel(self, request_ids: tuple[str, ...]) -> None:
@@ -107,19 +115,23 @@ class RequestBatch:
 
     def clear(self) -> None:
         self.running.clear()
+        self._before = None
 
     def step(self) -> StepTokens:
-        """One token for every request (see the module docstring)."""
+        """One token for every request of this rank, with one forward over the batch (see the module
+        docstring); an empty batch still takes part in the group's forward."""
         started = time.perf_counter()
+        requests = list(self.running.items())
+        self._before = [(r, len(r.generated), r.last, state_length(self.model, r.cache)) for _, r in requests]
+        inputs = [(torch.tensor(r.spec.prompt, dtype=torch.long) if r.cache is None or r.last is None else r.last,
+                   r.cache) for _, r in requests]
+        logits, states = self.model.forward_batch(inputs)
+        logical, physical = self.model.take_load()
         out: list[TokenOut] = []
-        for rid, r in list(self.running.items()):
-            if r.cache is None:
-                logits, r.cache = self.model.next_logits(torch.tensor([r.spec.prompt], dtype=torch.long), None)
-            else:
-                assert r.last is not None  # prefilled: a token to feed
-                logits, r.cache = self.model.next_logits(r.last[:, None], r.cache)
+        for (rid, r), row, state in zip(requests, logits, states):
+            r.cache = state
             position = len(r.generated)
-            token, logprob, top = choose(r.spec, logits[0], position, r.generated)
+            token, logprob, top = choose(r.spec, row, position, r.generated)
             r.generated.append(token)
             r.last = torch.tensor([token], dtype=torch.long)
             stop = token in r.spec.stop_token_ids and position + 1 > r.spec.min_tokens
@@ -127,18 +139,36 @@ class RequestBatch:
             out.append(TokenOut(rid, position, token, logprob, top, finish))
             if finish is not None:
                 del self.running[rid]
-        logical = physical = None
-        if out:
-            logical, physical = self.model.take_load()
+        self._before = None
         return StepTokens(tuple(out), logical, physical, time.perf_counter() - started)
 
-    # -- moving with the group -----------------------------------------------------------------
-    def export(self) -> list[dict[str, Any]]:
-        """Every request with its KV cache, picklable (the rescale's state broadcast carries it)."""
+    def rollback(self) -> int:
+        """Undo a step that failed midway: every request back as it was before it (its state cropped
+        to its length then, the half-made token dropped). Returns how many were rolled back."""
+        before, self._before = self._before, None
+        if before is None:
+            return 0
+        for r, generated, last, length in before:
+            del r.generated[generated:]
+            r.last = last
+            r.cache = crop_state(self.model, r.cache, length)
+            self.running.setdefault(r.spec.request_id, r)
+        return len(before)
+
+    # -- moving between ranks ------------------------------------------------------------------
+    def export(self, request_ids: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        """Requests (default: all) with their states, picklable: a scale down sends them to survivors."""
+        chosen = self.running if request_ids is None else {rid: self.running[rid] for rid in request_ids}
         return [{"spec": r.spec, "cache": r.cache, "last": r.last, "generated": list(r.generated)}
-                for r in self.running.values()]
+                for r in chosen.values()]
+
+    def take(self, request_ids: Sequence[str]) -> list[dict[str, Any]]:
+        """:meth:`export` these requests and let them go (they move to another rank)."""
+        exported = self.export(request_ids)
+        self.cancel(tuple(request_ids))
+        return exported
 
     def restore(self, exported: list[dict[str, Any]]) -> None:
-        """Take over a batch :meth:`export` made on another rank (in the same order)."""
-        self.running = {e["spec"].request_id: _Running(e["spec"], e["cache"], e["last"], list(e["generated"]))
-                        for e in exported}
+        """Take over requests :meth:`export` made on another rank (after those held, in their order)."""
+        for e in exported:
+            self.running[e["spec"].request_id] = _Running(e["spec"], e["cache"], e["last"], list(e["generated"]))

@@ -97,6 +97,7 @@ class Worker:
         # when the last decode steps ended: the steady pace a prepare's pacing keeps
         self._step_ends: collections.deque[float] = collections.deque(maxlen=STEADY_STEPS + 1)
         self._steady_step_s = 0.0  # _steady_step_seconds() when the last Drain came
+        self._admitted = False  # an Admit with requests ran at this step (the group forwards)
 
     # -- startup ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -248,7 +249,9 @@ class Worker:
 
     def _on_admit(self, command: p.Admit) -> None:
         if self.ctx.requests is not None:
-            self.ctx.requests.admit(command.requests)
+            self.ctx.requests.admit(command.requests, self.ctx.rank)  # the requests this rank owns
+            # every rank runs the same Admit at this step: all know a rank has tokens now
+            self._admitted = self._admitted or bool(command.requests)
 
     def _on_cancel(self, command: p.Cancel) -> None:
         if self.ctx.requests is not None:
@@ -309,6 +312,7 @@ class Worker:
         self._maybe_heartbeat(0.0, None, force=True, idle=True)
         while not ctx.stopping and not self.inbox.wait(ctx.spec.heartbeat_s):
             self._maybe_heartbeat(0.0, None, force=True, idle=True)
+        self._maybe_heartbeat(0.0, None, force=True)  # awake: the coordinator's view says so at once
 
     def _steady_step_seconds(self) -> float:
         """The step time of the last steps (taken at a Drain: the pace the operation's prepare
@@ -326,6 +330,7 @@ class Worker:
         ctx = self.ctx
         reduced = self._sync()
         executed = self.inbox.executed_seq
+        self._admitted = False
         try:
             if not self._run_commands_up_to(reduced[0]) or ctx.stopping:
                 return False
@@ -357,7 +362,7 @@ class Worker:
         if self.inbox.executed_seq == executed and not any(reduced[WORK:]) and self._work_words() == (0, 0):
             return True  # the agreed words and the commands (none) are the same on every rank: all sleep
         started = time.perf_counter()
-        physical, tokens = self._decode_tokens()
+        physical, tokens = self._decode_tokens(bool(reduced[WORK]) or self._admitted)
         mark, cpu = time.perf_counter(), time.thread_time()
         if physical is not None:
             ctx.eplb.record(physical)
@@ -365,12 +370,14 @@ class Worker:
                        eplb_cpu + time.thread_time() - cpu, rebalancing)
         return False
 
-    def _decode_tokens(self) -> tuple[torch.Tensor | None, int]:
-        """This step's tokens: ``(the router's choices per physical slot, the group's sum; tokens)``."""
+    def _decode_tokens(self, requests: bool) -> tuple[torch.Tensor | None, int]:
+        """This step's tokens: ``(the router's choices per physical slot, the group's sum; tokens)``.
+        ``requests``: some rank of the group holds requests (agreed: the reduced work word, or an
+        Admit at this step), so every rank runs its batch's forward, an empty one included."""
         ctx = self.ctx
-        if ctx.requests:  # one token of every request; rank 0 reports them to the coordinator
+        if requests and ctx.requests is not None:  # one token of each of this rank's requests, reported by it
             out = self._forward_step(ctx.requests.step)
-            if ctx.rank == 0 and out.tokens:
+            if out.tokens:
                 ctx.report(p.TokensOut, step=ctx.step, tokens=out.tokens)
             return out.physical, len(out.tokens)
         if ctx.decoder is not None and ctx.spec.serving.background_load:
@@ -473,16 +480,23 @@ class Worker:
                 ctx.stopping = True
                 ctx.done(command, p.ShutdownDone())
                 return None
+            if isinstance(command, p.Cancel) and ctx.requests is not None:
+                ctx.requests.cancel(command.request_ids)  # the batch survives a recovery: keep it true
+                continue
             if isinstance(command, p.SERVING_COMMANDS):
-                continue  # no batch out here: the coordinator re-admits what the next group misses
+                continue  # no Admit out here: the coordinator re-admits what the next group misses
             ctx.report(p.WorkerError, step=ctx.step, where=where, error_type="Refused",
                        message=f"{type(command).__name__} refused: {refusal}", seq=command.seq)
         raise TimeoutError(f"{where}: no Rescale arrived within {timeout_s:.0f}s")
 
     def _enter_broken(self, exc: BaseException) -> None:
-        """Report the failure, make sure no transfer is in flight, drop the group, wait for orders."""
+        """Report the failure, make sure no transfer is in flight, drop the group, wait for orders.
+        A decode step the failure cut short is rolled back: this rank's requests go on after the
+        recovery from their last whole step, without a replay."""
         ctx = self.ctx
         ctx.broken = True
+        if ctx.requests is not None:
+            ctx.requests.rollback()
         self.preparer.discard()
         ctx.report(p.WorkerError, step=ctx.step, where="decode", error_type=type(exc).__name__,
                    message=str(exc), traceback=traceback.format_exc(), seq=self.inbox.executed_seq)

@@ -3,7 +3,8 @@
 Two shapes, as :attr:`RescaleSpec.execute_on <elastic.core.protocol.RescaleSpec>` says:
 
 - ``"old"`` (a scale down): every expert a leaving rank holds that the new placement needs is
-  sent over the old group, and only then is the group replaced (a prepared one switches to its
+  sent over the old group, then the leaving ranks' requests with their KV caches (to the least
+  loaded survivors), and only then is the group replaced (a prepared one switches to its
   standby group; the leaving ranks wait for that switch before they free their memory);
 - ``"new"`` (a scale up, a recovery): the new group forms first (or the standby group is swapped
   in), the lowest survivor shares the state the group starts from, then experts move over it.
@@ -11,6 +12,10 @@ Two shapes, as :attr:`RescaleSpec.execute_on <elastic.core.protocol.RescaleSpec>
 A surviving rank overwrites only the slots that change, keeping their old contents in an
 :class:`UndoLog`, so a rescale that fails before adoption puts the weights back and the old
 placement still matches them.
+
+Requests stay with the rank that owns them: survivors keep theirs (a recovery's first rolled back
+to their last whole step by the decode loop), joining ranks start empty, and after the rescale
+rank 0 reports what every rank of the new group holds (:class:`~elastic.core.protocol.RequestsHeld`).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from elastic.worker.context import RankContext
 from elastic.worker.groups import ABORT_KEY, GroupGeneration, StandbyGroup
 from elastic.worker.prepare import Preparation, PrepareExecutor
 from elastic.worker.reports import placement_digest
-from elastic.worker.rescale_plan import RankRole, diverged_layers, held_rows, layer_plans, next_placement, role_in
+from elastic.worker.rescale_plan import RankRole, diverged_layers, held_rows, layer_plans, next_placement, plan_request_moves, role_in
 from eplb.models.serving import build_model
 from eplb.placement import Placement
 from eplb.plan import LayerPlan
@@ -139,7 +144,7 @@ class RescaleExecutor:
         role = role_in(cmd.spec, ctx.rank, fresh=fresh)
         prep = self.preparer.take(cmd)  # a prepared scale: the standby group and what moved ahead
         if not cmd.spec.keep_requests and ctx.requests is not None:
-            ctx.requests.clear()  # a recovery: the coordinator replays every request from its prompt
+            ctx.requests.clear()  # the coordinator replays every request from its prompt
         # group destroy + rendezvous; redistribution (wall, and this process's CPU incl. gloo threads)
         timing: dict[str, Any] = {"group_seconds": 0.0, "transfer_seconds": 0.0, "transfer_cpu_seconds": 0.0,
                                   "prepared": prep is not None}
@@ -155,13 +160,42 @@ class RescaleExecutor:
         timing["adopt_seconds"] = time.perf_counter() - mark
         ctx.broken = False
         ctx.mode = p.WorkerMode.RESUMING
-        if role.new_rank == 0 and ctx.requests is not None:  # what the new group decodes: the coordinator re-admits the rest
-            ctx.report(p.RequestsHeld, seq=cmd.seq, held=ctx.requests.held())
+        self._report_held(cmd)
         ctx.report(p.PhaseDone, seq=cmd.seq, operation_id=cmd.operation_id, step=ctx.step, result=p.RescaleDone(
             retired=False, bytes_received=moved.received, seconds=time.perf_counter() - started,
             digest=placement_digest(ctx.eplb.placement), num_physical=ctx.eplb.placement.num_physical,
             placement_before=held.tolist(), diverged_layers=diverged,
             placement_after=ctx.eplb.placement.physical_to_logical.tolist(), timing=timing))
+
+    def _report_held(self, cmd: p.Rescale) -> None:
+        """What the new group decodes, gathered from every rank: rank 0 lists it (the coordinator
+        learns who holds what and re-admits what no rank holds)."""
+        ctx = self.ctx
+        if ctx.requests is None:
+            return
+        gathered: list[Any] = [None] * cmd.spec.new_size
+        dist.all_gather_object(gathered, ctx.requests.held())
+        if ctx.rank == 0:
+            held = tuple((rid, generated, rank) for rank, mine in enumerate(gathered) for rid, generated in mine)
+            ctx.report(p.RequestsHeld, seq=cmd.seq, held=held)
+
+    def _move_requests(self, cmd: p.Rescale) -> int:
+        """A scale down, over the old group: the leaving ranks' requests, with their KV caches, go to
+        the least loaded survivors (:func:`~elastic.worker.rescale_plan.plan_request_moves`, the
+        same plan on every rank); nothing replays. Returns how many this rank took over."""
+        ctx = self.ctx
+        if ctx.requests is None:
+            return 0
+        mine = [(rid, ctx.requests.running[rid].spec.in_flight(generated)) for rid, generated in ctx.requests.held()]
+        held: list[Any] = [None] * cmd.spec.old_size
+        dist.all_gather_object(held, mine)
+        moves = plan_request_moves(cmd.spec, held)
+        leaving = [rid for rid, _ in mine if rid in moves]
+        sent: list[Any] = [None] * cmd.spec.old_size
+        dist.all_gather_object(sent, ctx.requests.take(leaving) if leaving else [])
+        taken = [e for batch in sent for e in batch if moves.get(e["spec"].request_id) == ctx.rank]
+        ctx.requests.restore(taken)
+        return len(taken)
 
     def _on_old_group(self, cmd: p.Rescale, role: RankRole, prep: Preparation | None, started: float,
                       timing: dict[str, Any]) -> tuple[_Moved, torch.Tensor, tuple[int, ...], float] | None:
@@ -174,6 +208,9 @@ class RescaleExecutor:
         announced = self._prepared_plan(prep, base) if prep is not None else self._announced_plan(cmd.spec, base)
         timing["announced"] = announced is not None  # placement and plans made at Suppress (or Prepare)
         moved = self._move_experts(cmd, base, held, ctx.rank, timing, announced, prep)
+        mark = time.perf_counter()
+        timing["requests_moved"] = self._move_requests(cmd)  # the leaving ranks' requests, to survivors
+        timing["requests_seconds"] = time.perf_counter() - mark
         mark = time.perf_counter()
         if role.leaves:
             # reported first: its teardown pauses nobody (the survivors decode on without it)
@@ -221,7 +258,7 @@ class RescaleExecutor:
             ctx.non_expert_sync = None
         mark = time.perf_counter()
         base, held, source_started = self._share_state(cmd, role, started, prepared=prep is not None)
-        timing["share_seconds"] = time.perf_counter() - mark  # step, maps, window, request batch
+        timing["share_seconds"] = time.perf_counter() - mark  # step, maps, window
         if role.fresh:
             # a joining rank waited, standing by, while the old group still decoded: its part of the
             # pause starts when the old group stopped (the lowest survivor's start, as it said)
@@ -312,13 +349,12 @@ class RescaleExecutor:
             "window": ctx.eplb.window.state(),
             "stats": ctx.eplb.stats,
             "steps_since_rebalance": ctx.eplb.steps_since_rebalance,
-            # the request batch with its KV caches: a joining rank goes on decoding it
-            "requests": ctx.requests.export() if cmd.spec.keep_requests and ctx.requests is not None else [],
         }
 
     def _take_state(self, cmd: p.Rescale, role: RankRole, base: Placement, state: dict[str, Any],
                     prepared: bool) -> None:
-        """Every rank of the new group takes the lowest survivor's window, batch and decode state;
+        """Every rank of the new group takes the lowest survivor's window and decode state (each
+        keeps its own requests; a joining rank starts with none);
         a joining rank builds its model and EPLB state here (unless it prepared)."""
         ctx, spec = self.ctx, cmd.spec
         if role.fresh:
@@ -334,8 +370,6 @@ class RescaleExecutor:
             ctx.eplb.carry_over(LoadWindow.from_state(state["window"]), state["stats"], state["steps_since_rebalance"])
         else:
             ctx.eplb.carry_over(LoadWindow.from_state(state["window"]))
-        if ctx.requests is not None:
-            ctx.requests.restore(state["requests"])  # every rank of the new group, the same batch
         if ctx.decoder is not None:
             ctx.decoder.batch_index = state["batch_index"]  # every rank goes on with the same batches
             if spec.joining and not prepared:  # fresh ranks: the replicated weights from a survivor

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from elastic.core.owners import least_loaded
 from elastic.core.protocol import RescaleSpec
 from elastic.worker.groups import num_nodes_of
 from eplb.config import EPLBConfig
@@ -22,7 +23,7 @@ from eplb.plan import LayerPlan, holders_from_mapping, plan_layer
 from eplb.state import LoadWindow, placement_for
 
 __all__ = ["RankRole", "RescalePlan", "eplb_config_for", "held_rows", "layer_plans", "next_placement",
-           "plan_rescale", "policy_hosts", "role_in"]
+           "plan_request_moves", "plan_rescale", "policy_hosts", "role_in"]
 
 
 @dataclass(frozen=True)
@@ -138,3 +139,22 @@ def plan_rescale(spec: RescaleSpec, placement: Placement, window: LoadWindow | t
     new = next_placement(spec, placement, held, load, config, hosts)
     plans = layer_plans(spec, held, new, hosts if transfer_hosts is None else transfer_hosts)
     return RescalePlan(spec=spec, base=placement, held=held, placement=new, plans=plans)
+
+
+def plan_request_moves(spec: RescaleSpec, held: Sequence[Sequence[tuple[str, int]]]) -> dict[str, int]:
+    """Where a scale down's leaving ranks' requests go: ``held[old_rank]`` lists that rank's
+    requests as ``(request id, tokens in flight)``; each request of a rank that leaves (alive, not
+    lost) goes to the least loaded survivor (:func:`least_loaded`, surviving old ranks by their
+    new rank). Returns ``request id -> old rank of the survivor`` (empty when nobody leaves)."""
+    if len(held) != spec.old_size:
+        raise ValueError(f"held lists {len(held)} ranks, the old group has {spec.old_size}")
+    survivors = sorted((new, old) for old, new in enumerate(spec.mapping) if new >= 0 and old not in spec.lost)
+    leaving = [(rid, load) for old, new in enumerate(spec.mapping) if new < 0 and old not in spec.lost
+               for rid, load in held[old]]
+    if not leaving:
+        return {}
+    if not survivors:
+        raise ValueError(f"no rank survives mapping {spec.mapping}: the requests have nowhere to go")
+    loads = [sum(load for _, load in held[old]) for _, old in survivors]
+    chosen = least_loaded(loads, [load for _, load in leaving])
+    return {rid: survivors[i][1] for (rid, _), i in zip(leaving, chosen)}
