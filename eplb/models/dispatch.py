@@ -24,6 +24,7 @@ layer. With one rank nothing is sent.
 from __future__ import annotations
 
 import math
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -80,20 +81,23 @@ def pair_slots(ids: torch.Tensor, rank: int, counts: torch.Tensor, logical_to_ph
     return physical
 
 
-def _wait(work: Any, ctx: ExpertsContext, what: str) -> None:
+def _wait(work: Any, ctx: ExpertsContext, what: str, started: float) -> None:
+    """Wait for ``work`` within the deadline; its CPU since ``started`` (the post) goes to the stats."""
     try:
         done = work.wait(timeout=timedelta(seconds=ctx.timeout))
     except RuntimeError as exc:  # gloo raises on its deadline and when a peer's connection closes
         raise TimeoutError(f"{what} of MoE layer {ctx.layer} did not finish within {ctx.timeout}s: {exc}") from exc
     if done is False:
         raise TimeoutError(f"{what} of MoE layer {ctx.layer} did not finish within {ctx.timeout}s")
+    ctx.stats["collective_cpu_s"] = ctx.stats.get("collective_cpu_s", 0.0) + time.process_time() - started
 
 
 def _group_counts(ctx: ExpertsContext, mine: torch.Tensor) -> torch.Tensor:
     """``[R, L]`` every rank's pairs per expert (one all_gather), after checking the placements agree."""
     send = torch.cat([mine, torch.tensor([ctx.placement_print], dtype=torch.int64)])
     recv = [torch.empty_like(send) for _ in range(ctx.num_ranks)]
-    _wait(dist.all_gather(recv, send, group=ctx.group, async_op=True), ctx, "the pair-count all_gather")
+    started = time.process_time()
+    _wait(dist.all_gather(recv, send, group=ctx.group, async_op=True), ctx, "the pair-count all_gather", started)
     prints = [int(r[-1]) for r in recv]
     differ = [r for r, p in enumerate(prints) if p != ctx.placement_print]
     if differ:
@@ -107,9 +111,10 @@ def _all_to_all(ctx: ExpertsContext, rows: torch.Tensor, send: list[int], receiv
     width = math.prod(rows.shape[1:]) * rows.element_size()
     payload = rows.contiguous().view(torch.uint8).reshape(rows.shape[0], width)
     out = torch.empty(sum(receive), payload.shape[1], dtype=torch.uint8)
+    started = time.process_time()
     work = dist.all_to_all_single(out, payload, output_split_sizes=receive, input_split_sizes=send,
                                   group=ctx.group, async_op=True)
-    _wait(work, ctx, what)
+    _wait(work, ctx, what, started)
     return out.view(rows.dtype).reshape(sum(receive), *rows.shape[1:])
 
 
@@ -136,7 +141,9 @@ def exchange(ctx: ExpertsContext, module: torch.nn.Module, hidden: torch.Tensor,
     weights = dict(zip(ctx.names, ctx.weights))
     x = hidden.repeat_interleave(top_k, dim=0)
     if ctx.num_ranks == 1:
+        started = time.process_time()
         out = pair_forward(module, weights, x, physical) if ids.numel() else x
+        ctx.stats["expert_cpu_s"] = ctx.stats.get("expert_cpu_s", 0.0) + time.process_time() - started
     else:
         out = _remote(ctx, module, weights, x, physical, sent)
     ctx.stats["pairs"] += int(sent.sum(0).view(ctx.num_ranks, -1)[ctx.rank].sum())
@@ -156,7 +163,9 @@ def _remote(ctx: ExpertsContext, module: torch.nn.Module, weights: dict[str, tor
     if received.shape[0]:
         local = torch.repeat_interleave(torch.arange(ctx.slots_per_rank).repeat(ctx.num_ranks),
                                         per_rank[:, ctx.rank].reshape(-1))
+        started = time.process_time()
         result = pair_forward(module, weights, received, local).to(x.dtype)
+        ctx.stats["expert_cpu_s"] = ctx.stats.get("expert_cpu_s", 0.0) + time.process_time() - started
     else:
         result = received
     back = _all_to_all(ctx, result, flows[:, ctx.rank].tolist(), flows[ctx.rank].tolist(),

@@ -527,6 +527,16 @@ class HFMoE:
             c.rank_pairs.zero_()
         return sum(ratios) / len(ratios) if ratios else None
 
+    def take_cpu_split(self) -> dict[str, float]:
+        """CPU seconds this rank spent in the experts kernel and in the exchanges (posting and
+        waiting) since the last call, summed over the MoE layers (for benchmarks)."""
+        out = {"expert_cpu_s": 0.0, "collective_cpu_s": 0.0}
+        for c in self._contexts:
+            for key in out:
+                out[key] += c.stats.get(key, 0.0)
+                c.stats[key] = 0.0
+        return out
+
     def _recording(self, on: bool) -> None:
         for c in self._contexts:
             c.record = on

@@ -63,7 +63,8 @@ class ExpertsContext:
     logical_counts: torch.Tensor | None = None  # [L] int64: the group's pairs, accumulated while record is on
     physical_counts: torch.Tensor | None = None  # [P] int64: the group's pairs delivered per physical slot
     rank_pairs: torch.Tensor | None = None  # [R] int64: pairs each rank's experts computed
-    stats: dict[str, float] = field(default_factory=lambda: {"pairs": 0})
+    # pairs computed here; CPU seconds in the experts kernel and in the exchanges' posts and waits
+    stats: dict[str, float] = field(default_factory=lambda: {"pairs": 0, "expert_cpu_s": 0.0, "collective_cpu_s": 0.0})
 
 
 #: A GEMM's rows are bitwise the same for any row count from this one up (fewer rows differ): a
