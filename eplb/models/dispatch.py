@@ -26,14 +26,14 @@ from __future__ import annotations
 import math
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
-from eplb.models.kernel import ExpertsContext, ReplicaDivergence, pair_forward
+from eplb.models.kernel import KERNEL_NAME, ExpertsContext, ReplicaDivergence, pair_forward
 
-__all__ = ["assign", "exchange", "pair_slots"]
+__all__ = ["assign", "ep_experts_forward", "exchange", "pair_slots", "register"]
 
 
 def _starts(total: torch.Tensor, replicas: torch.Tensor, width: int) -> torch.Tensor:
@@ -173,3 +173,28 @@ def _remote(ctx: ExpertsContext, module: torch.nn.Module, weights: dict[str, tor
     out = torch.empty_like(x)
     out[order] = back
     return out
+
+
+def ep_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                       top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The ``ALL_EXPERTS_FUNCTIONS`` entry: ``hidden_states [T, H]``, routing ``[T, k]`` -> ``[T, H]``.
+
+    Inside a packed step (:mod:`eplb.models.packed`) only the first ``ctx.rows`` rows are real
+    tokens; the padding rows are dropped before the dispatch and come back as zeros.
+    """
+    # cast: torch types nn.Module attributes as Tensor | Module; _eplb is the plain attribute HFMoE._bind sets
+    ctx = cast(ExpertsContext, self._eplb)
+    rows = hidden_states.shape[0] if ctx.rows is None else ctx.rows
+    if ctx.rows is None and ctx.num_ranks > 1:
+        raise RuntimeError("an expert-parallel model runs through HFMoE.forward_batch (its dispatch is a collective)")
+    out = torch.zeros_like(hidden_states)
+    out[:rows] = exchange(ctx, self, hidden_states[:rows], top_k_index[:rows], top_k_weights[:rows])
+    return out
+
+
+def register() -> None:
+    """Register :data:`KERNEL_NAME` with transformers (idempotent)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if KERNEL_NAME not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(KERNEL_NAME, ep_experts_forward)

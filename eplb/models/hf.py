@@ -32,12 +32,12 @@ from torch import nn
 
 from eplb.model import mismatched_slots, mismatched_staged
 from eplb.models.config import HFModelConfig, tiny_config
+from eplb.models.dispatch import register
 from eplb.models.kernel import (
     KERNEL_NAME,
     ExpertsContext,
     check_row_independent,
     placement_print,
-    register,
 )
 from eplb.models.packed import (
     SeqState,
