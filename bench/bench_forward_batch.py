@@ -85,9 +85,10 @@ def _rank(rank: int, world: int, args: argparse.Namespace, store: str, queue: An
     model = HFMoE(spec, Placement.static(layers, args.experts, args.experts), rank, world, timeout=120)
     mine = prompts_of(args)[rank::world]
     decode(model, mine[:1], 2)  # warm-up
+    model.take_cpu_split()
     dist.barrier()
     tokens, cpu, wall = timed(lambda: decode(model, mine, args.new_tokens))
-    queue.put((rank, tokens, cpu, wall, model.take_dispatch_balance()))
+    queue.put((rank, tokens, cpu, wall, model.take_dispatch_balance(), model.take_cpu_split()))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -107,7 +108,7 @@ def run_ep(args: argparse.Namespace, world: int) -> dict[str, Any]:
     for rank, t, *_ in results:
         tokens[rank::world] = t
     return {"tokens": tokens, "cpu": sum(r[2] for r in results), "wall": max(r[3] for r in results),
-            "balance": results[0][4]}
+            "balance": results[0][4], "per_rank": [{"cpu_s": r[2], **r[5]} for r in results]}
 
 
 def profile_split(model: Any, prompts: torch.Tensor, new_tokens: int) -> dict[str, float]:
@@ -144,15 +145,16 @@ def main(argv: list[str] | None = None) -> int:
     tokens_out = args.requests * args.new_tokens
     rows: dict[str, dict[str, Any]] = {}
     decode(model, prompts[:2], 2)  # warm-up
+    model.take_cpu_split()
     ours, cpu, wall = timed(lambda: decode(model, prompts, args.new_tokens))
-    rows["forward_batch EP 1"] = {"cpu": cpu, "wall": wall, "same": True}
+    rows["forward_batch EP 1"] = {"cpu": cpu, "wall": wall, "same": True, "per_rank": [{"cpu_s": cpu, **model.take_cpu_split()}]}
     if not args.no_loop:
         loop, cpu, wall = timed(lambda: decode(model, prompts, args.new_tokens, per_request=True))
         rows["per-request loop EP 1"] = {"cpu": cpu, "wall": wall, "same": torch.equal(loop, ours)}
     rows["transformers generate"] = _transformers(model, prompts, args)
     ep = run_ep(args, args.ep)
     rows[f"forward_batch EP {args.ep}"] = {"cpu": ep["cpu"], "wall": ep["wall"], "same": torch.equal(ep["tokens"], ours),
-                                          "dispatch_balance": ep["balance"]}
+                                          "dispatch_balance": ep["balance"], "per_rank": ep["per_rank"]}
     ref = rows["transformers generate"]["cpu"] / tokens_out
     print(f"qwen3_moe hidden {args.hidden}, {args.layers} layers, {args.experts} experts top-{args.top_k}, "
           f"moe_intermediate {args.moe_intermediate}; {args.requests} requests x ({args.prompt_len} prompt + "
@@ -162,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         r["cpu_ms_per_token"] = 1e3 * r["cpu"] / tokens_out
         print(f"{name:28} {r['cpu_ms_per_token']:13.3f} {r['cpu'] / tokens_out / ref:15.2f} {r['wall']:8.2f}  "
               f"{'identical' if r['same'] else 'DIFFERENT'}")
+    for name, r in rows.items():
+        for rank, split in enumerate(r.get("per_rank", [])):
+            print(f"  {name} rank {rank}: CPU s " + ", ".join(f"{k} {v:.3f}" for k, v in split.items()))
     if args.profile:
         rows["profile forward_batch EP 1"] = split = profile_split(model, prompts, args.new_tokens)
         print("profile of forward_batch EP 1 (s): " + ", ".join(f"{k} {v:.3f}" for k, v in split.items()))

@@ -215,6 +215,16 @@ def test_an_idle_deployment_stops_stepping_uses_almost_no_cpu_and_an_admission_w
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_an_admit_whose_owner_is_past_the_group_is_refused_and_sends_nothing(live):
+    c = live.coordinator
+    seq = repr(c.registry.bus._seq)  # "count(N)": the next number the bus gives, unchanged if nothing is sent
+    stale = p.RequestSpec(request_id="stale", prompt=(1, 2), max_tokens=2, owner=c.size)  # chosen for a bigger group
+    assert c.send_serving(p.Admit, requests=(stale,)) is False
+    assert repr(c.registry.bus._seq) == seq and c.requests.get("stale") is None
+
+
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_stop_token_ends_the_request_at_that_token(live):
     prompt = prompt_of(1)

@@ -14,8 +14,10 @@ requests share the call (the data plane's batch invariance), so its tokens are t
 model's for the same prompt (greedy: ``argmax``; sampled: a generator seeded by ``(seed, position)``).
 
 A step that fails midway (a peer died in a collective) is rolled back (:meth:`rollback`): every
-request's state is cropped to its length before the step and the half-made token dropped, so
-the batch goes on through the recovery without a replay. A scale down moves a leaving rank's
+request gets back the state it had before the step (``forward_batch`` never changes the states it
+is given, so the old object is still whole: this works for every architecture, linear attention
+and sliding windows included, where cropping a newer state could not) and the half-made token is
+dropped, so the batch goes on through the recovery without a replay. A scale down moves a leaving rank's
 requests, states included, to survivors (:meth:`take`, :meth:`restore`).
 """
 
@@ -79,11 +81,6 @@ def state_length(model: Any, state: Any) -> int:
     return 0 if state is None else int(model.state_length(state))
 
 
-def crop_state(model: Any, state: Any, length: int) -> Any:
-    """The state cut back to ``length`` tokens (None at 0: the request is prefilled again)."""
-    return None if state is None or length == 0 else model.crop_state(state, length)
-
-
 class RequestBatch:
     """This rank's requests (see the module docstring). ``model`` is an
     :class:`~eplb.models.hf.HFMoE` rank; :meth:`step` is a collective on the EP group."""
@@ -95,7 +92,7 @@ class RequestBatch:
         self.max_batch = max_batch
         self.running: dict[str, _Running] = {}  # admission order: the order of the batch's rows
         #: while a step runs: every request as it was before it (what :meth:`rollback` restores)
-        self._before: list[tuple[_Running, int, torch.Tensor | None, int]] | None = None
+        self._before: list[tuple[_Running, int, torch.Tensor | None, Any]] | None = None
 
     def __len__(self) -> int:
         return len(self.running)
@@ -122,7 +119,7 @@ class RequestBatch:
         docstring); an empty batch still takes part in the group's forward."""
         started = time.perf_counter()
         requests = list(self.running.items())
-        self._before = [(r, len(r.generated), r.last, state_length(self.model, r.cache)) for _, r in requests]
+        self._before = [(r, len(r.generated), r.last, r.cache) for _, r in requests]
         inputs = [(torch.tensor(r.spec.prompt, dtype=torch.long) if r.cache is None or r.last is None else r.last,
                    r.cache) for _, r in requests]
         logits, states = self.model.forward_batch(inputs)
@@ -143,15 +140,15 @@ class RequestBatch:
         return StepTokens(tuple(out), logical, physical, time.perf_counter() - started)
 
     def rollback(self) -> int:
-        """Undo a step that failed midway: every request back as it was before it (its state cropped
-        to its length then, the half-made token dropped). Returns how many were rolled back."""
+        """Undo a step that failed midway: every request back as it was before it (its state as it was
+        then, the half-made token dropped). Returns how many were rolled back."""
         before, self._before = self._before, None
         if before is None:
             return 0
-        for r, generated, last, length in before:
+        for r, generated, last, state in before:
             del r.generated[generated:]
             r.last = last
-            r.cache = crop_state(self.model, r.cache, length)
+            r.cache = state
             self.running.setdefault(r.spec.request_id, r)
         return len(before)
 

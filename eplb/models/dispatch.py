@@ -24,15 +24,16 @@ layer. With one rank nothing is sent.
 from __future__ import annotations
 
 import math
+import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
-from eplb.models.kernel import ExpertsContext, ReplicaDivergence, pair_forward
+from eplb.models.kernel import KERNEL_NAME, ExpertsContext, ReplicaDivergence, pair_forward
 
-__all__ = ["assign", "exchange", "pair_slots"]
+__all__ = ["assign", "ep_experts_forward", "exchange", "pair_slots", "register"]
 
 
 def _starts(total: torch.Tensor, replicas: torch.Tensor, width: int) -> torch.Tensor:
@@ -80,20 +81,23 @@ def pair_slots(ids: torch.Tensor, rank: int, counts: torch.Tensor, logical_to_ph
     return physical
 
 
-def _wait(work: Any, ctx: ExpertsContext, what: str) -> None:
+def _wait(work: Any, ctx: ExpertsContext, what: str, started: float) -> None:
+    """Wait for ``work`` within the deadline; its CPU since ``started`` (the post) goes to the stats."""
     try:
         done = work.wait(timeout=timedelta(seconds=ctx.timeout))
     except RuntimeError as exc:  # gloo raises on its deadline and when a peer's connection closes
         raise TimeoutError(f"{what} of MoE layer {ctx.layer} did not finish within {ctx.timeout}s: {exc}") from exc
     if done is False:
         raise TimeoutError(f"{what} of MoE layer {ctx.layer} did not finish within {ctx.timeout}s")
+    ctx.stats["collective_cpu_s"] = ctx.stats.get("collective_cpu_s", 0.0) + time.process_time() - started
 
 
 def _group_counts(ctx: ExpertsContext, mine: torch.Tensor) -> torch.Tensor:
     """``[R, L]`` every rank's pairs per expert (one all_gather), after checking the placements agree."""
     send = torch.cat([mine, torch.tensor([ctx.placement_print], dtype=torch.int64)])
     recv = [torch.empty_like(send) for _ in range(ctx.num_ranks)]
-    _wait(dist.all_gather(recv, send, group=ctx.group, async_op=True), ctx, "the pair-count all_gather")
+    started = time.process_time()
+    _wait(dist.all_gather(recv, send, group=ctx.group, async_op=True), ctx, "the pair-count all_gather", started)
     prints = [int(r[-1]) for r in recv]
     differ = [r for r, p in enumerate(prints) if p != ctx.placement_print]
     if differ:
@@ -107,9 +111,10 @@ def _all_to_all(ctx: ExpertsContext, rows: torch.Tensor, send: list[int], receiv
     width = math.prod(rows.shape[1:]) * rows.element_size()
     payload = rows.contiguous().view(torch.uint8).reshape(rows.shape[0], width)
     out = torch.empty(sum(receive), payload.shape[1], dtype=torch.uint8)
+    started = time.process_time()
     work = dist.all_to_all_single(out, payload, output_split_sizes=receive, input_split_sizes=send,
                                   group=ctx.group, async_op=True)
-    _wait(work, ctx, what)
+    _wait(work, ctx, what, started)
     return out.view(rows.dtype).reshape(sum(receive), *rows.shape[1:])
 
 
@@ -136,7 +141,9 @@ def exchange(ctx: ExpertsContext, module: torch.nn.Module, hidden: torch.Tensor,
     weights = dict(zip(ctx.names, ctx.weights))
     x = hidden.repeat_interleave(top_k, dim=0)
     if ctx.num_ranks == 1:
+        started = time.process_time()
         out = pair_forward(module, weights, x, physical) if ids.numel() else x
+        ctx.stats["expert_cpu_s"] = ctx.stats.get("expert_cpu_s", 0.0) + time.process_time() - started
     else:
         out = _remote(ctx, module, weights, x, physical, sent)
     ctx.stats["pairs"] += int(sent.sum(0).view(ctx.num_ranks, -1)[ctx.rank].sum())
@@ -156,7 +163,9 @@ def _remote(ctx: ExpertsContext, module: torch.nn.Module, weights: dict[str, tor
     if received.shape[0]:
         local = torch.repeat_interleave(torch.arange(ctx.slots_per_rank).repeat(ctx.num_ranks),
                                         per_rank[:, ctx.rank].reshape(-1))
+        started = time.process_time()
         result = pair_forward(module, weights, received, local).to(x.dtype)
+        ctx.stats["expert_cpu_s"] = ctx.stats.get("expert_cpu_s", 0.0) + time.process_time() - started
     else:
         result = received
     back = _all_to_all(ctx, result, flows[:, ctx.rank].tolist(), flows[ctx.rank].tolist(),
@@ -164,3 +173,28 @@ def _remote(ctx: ExpertsContext, module: torch.nn.Module, weights: dict[str, tor
     out = torch.empty_like(x)
     out[order] = back
     return out
+
+
+def ep_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                       top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The ``ALL_EXPERTS_FUNCTIONS`` entry: ``hidden_states [T, H]``, routing ``[T, k]`` -> ``[T, H]``.
+
+    Inside a packed step (:mod:`eplb.models.packed`) only the first ``ctx.rows`` rows are real
+    tokens; the padding rows are dropped before the dispatch and come back as zeros.
+    """
+    # cast: torch types nn.Module attributes as Tensor | Module; _eplb is the plain attribute HFMoE._bind sets
+    ctx = cast(ExpertsContext, self._eplb)
+    rows = hidden_states.shape[0] if ctx.rows is None else ctx.rows
+    if ctx.rows is None and ctx.num_ranks > 1:
+        raise RuntimeError("an expert-parallel model runs through HFMoE.forward_batch (its dispatch is a collective)")
+    out = torch.zeros_like(hidden_states)
+    out[:rows] = exchange(ctx, self, hidden_states[:rows], top_k_index[:rows], top_k_weights[:rows])
+    return out
+
+
+def register() -> None:
+    """Register :data:`KERNEL_NAME` with transformers (idempotent)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if KERNEL_NAME not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(KERNEL_NAME, ep_experts_forward)

@@ -32,12 +32,12 @@ from torch import nn
 
 from eplb.model import mismatched_slots, mismatched_staged
 from eplb.models.config import HFModelConfig, tiny_config
+from eplb.models.dispatch import register
 from eplb.models.kernel import (
     KERNEL_NAME,
     ExpertsContext,
     check_row_independent,
     placement_print,
-    register,
 )
 from eplb.models.packed import (
     SeqState,
@@ -526,6 +526,16 @@ class HFMoE:
                 ratios.append(float(c.rank_pairs.float().mean()) / top)
             c.rank_pairs.zero_()
         return sum(ratios) / len(ratios) if ratios else None
+
+    def take_cpu_split(self) -> dict[str, float]:
+        """CPU seconds this rank spent in the experts kernel and in the exchanges (posting and
+        waiting) since the last call, summed over the MoE layers (for benchmarks)."""
+        out = {"expert_cpu_s": 0.0, "collective_cpu_s": 0.0}
+        for c in self._contexts:
+            for key in out:
+                out[key] += c.stats.get(key, 0.0)
+                c.stats[key] = 0.0
+        return out
 
     def _recording(self, on: bool) -> None:
         for c in self._contexts:

@@ -1,6 +1,7 @@
 """The experts kernel that serves Hugging Face MoE blocks, unsharded or expert-parallel, with the same bits.
 
-Registered in transformers' ``ALL_EXPERTS_FUNCTIONS`` as :data:`KERNEL_NAME`; a model selects it
+Registered in transformers' ``ALL_EXPERTS_FUNCTIONS`` as :data:`KERNEL_NAME` (its entry, ``ep_experts_forward``,
+and ``register`` live in :mod:`eplb.models.dispatch`, which imports this module); a model selects it
 with ``model.set_experts_implementation(KERNEL_NAME)``. Each experts module it runs on carries an
 :class:`ExpertsContext` (attribute ``_eplb``) saying which MoE layer it is, which physical slots
 this rank holds, and the group to exchange pairs over.
@@ -28,12 +29,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 
-__all__ = ["KERNEL_NAME", "ExpertsContext", "ReplicaDivergence", "check_row_independent", "ep_experts_forward", "pair_forward",
-           "placement_print", "register"]
+__all__ = ["KERNEL_NAME", "ExpertsContext", "ReplicaDivergence", "check_row_independent", "pair_forward",
+           "placement_print"]
 
 KERNEL_NAME = "eplb_rowwise"
 
@@ -63,7 +64,8 @@ class ExpertsContext:
     logical_counts: torch.Tensor | None = None  # [L] int64: the group's pairs, accumulated while record is on
     physical_counts: torch.Tensor | None = None  # [P] int64: the group's pairs delivered per physical slot
     rank_pairs: torch.Tensor | None = None  # [R] int64: pairs each rank's experts computed
-    stats: dict[str, float] = field(default_factory=lambda: {"pairs": 0})
+    # pairs computed here; CPU seconds in the experts kernel and in the exchanges' posts and waits
+    stats: dict[str, float] = field(default_factory=lambda: {"pairs": 0, "expert_cpu_s": 0.0, "collective_cpu_s": 0.0})
 
 
 #: A GEMM's rows are bitwise the same for any row count from this one up (fewer rows differ): a
@@ -150,25 +152,6 @@ class ReplicaDivergence(RuntimeError):
     """The ranks of an EP group disagree on a layer's placement: its pairs cannot be exchanged."""
 
 
-def ep_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                       top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The ``ALL_EXPERTS_FUNCTIONS`` entry: ``hidden_states [T, H]``, routing ``[T, k]`` -> ``[T, H]``.
-
-    Inside a packed step (:mod:`eplb.models.packed`) only the first ``ctx.rows`` rows are real
-    tokens; the padding rows are dropped before the dispatch and come back as zeros.
-    """
-    from eplb.models.dispatch import exchange
-
-    # cast: torch types nn.Module attributes as Tensor | Module; _eplb is the plain attribute HFMoE._bind sets
-    ctx = cast(ExpertsContext, self._eplb)
-    rows = hidden_states.shape[0] if ctx.rows is None else ctx.rows
-    if ctx.rows is None and ctx.num_ranks > 1:
-        raise RuntimeError("an expert-parallel model runs through HFMoE.forward_batch (its dispatch is a collective)")
-    out = torch.zeros_like(hidden_states)
-    out[:rows] = exchange(ctx, self, hidden_states[:rows], top_k_index[:rows], top_k_weights[:rows])
-    return out
-
-
 def check_row_independent(module: torch.nn.Module, weights: dict[str, torch.Tensor], hidden: int,
                           dtype: torch.dtype, *, rows: int = 37, seed: int = 0) -> None:
     """Raise if a pair's output bits depend on how many other pairs share the call.
@@ -203,11 +186,3 @@ def placement_print(logical_to_physical: torch.Tensor, replica_count: torch.Tens
     """A fingerprint of one layer's placement row (ranks exchanging pairs must hold the same)."""
     words = torch.cat([logical_to_physical.reshape(-1), replica_count.reshape(-1)]).to(torch.int64)
     return int((words * (torch.arange(words.numel()) % 65521 + 1)).sum() % (1 << 62))
-
-
-def register() -> None:
-    """Register :data:`KERNEL_NAME` with transformers (idempotent)."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    if KERNEL_NAME not in ALL_EXPERTS_FUNCTIONS:
-        ALL_EXPERTS_FUNCTIONS.register(KERNEL_NAME, ep_experts_forward)
