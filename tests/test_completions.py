@@ -498,6 +498,28 @@ def test_each_request_goes_to_the_least_loaded_rank_by_tokens_in_flight_and_held
         p.RequestSpec(request_id="bad", prompt=(1,), max_tokens=1, owner=-1)
 
 
+def test_admission_asks_the_coordinator_for_the_group_size_without_holding_the_engines_lock():
+    """The coordinator answers group_size() under its own lock, and its threads read the engine's stats
+    while holding that lock (snapshot()): admission asking for the size inside the engine's lock
+    deadlocked the two (the hf_traffic scenario hung in the suite)."""
+    engine_ref: list[RequestEngine] = []
+
+    class CoordinatorLikeGate(RecordingGate):
+        def group_size(self) -> int:
+            seen: list[dict] = []
+            other = threading.Thread(target=lambda: seen.append(engine_ref[0].stats()))  # snapshot() meanwhile
+            other.start()
+            other.join(2.0)
+            assert seen, "stats() blocked: group_size() was asked inside the engine's lock"
+            return 2
+
+    gate = CoordinatorLikeGate()
+    engine_ref.append(engine_with(gate))
+    c = engine_ref[0].submit(spec("a"))
+    engine_ref[0]._admit_once()
+    assert c.status == "running" and gate.sent[-1][0] is p.Admit
+
+
 def test_a_step_that_fails_midway_is_rolled_back_and_the_requests_go_on_with_the_same_tokens(monkeypatch):
     """What a recovery's survivor does with its batch: a step cut short (here: after the first request
     of two took its token and state) is undone, and the next step gives the tokens it would have."""

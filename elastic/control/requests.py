@@ -267,8 +267,12 @@ class RequestEngine:
                 self._cancels = cancels + self._cancels  # sent once the group can take it
         if not replays and not fresh:
             return
+        # the group's size first, outside the engine's lock: the coordinator takes its own lock for
+        # it, and its threads call into the engine while holding that one (lock order: coordinator
+        # before engine; the other order deadlocked snapshot() against admission)
+        size = self.gate.group_size()
         with self._lock:
-            batch = self._owned(replays + fresh, self.gate.group_size())
+            batch = self._owned(replays + fresh, size)
         if not self.gate.send_serving(p.Admit, requests=batch):
             return
         with self._lock:
