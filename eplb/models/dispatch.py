@@ -89,7 +89,7 @@ def _wait(work: Any, ctx: ExpertsContext, what: str, started: float) -> None:
         raise TimeoutError(f"{what} of MoE layer {ctx.layer} did not finish within {ctx.timeout}s: {exc}") from exc
     if done is False:
         raise TimeoutError(f"{what} of MoE layer {ctx.layer} did not finish within {ctx.timeout}s")
-    ctx.stats["collective_cpu_s"] = ctx.stats.get("collective_cpu_s", 0.0) + time.process_time() - started
+    ctx.stats["collective_cpu_s"] += time.process_time() - started
 
 
 def _group_counts(ctx: ExpertsContext, mine: torch.Tensor) -> torch.Tensor:
@@ -118,13 +118,13 @@ def _all_to_all(ctx: ExpertsContext, rows: torch.Tensor, send: list[int], receiv
     return out.view(rows.dtype).reshape(sum(receive), *rows.shape[1:])
 
 
-def _record(ctx: ExpertsContext, counts: torch.Tensor, sent: torch.Tensor) -> None:
+def _record(ctx: ExpertsContext, counts: torch.Tensor, per_slot: torch.Tensor, per_rank: torch.Tensor) -> None:
     if not ctx.record:
         return
     assert ctx.logical_counts is not None and ctx.physical_counts is not None and ctx.rank_pairs is not None
     ctx.logical_counts += counts.sum(0)
-    ctx.physical_counts += sent.sum(0)
-    ctx.rank_pairs += sent.sum(0).view(ctx.num_ranks, -1).sum(1)
+    ctx.physical_counts += per_slot
+    ctx.rank_pairs += per_rank
 
 
 def exchange(ctx: ExpertsContext, module: torch.nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
@@ -136,17 +136,19 @@ def exchange(ctx: ExpertsContext, module: torch.nn.Module, hidden: torch.Tensor,
     counts = mine[None] if ctx.num_ranks == 1 else _group_counts(ctx, mine)
     num_physical = ctx.slots_per_rank * ctx.num_ranks
     sent = assign(counts, ctx.logical_to_physical, ctx.replica_count, num_physical)
-    _record(ctx, counts, sent)
+    per_slot = sent.sum(0)  # the group's pairs per physical slot
+    per_rank = per_slot.view(ctx.num_ranks, -1).sum(1)  # and per holding rank
+    _record(ctx, counts, per_slot, per_rank)
     physical = pair_slots(ids, ctx.rank, counts, ctx.logical_to_physical, ctx.replica_count)
     weights = dict(zip(ctx.names, ctx.weights))
     x = hidden.repeat_interleave(top_k, dim=0)
     if ctx.num_ranks == 1:
         started = time.process_time()
         out = pair_forward(module, weights, x, physical) if ids.numel() else x
-        ctx.stats["expert_cpu_s"] = ctx.stats.get("expert_cpu_s", 0.0) + time.process_time() - started
+        ctx.stats["expert_cpu_s"] += time.process_time() - started
     else:
         out = _remote(ctx, module, weights, x, physical, sent)
-    ctx.stats["pairs"] += int(sent.sum(0).view(ctx.num_ranks, -1)[ctx.rank].sum())
+    ctx.stats["pairs"] += int(per_rank[ctx.rank])
     # combine in k order, in float32, whatever the rank layout: the same bits everywhere
     weighted = out.to(hidden.dtype).float() * top_k_weights.reshape(-1, 1).float()
     return weighted.view(num_tokens, top_k, hidden.shape[1]).sum(dim=1).to(hidden.dtype)
@@ -165,7 +167,7 @@ def _remote(ctx: ExpertsContext, module: torch.nn.Module, weights: dict[str, tor
                                         per_rank[:, ctx.rank].reshape(-1))
         started = time.process_time()
         result = pair_forward(module, weights, received, local).to(x.dtype)
-        ctx.stats["expert_cpu_s"] = ctx.stats.get("expert_cpu_s", 0.0) + time.process_time() - started
+        ctx.stats["expert_cpu_s"] += time.process_time() - started
     else:
         result = received
     back = _all_to_all(ctx, result, flows[:, ctx.rank].tolist(), flows[ctx.rank].tolist(),
