@@ -408,6 +408,73 @@ def _holdings(se, n):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True)
+def _fill_holdings(se, cnt, hc):  # pragma: no cover - compiled
+    """:func:`_holdings` into ``cnt`` and ``hc``, which are zero (see :func:`_clear_holdings`)."""
+    g, s = se.shape
+    for x in range(g):
+        for t in range(s):
+            cnt[se[x, t]] += 1
+            hc[x, se[x, t]] += 1
+
+
+@numba.njit(cache=True)
+def _clear_holdings(se, cnt, hc):  # pragma: no cover - compiled
+    """Zero ``cnt`` and ``hc`` where :func:`_fill_holdings` of ``se`` (as it is now) wrote: cheaper
+    than a new ``[G, L]`` array per layer."""
+    g, s = se.shape
+    for x in range(g):
+        for t in range(s):
+            cnt[se[x, t]] = 0
+            hc[x, se[x, t]] = 0
+
+
+@numba.njit(cache=True)
+def copies_vs(carried, p2l, g, n):  # pragma: no cover - compiled
+    """``[B]`` (GPU, expert) pairs of ``p2l [B, P]`` that ``carried [B, P]`` (``-1``: an empty slot)
+    lacks, both ``g`` GPUs of ``P / g`` slots: the copies that make ``p2l`` from ``carried``."""
+    b, p = p2l.shape
+    s = p // g
+    out = np.zeros(b, np.int64)
+    mark = np.full(n, -1, np.int64)  # mark[e] = r * 2g + x: e is on GPU x of layer r (old), or + g: counted (new)
+    for r in range(b):
+        for x in range(g):
+            old = (r * 2 + 0) * g + x
+            new = (r * 2 + 1) * g + x
+            for t in range(x * s, (x + 1) * s):
+                e = carried[r, t]
+                if e >= 0:
+                    mark[e] = old
+            for t in range(x * s, (x + 1) * s):
+                e = p2l[r, t]
+                if mark[e] != old and mark[e] != new:
+                    mark[e] = new
+                    out[r] += 1
+    return out
+
+
+@numba.njit(cache=True)
+def logical_to_physical(p2l, counts, width):  # pragma: no cover - compiled
+    """``[B, L * width]`` slots of each expert in ascending order, ``-1`` padded, from
+    ``p2l [B, P]`` and its replica counts ``counts [B, L]`` (at most ``width`` each)."""
+    b, p = p2l.shape
+    n = counts.shape[1]
+    out = np.empty((b, n * width), np.int64)
+    nxt = np.empty(n, np.int64)
+    for r in range(b):
+        row = out[r]
+        for e in range(n):
+            base = e * width
+            for k in range(counts[r, e], width):
+                row[base + k] = -1
+            nxt[e] = base
+        for t in range(p):
+            e = p2l[r, t]
+            row[nxt[e]] = t
+            nxt[e] += 1
+    return out
+
+
+@numba.njit(cache=True)
 def take_counts(slot_expert, load, target):  # pragma: no cover - compiled
     """Replace moves (one copy each) that give every layer of ``slot_expert [R, G, S]`` (in place)
     the replica counts ``target [R, L]`` (same total): each step the short expert with the largest
@@ -418,72 +485,132 @@ def take_counts(slot_expert, load, target):  # pragma: no cover - compiled
     rows, g, s = slot_expert.shape
     n = load.shape[1]
     moves = np.zeros(rows, np.int64)
+    cnt = np.zeros(n, np.int64)
+    hc = np.zeros((g, n), np.int64)
+    pl = np.empty(n)
+    stuck = np.zeros(n, np.bool_)
+    gle = np.empty(g)
+    m1 = np.empty(n)
+    i1 = np.empty(n, np.int64)
+    m2 = np.empty(n)
+    ssf = np.empty(n)
+    last = np.empty(n, np.int64)
+    top = np.empty(g, np.int64)
     for r in range(rows):
         w = load[r]
-        cnt, hc = _holdings(slot_expert[r], n)
-        stuck = np.zeros(n, np.bool_)
-        gle = np.empty(g)
-        m1 = np.empty(n)
-        i1 = np.empty(n, np.int64)
-        m2 = np.empty(n)
-        ssf = np.empty(n)
+        se = slot_expert[r]
+        tr = target[r]
+        _fill_holdings(se, cnt, hc)
+        for x in range(n):
+            stuck[x] = False
+            if cnt[x] > 0:
+                pl[x] = w[x] / cnt[x]
         while True:
             e = -1
             best = -1.0
             for x in range(n):
-                if cnt[x] < target[r, x] and not stuck[x] and w[x] / cnt[x] > best:
-                    best = w[x] / cnt[x]
+                if cnt[x] < tr[x] and not stuck[x] and pl[x] > best:
+                    best = pl[x]
                     e = x
             if e < 0:
                 break
-            per_e = w[e] / cnt[e]
+            per_e = pl[e]
             new_e = w[e] / (cnt[e] + 1)
             for x in range(g):  # the GPU loads once e has one more replica (not yet placed)
                 acc = 0.0
                 for k in range(s):
-                    acc += w[slot_expert[r, x, k]] / cnt[slot_expert[r, x, k]]
+                    acc += pl[se[x, k]]
                 gle[x] = acc - (per_e - new_e) * hc[x, e]
-            _surplus_peaks(w, target[r], cnt, hc, gle, m1, i1, m2, ssf)
-            bx, bk = _best_take(w, target[r], cnt, hc, slot_expert[r], gle, m1, i1, m2, ssf, e, new_e)
+            _surplus_peaks(w, tr, cnt, hc, se, gle, m1, i1, m2, ssf, last, top)
+            bx, bk = _best_take(w, tr, cnt, pl, hc, se, gle, m1, i1, m2, ssf, e, new_e)
             if bx < 0:
                 stuck[e] = True
                 continue
-            f = slot_expert[r, bx, bk]
-            slot_expert[r, bx, bk] = e
+            f = se[bx, bk]
+            se[bx, bk] = e
             cnt[e] += 1
             cnt[f] -= 1
+            pl[e] = w[e] / cnt[e]
+            pl[f] = w[f] / cnt[f]
             hc[bx, e] += 1
             hc[bx, f] -= 1
             moves[r] += 1
+        _clear_holdings(se, cnt, hc)
     return moves
 
 
 @numba.njit(cache=True)
-def _surplus_peaks(w, target, cnt, hc, gle, m1, i1, m2, ssf):  # pragma: no cover - compiled
+def _surplus_peaks(w, target, cnt, hc, se, gle, m1, i1, m2, ssf, last, top):  # pragma: no cover - compiled
     """For :func:`take_counts`: per expert ``f`` with a surplus, its holders' loads once it loses a
-    replica: the highest two (``m1``, ``m2``; where the highest is, ``i1``), so a candidate slot's GPU
-    can be left out, and the change of the sum of squared GPU loads (``ssf``)."""
+    replica: the highest two GPU loads (``m1``, ``m2``; where the highest is, ``i1``, the lowest
+    such GPU on a tie), so a candidate slot's GPU can be left out, and the change of the sum of
+    squared GPU loads (``ssf``). Only ``f``'s holders change: they are met in one pass over the
+    slots (GPUs in ascending order, as a sum over all GPUs adds them), and the others' highest two
+    are the first two non-holders of the GPUs ordered by load (``top``, as many as needed)."""
     g, n = hc.shape
+    s = se.shape[1]
+    most = 0
     for f in range(n):
         if cnt[f] > target[f]:
-            rise = w[f] / (cnt[f] - 1) - w[f] / cnt[f]
             m1[f] = -np.inf
             m2[f] = -np.inf
             i1[f] = -1
             ssf[f] = 0.0
-            for x in range(g):
-                v = gle[x] + rise * hc[x, f]
-                ssf[f] += v * v - gle[x] * gle[x]
-                if v > m1[f]:
-                    m2[f] = m1[f]
-                    m1[f] = v
-                    i1[f] = x
-                elif v > m2[f]:
-                    m2[f] = v
+            last[f] = -1
+            if cnt[f] > most:
+                most = cnt[f]
+    # the holders, GPUs ascending
+    for x in range(g):
+        for k in range(s):
+            f = se[x, k]
+            if cnt[f] <= target[f] or last[f] == x:
+                continue
+            last[f] = x
+            rise = w[f] / (cnt[f] - 1) - w[f] / cnt[f]
+            v = gle[x] + rise * hc[x, f]
+            ssf[f] += v * v - gle[x] * gle[x]
+            if v > m1[f] or (v == m1[f] and x < i1[f]):
+                m2[f] = m1[f]
+                m1[f] = v
+                i1[f] = x
+            elif v > m2[f]:
+                m2[f] = v
+    # the heaviest GPUs by load (ties: the lower index first), enough to pass every holder
+    m = min(g, most + 2)
+    c = 0
+    for x in range(g):
+        v = gle[x]
+        if c == m and v <= gle[top[m - 1]]:
+            continue
+        j = c if c < m else m - 1
+        while j > 0 and gle[top[j - 1]] < v:
+            top[j] = top[j - 1]
+            j -= 1
+        top[j] = x
+        if c < m:
+            c += 1
+    for f in range(n):
+        if cnt[f] <= target[f]:
+            continue
+        taken = 0
+        for j in range(c):
+            x = top[j]
+            if hc[x, f] > 0:
+                continue
+            v = gle[x]
+            if v > m1[f] or (v == m1[f] and x < i1[f]):
+                m2[f] = m1[f]
+                m1[f] = v
+                i1[f] = x
+            elif v > m2[f]:
+                m2[f] = v
+            taken += 1
+            if taken == 2:
+                break
 
 
 @numba.njit(cache=True)
-def _best_take(w, target, cnt, hc, se, gle, m1, i1, m2, ssf, e, new_e):  # pragma: no cover - compiled
+def _best_take(w, target, cnt, pl, hc, se, gle, m1, i1, m2, ssf, e, new_e):  # pragma: no cover - compiled
     """For :func:`take_counts`: the slot ``(x, k)`` of a surplus expert, on a GPU without ``e``, whose
     move to ``e`` leaves the lowest peak (ties: the lowest sum of squares); ``(-1, -1)`` if none."""
     g, s = se.shape
@@ -498,7 +625,7 @@ def _best_take(w, target, cnt, hc, se, gle, m1, i1, m2, ssf, e, new_e):  # pragm
             f = se[x, k]
             if cnt[f] <= target[f]:
                 continue
-            per_f = w[f] / cnt[f]
+            per_f = pl[f]
             rise = w[f] / (cnt[f] - 1) - per_f
             here = gle[x] - per_f + new_e + rise * (hc[x, f] - 1)
             others = m2[f] if i1[f] == x else m1[f]
@@ -646,59 +773,87 @@ def repair_counts(load, counts, half, num_gpus, max_iters):  # pragma: no cover 
 
 
 @numba.njit(cache=True)
-def _layer_loads(w, cnt, se, gl):  # pragma: no cover - compiled
-    """GPU loads ``gl [G]`` of one layer ``se [G, S]`` with replica counts ``cnt``."""
+def _layer_loads(pl, se, gl):  # pragma: no cover - compiled
+    """GPU loads ``gl [G]`` of one layer ``se [G, S]`` with load per replica ``pl [L]`` (``w / cnt``)."""
     g, s = se.shape
     for x in range(g):
         acc = 0.0
         for k in range(s):
-            acc += w[se[x, k]] / cnt[se[x, k]]
+            acc += pl[se[x, k]]
         gl[x] = acc
 
 
 @numba.njit(cache=True)
-def _best_replace(w, cnt, hc, se, gl, h, light, pref, prefer_share, m1, i1, m2):  # pragma: no cover - compiled
+def _lightest(gl, k, light, h):  # pragma: no cover - compiled
+    """``light [k]``: the ``k`` lightest GPUs of ``gl`` in ascending load, ties by index (as a stable
+    argsort's first ``k``); ``h`` (the heaviest) where it lands is replaced by the lightest."""
+    g = gl.shape[0]
+    m = 0
+    for x in range(g):
+        v = gl[x]
+        if m == k and v >= gl[light[k - 1]]:
+            continue
+        j = m if m < k else k - 1
+        while j > 0 and gl[light[j - 1]] > v:
+            light[j] = light[j - 1]
+            j -= 1
+        light[j] = x
+        if m < k:
+            m += 1
+    for j in range(k):
+        if light[j] == h:
+            light[j] = light[0]
+
+
+@numba.njit(cache=True)
+def _best_replace(w, cnt, pl, hc, se, gl, h, light, pref, prefer_share, m1, i1, m2, base, f_peak):  # pragma: no cover - compiled
     """:func:`improve`'s best replace move of one step: ``(estimate, slot on h, candidate)``;
     ``-1`` for none (no candidate, or with ``pref`` none that lowers the peak). ``m1 / i1 / m2``:
-    scratch ``[L]`` for the two heaviest GPUs holding each expert."""
+    scratch ``[L]`` for the two heaviest GPUs holding each expert (filled only for the experts on
+    the ``light`` GPUs); ``base / f_peak``: scratch ``[len(light) * S]``."""
     g, s = se.shape
     peak = gl[h]
-    nq = light.shape[0] * s
+    nl = light.shape[0]
     # per candidate slot: what its GPU and the other holders of its expert f carry once f loses it
-    m1[:] = -np.inf
-    m2[:] = -np.inf
-    i1[:] = -1
+    for j in range(nl):
+        for t in range(s):
+            f = se[light[j], t]
+            m1[f] = -np.inf
+            m2[f] = -np.inf
+            i1[f] = -2  # wanted
     for x in range(g):
+        gx = gl[x]
         for t in range(s):
             f = se[x, t]
-            if i1[f] == x:
+            if i1[f] == -1 or i1[f] == x:
                 continue
-            if gl[x] > m1[f]:
-                m2[f], m1[f], i1[f] = m1[f], gl[x], x
-            elif gl[x] > m2[f]:
-                m2[f] = gl[x]
-    base = np.empty(nq)  # the candidate's GPU without the evicted replica
-    f_peak = np.empty(nq)
-    for j in range(light.shape[0]):
+            if gx > m1[f]:
+                m2[f], m1[f], i1[f] = m1[f], gx, x
+            elif gx > m2[f]:
+                m2[f] = gx
+    for j in range(nl):
         x = light[j]
         for t in range(s):
             q = j * s + t
             f = se[x, t]
             cf, wf = cnt[f], w[f]
-            lq = wf / cf
+            lq = pl[f]
             base[q] = gl[x] - lq
             f_peak[q] = np.inf
             if cf >= 2:
                 top = m2[f] if i1[f] == x else m1[f]
                 f_peak[q] = top + min(wf / (cf - 1) - lq, 1e300)
+    for j in range(nl):  # back to "not wanted"
+        for t in range(s):
+            i1[se[light[j], t]] = -1
     best_est, chosen, best_adj, bi, bq = np.inf, np.inf, np.inf, -1, -1
     use_pref = pref.shape[0] > 0
     for i in range(s):
         e = se[h, i]
         we, ce = w[e], cnt[e]
-        h_new = peak - we / ce + we / (ce + 1)
+        h_new = peak - pl[e] + we / (ce + 1)
         share = we / (ce + 1)
-        for j in range(light.shape[0]):
+        for j in range(nl):
             x = light[j]
             if hc[x, e] > 0:
                 continue
@@ -718,22 +873,25 @@ def _best_replace(w, cnt, hc, se, gl, h, light, pref, prefer_share, m1, i1, m2):
 
 
 @numba.njit(cache=True)
-def _best_swap(w, cnt, hc, se, gl, h, light):  # pragma: no cover - compiled
+def _best_swap(pl, hc, se, gl, h, light):  # pragma: no cover - compiled
     """:func:`improve`'s best swap of one step: ``(estimate, slot on h, candidate)``."""
     s = se.shape[1]
     peak = gl[h]
     best, bi, bq = np.inf, -1, -1
     for i in range(s):
         e = se[h, i]
-        le = w[e] / cnt[e]
+        le = pl[e]
         for j in range(light.shape[0]):
             x = light[j]
+            if hc[x, e] > 0:
+                continue
+            glx = gl[x]
             for t in range(s):
                 f = se[x, t]
-                if hc[x, e] > 0 or hc[h, f] > 0:
+                if hc[h, f] > 0:
                     continue
-                d = le - w[f] / cnt[f]
-                est = max(peak - d, gl[x] + d)
+                d = le - pl[f]
+                est = max(peak - d, glx + d)
                 if est < best:
                     best, bi, bq = est, i, j * s + t
     return best, bi, bq
@@ -759,52 +917,60 @@ def improve(slot_expert, load, target_peak, budget, max_steps, width, prefer, pr
     gl_new = np.empty(g)
     m1 = np.empty(n)
     m2 = np.empty(n)
-    i1 = np.empty(n, np.int64)
+    i1 = np.full(n, -1, np.int64)
+    base = np.empty(k * s)
+    f_peak = np.empty(k * s)
+    light = np.empty(k, np.int64)
+    cnt = np.zeros(n, np.int64)
+    hc = np.zeros((g, n), np.int64)
+    pl = np.empty(n)
     for r in range(rows):
         w = load[r]
         se = slot_expert[r]
         pref = prefer[r]
-        cnt, hc = _holdings(se, n)
         left = budget[r]
         if not np.isfinite(target_peak[r]) or left < 1:
             continue
+        _fill_holdings(se, cnt, hc)
+        for e in range(n):
+            if cnt[e] > 0:
+                pl[e] = w[e] / cnt[e]
+        _layer_loads(pl, se, gl)
         for _ in range(max_steps):
-            _layer_loads(w, cnt, se, gl)
             h = np.argmax(gl)
             peak = gl[h]
             if peak <= target_peak[r] * (1 + 1e-12):
                 break
-            light = np.argsort(gl, kind="mergesort")[:k].copy()
-            for j in range(k):
-                if light[j] == h:
-                    light[j] = light[0]
-            est_r, ri, rq = _best_replace(w, cnt, hc, se, gl, h, light, pref, prefer_share, m1, i1, m2)
+            _lightest(gl, k, light, h)
+            est_r, ri, rq = _best_replace(w, cnt, pl, hc, se, gl, h, light, pref, prefer_share, m1, i1, m2, base, f_peak)
             gain_r = peak - est_r if ri >= 0 else -np.inf
             gain_s = -np.inf
             si, sq = -1, -1
             if left >= 2:
-                est_s, si, sq = _best_swap(w, cnt, hc, se, gl, h, light)
+                est_s, si, sq = _best_swap(pl, hc, se, gl, h, light)
                 gain_s = peak - est_s if si >= 0 else -np.inf
             swap = gain_s / 2 > gain_r
             if (gain_s if swap else gain_r) <= 1e-12 * max(peak, 1.0):
                 break
             i, q = (si, sq) if swap else (ri, rq)
             x, t = light[q // s], q % s
-            if not _apply_move(w, cnt, hc, se, gl, gl_new, h, i, x, t, swap, peak):
+            if not _apply_move(w, cnt, pl, hc, se, gl, gl_new, h, i, x, t, swap, peak):
                 break  # undone, and this layer stops
+            gl[:] = gl_new  # the GPU loads after the move, as _layer_loads computes them
             cost = 2 if swap else 1
             left -= cost
             made[r] += cost
             if left < 1:
                 break
+        _clear_holdings(se, cnt, hc)
     return made
 
 
 @numba.njit(cache=True)
-def _apply_move(w, cnt, hc, se, gl, gl_new, h, i, x, t, swap, peak):  # pragma: no cover - compiled
+def _apply_move(w, cnt, pl, hc, se, gl, gl_new, h, i, x, t, swap, peak):  # pragma: no cover - compiled
     """For :func:`improve`: slot ``t`` of GPU ``x`` takes the expert in slot ``i`` of ``h`` (and gives
     its own back, a ``swap``); kept (True) only if every GPU it changed ends below the old ``peak``,
-    recomputed exactly, else undone (False)."""
+    recomputed exactly, else undone (False). ``pl``: load per replica, ``w / cnt``, kept up to date."""
     g = gl.shape[0]
     e, f = se[h, i], se[x, t]
     se[x, t] = e
@@ -813,7 +979,9 @@ def _apply_move(w, cnt, hc, se, gl, gl_new, h, i, x, t, swap, peak):  # pragma: 
     else:
         cnt[e] += 1
         cnt[f] -= 1
-    _layer_loads(w, cnt, se, gl_new)
+        pl[e] = w[e] / cnt[e]
+        pl[f] = w[f] / cnt[f]
+    _layer_loads(pl, se, gl_new)
     ok = abs(gl_new[h] - gl[h]) > 1e-9 * max(peak, 1.0)
     for y in range(g):
         if abs(gl_new[y] - gl[y]) > 1e-9 * max(peak, 1.0) and gl_new[y] >= peak * (1 - 1e-12):
@@ -825,6 +993,8 @@ def _apply_move(w, cnt, hc, se, gl, gl_new, h, i, x, t, swap, peak):  # pragma: 
         else:
             cnt[e] -= 1
             cnt[f] += 1
+            pl[e] = w[e] / cnt[e]
+            pl[f] = w[f] / cnt[f]
         return False
     hc[x, e] += 1
     hc[x, f] -= 1

@@ -313,9 +313,9 @@ def _outputs(p2l: np.ndarray, num_logical: int, width: int) -> tuple[torch.Tenso
 
     The same checks and maps as :func:`eplb.placement.validate_physical_to_logical` and
     :func:`eplb.placement.build_logical_to_physical` (a policy bug must never leave here), in
-    numpy, which is faster on these sizes: a stable sort of 16-bit expert ids (radix) gives the
-    slots of each expert in ascending order. Where a check fails, the placement functions raise
-    their own error."""
+    numpy and one compiled pass (:func:`eplb._compiled.logical_to_physical`: each expert's slots in
+    ascending order), which is faster on these sizes. Where a check fails, the placement functions
+    raise their own error."""
     b, p = p2l.shape
     if p2l.size and (p2l.min() < 0 or p2l.max() >= num_logical):
         validate_physical_to_logical(torch.from_numpy(p2l), num_logical)  # raises, naming the slot
@@ -325,13 +325,7 @@ def _outputs(p2l: np.ndarray, num_logical: int, width: int) -> tuple[torch.Tenso
         t = torch.from_numpy(p2l)
         validate_physical_to_logical(t, num_logical)
         build_logical_to_physical(t, num_logical, width)  # raises: an expert with too many replicas
-    key = p2l.astype(np.int16) if num_logical <= np.iinfo(np.int16).max else p2l
-    order = np.argsort(key, axis=1, kind="stable")  # slots by expert, ascending slot within one
-    sorted_expert = np.take_along_axis(p2l, order, axis=1)
-    run_start = np.cumsum(counts, axis=1) - counts
-    replica = np.arange(p) - np.take_along_axis(run_start, sorted_expert, axis=1)
-    l2p = np.full((b, num_logical * width), -1, dtype=np.int64)
-    np.put_along_axis(l2p, sorted_expert * width + replica, order, axis=1)
+    l2p = _compiled.logical_to_physical(p2l, counts.astype(np.int64, copy=False), int(width))
     return torch.from_numpy(p2l), torch.from_numpy(l2p.reshape(b, num_logical, width)), torch.from_numpy(counts)
 
 
@@ -1319,9 +1313,8 @@ def _match_gpus(fresh: np.ndarray, carried: np.ndarray, num_gpus: int, n: int) -
 
 def _copies_vs(carried: np.ndarray, p2l: np.ndarray, num_gpus: int, n: int) -> np.ndarray:
     """``[B]`` (GPU, expert) pairs of ``p2l`` that ``carried`` (``-1``: empty slot) lacks."""
-    old = _holds_mask(carried, num_gpus, n)
-    new = _holds(p2l, num_gpus, n)
-    return (new & ~old).sum(axis=(1, 2))
+    return _compiled.copies_vs(np.ascontiguousarray(carried, dtype=np.int64), np.ascontiguousarray(p2l, dtype=np.int64),
+                               int(num_gpus), int(n))
 
 
 def _holds_mask(p2l: np.ndarray, num_gpus: int, n: int) -> np.ndarray:
