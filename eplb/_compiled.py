@@ -806,31 +806,15 @@ def _lightest(gl, k, light, h):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True)
-def _best_replace(w, cnt, pl, hc, se, gl, h, light, pref, prefer_share, m1, i1, m2, base, f_peak):  # pragma: no cover - compiled
+def _best_replace(w, cnt, pl, hc, hold, se, gl, h, light, pref, prefer_share, base, f_peak):  # pragma: no cover - compiled
     """:func:`improve`'s best replace move of one step: ``(estimate, slot on h, candidate)``;
-    ``-1`` for none (no candidate, or with ``pref`` none that lowers the peak). ``m1 / i1 / m2``:
-    scratch ``[L]`` for the two heaviest GPUs holding each expert (filled only for the experts on
-    the ``light`` GPUs); ``base / f_peak``: scratch ``[len(light) * S]``."""
+    ``-1`` for none (no candidate, or with ``pref`` none that lowers the peak). ``hold [L, *]``:
+    the GPU of each replica of each expert (the first ``cnt`` entries); ``base / f_peak``: scratch
+    ``[len(light) * S]``."""
     g, s = se.shape
     peak = gl[h]
     nl = light.shape[0]
     # per candidate slot: what its GPU and the other holders of its expert f carry once f loses it
-    for j in range(nl):
-        for t in range(s):
-            f = se[light[j], t]
-            m1[f] = -np.inf
-            m2[f] = -np.inf
-            i1[f] = -2  # wanted
-    for x in range(g):
-        gx = gl[x]
-        for t in range(s):
-            f = se[x, t]
-            if i1[f] == -1 or i1[f] == x:
-                continue
-            if gx > m1[f]:
-                m2[f], m1[f], i1[f] = m1[f], gx, x
-            elif gx > m2[f]:
-                m2[f] = gx
     for j in range(nl):
         x = light[j]
         for t in range(s):
@@ -841,34 +825,59 @@ def _best_replace(w, cnt, pl, hc, se, gl, h, light, pref, prefer_share, m1, i1, 
             base[q] = gl[x] - lq
             f_peak[q] = np.inf
             if cf >= 2:
-                top = m2[f] if i1[f] == x else m1[f]
+                # the heaviest holder of f other than x (GPUs counted once; the lowest index
+                # first on a tie, as a scan of the GPUs in order finds it)
+                m1, i1, m2 = -np.inf, -1, -np.inf
+                for k in range(cf):
+                    y = hold[f, k]
+                    if y == i1:
+                        continue
+                    v = gl[y]
+                    if v > m1 or (v == m1 and y < i1):
+                        m2, m1, i1 = m1, v, y
+                    elif v > m2:
+                        m2 = v
+                top = m2 if i1 == x else m1
                 f_peak[q] = top + min(wf / (cf - 1) - lq, 1e300)
-    for j in range(nl):  # back to "not wanted"
-        for t in range(s):
-            i1[se[light[j], t]] = -1
     best_est, chosen, best_adj, bi, bq = np.inf, np.inf, np.inf, -1, -1
     use_pref = pref.shape[0] > 0
+    thr = peak * (1 - 1e-12)
+    c = prefer_share * peak
+    # candidates that cannot beat the best so far are skipped (est >= h_new and est >= f_peak[q],
+    # exactly, and adj is monotone in est), so the choice is the one of the full scan
     for i in range(s):
         e = se[h, i]
         we, ce = w[e], cnt[e]
         h_new = peak - pl[e] + we / (ce + 1)
         share = we / (ce + 1)
+        pen_e = 1.0 if use_pref and ce >= pref[e] else 0.0
+        if use_pref:
+            if h_new >= thr or h_new + c * pen_e >= best_adj:
+                continue
+        elif h_new >= best_est:
+            continue
         for j in range(nl):
             x = light[j]
             if hc[x, e] > 0:
                 continue
             for t in range(s):
                 q = j * s + t
-                est = max(max(h_new, base[q] + share), f_peak[q])
                 if not use_pref:
+                    if f_peak[q] >= best_est:
+                        continue
+                    est = max(max(h_new, base[q] + share), f_peak[q])
                     if est < best_est:
                         best_est, bi, bq = est, i, q
-                elif est < peak * (1 - 1e-12):
-                    f = se[x, t]
-                    pen = (1.0 if ce >= pref[e] else 0.0) + (1.0 if cnt[f] <= pref[f] else 0.0)
-                    adj = est + prefer_share * peak * pen
-                    if adj < best_adj:
-                        best_adj, chosen, bi, bq = adj, est, i, q
+                else:
+                    if f_peak[q] >= thr:
+                        continue
+                    est = max(max(h_new, base[q] + share), f_peak[q])
+                    if est < thr:
+                        f = se[x, t]
+                        pen = pen_e + (1.0 if cnt[f] <= pref[f] else 0.0)
+                        adj = est + c * pen
+                        if adj < best_adj:
+                            best_adj, chosen, bi, bq = adj, est, i, q
     return (chosen if use_pref else best_est), bi, bq
 
 
@@ -878,14 +887,20 @@ def _best_swap(pl, hc, se, gl, h, light):  # pragma: no cover - compiled
     s = se.shape[1]
     peak = gl[h]
     best, bi, bq = np.inf, -1, -1
+    # skipped: a slot i with peak - le >= best (d <= le), a GPU x with (peak + gl[x]) / 2 >= best
+    # (less a margin for rounding): neither can beat the best so far, so the choice is unchanged
     for i in range(s):
         e = se[h, i]
         le = pl[e]
+        if peak - le >= best:
+            continue
         for j in range(light.shape[0]):
             x = light[j]
             if hc[x, e] > 0:
                 continue
             glx = gl[x]
+            if 0.5 * (peak + glx) * (1.0 - 1e-12) >= best:
+                continue
             for t in range(s):
                 f = se[x, t]
                 if hc[h, f] > 0:
@@ -915,15 +930,13 @@ def improve(slot_expert, load, target_peak, budget, max_steps, width, prefer, pr
     made = np.zeros(rows, np.int64)
     gl = np.empty(g)
     gl_new = np.empty(g)
-    m1 = np.empty(n)
-    m2 = np.empty(n)
-    i1 = np.full(n, -1, np.int64)
     base = np.empty(k * s)
     f_peak = np.empty(k * s)
     light = np.empty(k, np.int64)
     cnt = np.zeros(n, np.int64)
     hc = np.zeros((g, n), np.int64)
     pl = np.empty(n)
+    hold = np.empty((n, max(1, g * s - n + 1)), np.int64)  # an expert has at most P - L + 1 replicas
     for r in range(rows):
         w = load[r]
         se = slot_expert[r]
@@ -935,6 +948,12 @@ def improve(slot_expert, load, target_peak, budget, max_steps, width, prefer, pr
         for e in range(n):
             if cnt[e] > 0:
                 pl[e] = w[e] / cnt[e]
+            cnt[e] = 0
+        for y in range(g):  # the holder lists, cnt counted again
+            for t in range(s):
+                e = se[y, t]
+                hold[e, cnt[e]] = y
+                cnt[e] += 1
         _layer_loads(pl, se, gl)
         for _ in range(max_steps):
             h = np.argmax(gl)
@@ -942,7 +961,7 @@ def improve(slot_expert, load, target_peak, budget, max_steps, width, prefer, pr
             if peak <= target_peak[r] * (1 + 1e-12):
                 break
             _lightest(gl, k, light, h)
-            est_r, ri, rq = _best_replace(w, cnt, pl, hc, se, gl, h, light, pref, prefer_share, m1, i1, m2, base, f_peak)
+            est_r, ri, rq = _best_replace(w, cnt, pl, hc, hold, se, gl, h, light, pref, prefer_share, base, f_peak)
             gain_r = peak - est_r if ri >= 0 else -np.inf
             gain_s = -np.inf
             si, sq = -1, -1
@@ -954,7 +973,7 @@ def improve(slot_expert, load, target_peak, budget, max_steps, width, prefer, pr
                 break
             i, q = (si, sq) if swap else (ri, rq)
             x, t = light[q // s], q % s
-            if not _apply_move(w, cnt, pl, hc, se, gl, gl_new, h, i, x, t, swap, peak):
+            if not _apply_move(w, cnt, pl, hc, hold, se, gl, gl_new, h, i, x, t, swap, peak):
                 break  # undone, and this layer stops
             gl[:] = gl_new  # the GPU loads after the move, as _layer_loads computes them
             cost = 2 if swap else 1
@@ -967,21 +986,71 @@ def improve(slot_expert, load, target_peak, budget, max_steps, width, prefer, pr
 
 
 @numba.njit(cache=True)
-def _apply_move(w, cnt, pl, hc, se, gl, gl_new, h, i, x, t, swap, peak):  # pragma: no cover - compiled
+def _hold_swap(hold, cnt, e, a, b):  # pragma: no cover - compiled
+    """One replica of ``e`` in ``hold`` moves from GPU ``a`` to GPU ``b``."""
+    for k in range(cnt[e]):
+        if hold[e, k] == a:
+            hold[e, k] = b
+            return
+
+
+@numba.njit(cache=True)
+def _hold_drop(hold, cnt, e, a):  # pragma: no cover - compiled
+    """One replica of ``e`` on GPU ``a`` leaves ``hold`` (the last entry takes its place; ``cnt``
+    is decreased by the caller)."""
+    last = cnt[e] - 1
+    for k in range(cnt[e]):
+        if hold[e, k] == a:
+            hold[e, k] = hold[e, last]
+            return
+
+
+@numba.njit(cache=True)
+def _gpu_load(pl, se, y):  # pragma: no cover - compiled
+    """GPU ``y``'s load, summed as :func:`_layer_loads` sums it."""
+    acc = 0.0
+    for k in range(se.shape[1]):
+        acc += pl[se[y, k]]
+    return acc
+
+
+@numba.njit(cache=True)
+def _moved_loads(pl, se, hold, cnt, gl, gl_new, h, x, e, f, swap):  # pragma: no cover - compiled
+    """``gl_new``: ``gl`` with the GPUs a move changed summed again (``h``, ``x`` and, for a
+    replace, every holder of ``e`` and ``f``); the others' loads are unchanged, bit for bit."""
+    gl_new[:] = gl
+    gl_new[h] = _gpu_load(pl, se, h)
+    gl_new[x] = _gpu_load(pl, se, x)
+    if not swap:
+        for k in range(cnt[e]):
+            y = hold[e, k]
+            gl_new[y] = _gpu_load(pl, se, y)
+        for k in range(cnt[f]):
+            y = hold[f, k]
+            gl_new[y] = _gpu_load(pl, se, y)
+
+
+@numba.njit(cache=True)
+def _apply_move(w, cnt, pl, hc, hold, se, gl, gl_new, h, i, x, t, swap, peak):  # pragma: no cover - compiled
     """For :func:`improve`: slot ``t`` of GPU ``x`` takes the expert in slot ``i`` of ``h`` (and gives
     its own back, a ``swap``); kept (True) only if every GPU it changed ends below the old ``peak``,
-    recomputed exactly, else undone (False). ``pl``: load per replica, ``w / cnt``, kept up to date."""
+    recomputed exactly, else undone (False). ``pl`` (load per replica, ``w / cnt``) and ``hold``
+    (each expert's holders) are kept up to date."""
     g = gl.shape[0]
     e, f = se[h, i], se[x, t]
     se[x, t] = e
     if swap:
         se[h, i] = f
+        _hold_swap(hold, cnt, e, h, x)
+        _hold_swap(hold, cnt, f, x, h)
     else:
+        hold[e, cnt[e]] = x
+        _hold_drop(hold, cnt, f, x)
         cnt[e] += 1
         cnt[f] -= 1
         pl[e] = w[e] / cnt[e]
         pl[f] = w[f] / cnt[f]
-    _layer_loads(pl, se, gl_new)
+    _moved_loads(pl, se, hold, cnt, gl, gl_new, h, x, e, f, swap)
     ok = abs(gl_new[h] - gl[h]) > 1e-9 * max(peak, 1.0)
     for y in range(g):
         if abs(gl_new[y] - gl[y]) > 1e-9 * max(peak, 1.0) and gl_new[y] >= peak * (1 - 1e-12):
@@ -990,7 +1059,11 @@ def _apply_move(w, cnt, pl, hc, se, gl, gl_new, h, i, x, t, swap, peak):  # prag
         se[x, t] = f
         if swap:
             se[h, i] = e
+            _hold_swap(hold, cnt, e, x, h)
+            _hold_swap(hold, cnt, f, h, x)
         else:
+            _hold_drop(hold, cnt, e, x)
+            hold[f, cnt[f]] = x
             cnt[e] -= 1
             cnt[f] += 1
             pl[e] = w[e] / cnt[e]
