@@ -475,6 +475,59 @@ def logical_to_physical(p2l, counts, width):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True)
+def keep_idle(p2l, carried, idle, g):  # pragma: no cover - compiled
+    """Re-seat the idle experts (``idle [R, L]``, no load) of ``p2l [R, P]`` (in place) among the
+    slots they fill, each where ``carried [R, P]`` (``-1``: an empty slot) holds it when that GPU
+    has such a slot, the rest in the slots left (on a GPU without that expert where one is free).
+    The replica counts and every GPU's load stay as they are: only which zero-load expert sits
+    in which zero-load slot changes, so fewer of them are copies."""
+    rows, p = p2l.shape
+    n = idle.shape[1]
+    s = p // g
+    pool = np.zeros(n, np.int64)  # replicas of each idle expert to re-seat
+    seated = np.full(n, -1, np.int64)  # the last GPU an idle expert was seated on
+    for r in range(rows):
+        for t in range(p):
+            e = p2l[r, t]
+            if idle[r, e]:
+                pool[e] += 1
+                p2l[r, t] = -1  # open
+                seated[e] = -1
+        for x in range(g):  # 1. where the carried placement holds them
+            for u in range(x * s, (x + 1) * s):
+                e = carried[r, u]
+                if e < 0 or not idle[r, e] or pool[e] == 0 or seated[e] == x:
+                    continue
+                for t in range(x * s, (x + 1) * s):
+                    if p2l[r, t] < 0:
+                        p2l[r, t] = e
+                        pool[e] -= 1
+                        seated[e] = x
+                        break
+        for e in range(n):  # 2. the rest: open slots in order, on a GPU without e if one is open
+            while pool[e] > 0:
+                pick = -1
+                for t in range(p):
+                    if p2l[r, t] < 0:
+                        x = t // s
+                        dup = False
+                        for u in range(x * s, (x + 1) * s):
+                            if p2l[r, u] == e:
+                                dup = True
+                                break
+                        if not dup:
+                            pick = t
+                            break
+                        if pick < 0:
+                            pick = -2 - t  # a slot on a GPU that holds e: only if nothing else
+                if pick <= -2:
+                    pick = -2 - pick
+                p2l[r, pick] = e
+                pool[e] -= 1
+    return p2l
+
+
+@numba.njit(cache=True)
 def take_counts(slot_expert, load, target):  # pragma: no cover - compiled
     """Replace moves (one copy each) that give every layer of ``slot_expert [R, G, S]`` (in place)
     the replica counts ``target [R, L]`` (same total): each step the short expert with the largest

@@ -138,6 +138,43 @@ def test_the_compiled_moves_never_raise_the_peak_stay_in_budget_and_keep_every_e
     assert (peak_after <= peak_before * (1 + 1e-12)).all()
 
 
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), gpus=st.integers(1, 8), per_gpu=st.integers(1, 5))
+def test_the_compiled_copy_count_is_the_new_gpu_expert_pairs(seed, gpus, per_gpu):
+    rng = np.random.default_rng(seed)
+    slots = gpus * per_gpu
+    n = int(rng.integers(1, slots + 1))
+    carried = rng.integers(-1, n, (3, slots))  # -1: an empty slot (after a scale)
+    p2l = rng.integers(0, n, (3, slots))
+    old = np.zeros((3, gpus, n), bool)
+    new = np.zeros((3, gpus, n), bool)
+    for r in range(3):
+        for t in range(slots):
+            new[r, t // per_gpu, p2l[r, t]] = True
+            if carried[r, t] >= 0:
+                old[r, t // per_gpu, carried[r, t]] = True
+    assert np.array_equal(_compiled.copies_vs(carried, p2l, gpus, n), (new & ~old).sum(axis=(1, 2)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), gpus=st.integers(1, 8), per_gpu=st.integers(1, 5))
+def test_keep_idle_reseats_idle_experts_without_changing_balance_or_counts_and_never_adds_copies(seed, gpus, per_gpu):
+    from eplb.algorithm import _copies_vs, _keep_idle
+
+    rng = np.random.default_rng(seed)
+    slots = gpus * per_gpu
+    n = int(rng.integers(1, slots + 1))
+    load = rng.pareto(1.3, (3, n)) * (rng.random((3, n)) < 0.5)  # about half the experts idle
+    p2l = np.stack([np.concatenate([rng.permutation(n), rng.integers(0, n, slots - n)]) for _ in range(3)])
+    carried = np.stack([np.concatenate([rng.permutation(n), rng.integers(-1, n, slots - n)]) for _ in range(3)])
+    out = _keep_idle(p2l.copy(), carried, load, gpus)
+    assert np.array_equal(_counts_of(out, n), _counts_of(p2l, n))
+    assert np.array_equal(np.where(load[np.arange(3)[:, None], out] > 0, out, -1), np.where(load[np.arange(3)[:, None], p2l] > 0, p2l, -1))
+    assert np.allclose(_balancedness(out, load, gpus), _balancedness(p2l, load, gpus))
+    assert (_copies_vs(carried, out, gpus, n) <= _copies_vs(carried, p2l, gpus, n)).all()
+
+
 # --- the deployment knob: eplb.load_smoothing -------------------------------------------------
 
 
