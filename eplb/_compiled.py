@@ -217,16 +217,19 @@ def _swap_one(slot_load, slot_expert, max_steps, stop_below):  # pragma: no cove
     Returns the peak."""
     g, s = slot_load.shape
     gl = np.zeros(g)
+    lo = np.empty(g)  # each GPU's lightest and heaviest slot
+    hi = np.empty(g)
     for x in range(g):
         for j in range(s):
             gl[x] += slot_load[x, j]
+        _slot_range(slot_load, x, lo, hi)
     order = np.argsort(gl, kind="mergesort")  # ascending load, kept sorted below
     for _ in range(max_steps):
         h = order[g - 1]
         peak = gl[h]
         if peak <= stop_below:
             break
-        bx, bi, bj = _heaviest_swap(slot_load, slot_expert, gl, order, h, peak)
+        bx, bi, bj = _heaviest_swap(slot_load, slot_expert, gl, order, h, peak, lo, hi)
         if bx < 0:
             break
         li, lj = slot_load[h, bi], slot_load[bx, bj]
@@ -235,6 +238,8 @@ def _swap_one(slot_load, slot_expert, max_steps, stop_below):  # pragma: no cove
         slot_expert[h, bi], slot_expert[bx, bj] = ej, ei
         gl[h] += lj - li
         gl[bx] += li - lj
+        _slot_range(slot_load, h, lo, hi)
+        _slot_range(slot_load, bx, lo, hi)
         # re-sort: h got lighter (moves left), bx heavier (moves right)
         _resort_one(order, gl, h)
         _resort_one(order, gl, bx)
@@ -242,9 +247,27 @@ def _swap_one(slot_load, slot_expert, max_steps, stop_below):  # pragma: no cove
 
 
 @numba.njit(cache=True)
-def _heaviest_swap(slot_load, slot_expert, gl, order, h, peak):  # pragma: no cover - compiled
+def _slot_range(slot_load, x, lo, hi):  # pragma: no cover - compiled
+    """``lo[x]`` / ``hi[x]``: the lightest and heaviest slot of GPU ``x``."""
+    a = slot_load[x, 0]
+    b = a
+    for j in range(1, slot_load.shape[1]):
+        v = slot_load[x, j]
+        if v < a:
+            a = v
+        if v > b:
+            b = v
+    lo[x] = a
+    hi[x] = b
+
+
+@numba.njit(cache=True)
+def _heaviest_swap(slot_load, slot_expert, gl, order, h, peak, lo, hi):  # pragma: no cover - compiled
     """The heaviest GPU ``h``'s best swap (:func:`_swap_one`): ``(x, i, j)``, slot ``i`` of ``h`` for slot
-    ``j`` of ``x``, the lowest resulting peak of the pair below ``peak``; ``(-1, -1, -1)`` if none."""
+    ``j`` of ``x``, the lowest resulting peak of the pair below ``peak``; ``(-1, -1, -1)`` if none.
+    ``lo`` / ``hi``: each GPU's lightest and heaviest slot, to skip a slot ``i`` no slot of ``x`` can
+    pair with (every ``d`` at most 0, at least the gap, or too small to lower the peak below the
+    best so far: the same tests as the scan's, on the extreme ``d``, so the choice is unchanged)."""
     g, s = slot_load.shape
     best = peak * (1.0 - 1e-12)
     bx, bi, bj = -1, -1, -1
@@ -257,7 +280,7 @@ def _heaviest_swap(slot_load, slot_expert, gl, order, h, peak):  # pragma: no co
         gap = peak - gl[x]
         for i in range(s):
             li = slot_load[h, i]
-            if li <= 0.0:
+            if li <= 0.0 or li <= lo[x] or li - hi[x] >= gap or peak - (li - lo[x]) >= best:
                 continue
             ei = slot_expert[h, i]
             for j in range(s):
