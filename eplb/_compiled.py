@@ -502,20 +502,26 @@ def keep_idle(p2l, carried, idle, g):  # pragma: no cover - compiled
     """Re-seat the idle experts (``idle [R, L]``, no load) of ``p2l [R, P]`` (in place) among the
     slots they fill, each where ``carried [R, P]`` (``-1``: an empty slot) holds it when that GPU
     has such a slot, the rest in the slots left (on a GPU without that expert where one is free).
-    The replica counts and every GPU's load stay as they are: only which zero-load expert sits
-    in which zero-load slot changes, so fewer of them are copies."""
+    An idle expert already on a GPU where ``carried`` holds it stays. The replica counts and every
+    GPU's load stay as they are: only which zero-load expert sits in which zero-load slot changes,
+    so no more of them are copies (with at most one replica of an idle expert per GPU)."""
     rows, p = p2l.shape
     n = idle.shape[1]
     s = p // g
     pool = np.zeros(n, np.int64)  # replicas of each idle expert to re-seat
     seated = np.full(n, -1, np.int64)  # the last GPU an idle expert was seated on
+    held = np.full(n, -1, np.int64)  # held[e] == x: the carried placement has e on GPU x (for the GPU being read)
     for r in range(rows):
-        for t in range(p):
-            e = p2l[r, t]
-            if idle[r, e]:
-                pool[e] += 1
-                p2l[r, t] = -1  # open
-                seated[e] = -1
+        for x in range(g):  # 0. an idle expert already where the carried placement holds it stays
+            for u in range(x * s, (x + 1) * s):
+                if carried[r, u] >= 0:
+                    held[carried[r, u]] = r * g + x
+            for t in range(x * s, (x + 1) * s):
+                e = p2l[r, t]
+                if idle[r, e] and held[e] != r * g + x:
+                    pool[e] += 1
+                    p2l[r, t] = -1  # open
+                    seated[e] = -1
         for x in range(g):  # 1. where the carried placement holds them
             for u in range(x * s, (x + 1) * s):
                 e = carried[r, u]

@@ -166,8 +166,9 @@ def test_keep_idle_reseats_idle_experts_without_changing_balance_or_counts_and_n
     slots = gpus * per_gpu
     n = int(rng.integers(1, slots + 1))
     load = rng.pareto(1.3, (3, n)) * (rng.random((3, n)) < 0.5)  # about half the experts idle
-    p2l = np.stack([np.concatenate([rng.permutation(n), rng.integers(0, n, slots - n)]) for _ in range(3)])
-    carried = np.stack([np.concatenate([rng.permutation(n), rng.integers(-1, n, slots - n)]) for _ in range(3)])
+    p2l = rebalance_experts(torch.from_numpy(load), slots, 1, 1, gpus)[0].numpy()
+    carried = rebalance_experts(torch.from_numpy(rng.pareto(1.3, (3, n))), slots, 1, 1, gpus)[0].numpy()
+    carried = np.where(rng.random(carried.shape) < 0.1, -1, carried)  # some slots empty (after a scale)
     out = _keep_idle(p2l.copy(), carried, load, gpus)
     assert np.array_equal(_counts_of(out, n), _counts_of(p2l, n))
     assert np.array_equal(np.where(load[np.arange(3)[:, None], out] > 0, out, -1), np.where(load[np.arange(3)[:, None], p2l] > 0, p2l, -1))
