@@ -144,7 +144,7 @@ def exchange(ctx: ExpertsContext, module: torch.nn.Module, hidden: torch.Tensor,
     x = hidden.repeat_interleave(top_k, dim=0)
     if ctx.num_ranks == 1:
         started = time.process_time()
-        out = pair_forward(module, weights, x, physical) if ids.numel() else x
+        out = pair_forward(module, weights, x, physical, min_rows=ctx.min_rows) if ids.numel() else x
         ctx.stats["expert_cpu_s"] += time.process_time() - started
     else:
         out = _remote(ctx, module, weights, x, physical, sent)
@@ -166,7 +166,7 @@ def _remote(ctx: ExpertsContext, module: torch.nn.Module, weights: dict[str, tor
         local = torch.repeat_interleave(torch.arange(ctx.slots_per_rank).repeat(ctx.num_ranks),
                                         per_rank[:, ctx.rank].reshape(-1))
         started = time.process_time()
-        result = pair_forward(module, weights, received, local).to(x.dtype)
+        result = pair_forward(module, weights, received, local, min_rows=ctx.min_rows).to(x.dtype)
         ctx.stats["expert_cpu_s"] += time.process_time() - started
     else:
         result = received

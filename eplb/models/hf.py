@@ -38,6 +38,7 @@ from eplb.models.kernel import (
     ExpertsContext,
     check_row_independent,
     placement_print,
+    row_floor,
 )
 from eplb.models.packed import (
     SeqState,
@@ -346,6 +347,8 @@ class HFMoE:
         self.vocab_size = int(self.model.config.vocab_size)
         self._contexts: list[ExpertsContext] = []
         self._weights: list[list[torch.Tensor]] = []
+        #: a slot's rows are padded to this many: the machine's floor for bits independent of the row count
+        self.min_rows = row_floor(first, self._probe_weights(), self.hidden_size, self._tails[0][1])
         self.install_placement(placement, rank, num_ranks)
         self.replace_weights(self.allocate(self.num_local_physical_experts))
         if materialize:
@@ -402,7 +405,7 @@ class HFMoE:
                 logical_to_physical=self.placement.logical_to_physical[index],
                 replica_count=self.placement.replica_count[index], rank=self.rank, num_ranks=self.num_ranks,
                 slots_per_rank=self.num_local_physical_experts, group=self.group, timeout=self.timeout,
-                placement_print=placement_print(self.placement.logical_to_physical[index],
+                min_rows=self.min_rows, placement_print=placement_print(self.placement.logical_to_physical[index],
                                                 self.placement.replica_count[index]),
                 logical_counts=torch.zeros(self.num_logical_experts, dtype=torch.int64),
                 physical_counts=torch.zeros(self.num_physical_experts, dtype=torch.int64),
@@ -446,13 +449,15 @@ class HFMoE:
         """Local slots of a staged layer that do not hold exactly the expert ``new_row`` assigns."""
         return mismatched_staged(self, layer, new_row, rank_plan, staging)
 
+    def _probe_weights(self) -> dict[str, torch.Tensor]:
+        """Seeded weights of the experts' shapes and dtypes, 4 slots (the slots may not be filled yet)."""
+        g = torch.Generator().manual_seed(0)
+        return {n: (torch.randn((4, *tail), generator=g) * 0.2).to(dtype) for n, (tail, dtype) in zip(self.names, self._tails)}
+
     def self_check(self) -> None:
         """Start-up check that the experts kernel's bits do not depend on rows per call (see kernel)."""
         experts = _experts_of(self.model, self.moe_layer_ids[0])
-        # seeded weights of the experts' shapes and dtypes: the slots may not be filled yet
-        g = torch.Generator().manual_seed(0)
-        weights = {n: (torch.randn((4, *tail), generator=g) * 0.2).to(dtype) for n, (tail, dtype) in zip(self.names, self._tails)}
-        check_row_independent(experts, weights, self.hidden_size, self._tails[0][1])
+        check_row_independent(experts, self._probe_weights(), self.hidden_size, self._tails[0][1], min_rows=self.min_rows)
         check_batch_invariant(self.model)
 
     # -- non-expert weights for joining ranks ---------------------------------------------------
