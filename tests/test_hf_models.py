@@ -533,7 +533,8 @@ def test_serving_helpers_for_both_kinds():
     spec = HFModelConfig(architecture="glm4_moe")
     sizes = model_info(spec)
     assert (sizes.kind, sizes.num_moe_layers, sizes.num_logical_experts, sizes.num_expert_groups) == ("hf", 2, 8, 2)
-    assert [tuple(t.shape) for t in sizes.allocate(3)[0]] == [(3, 32, 32), (3, 32, 16)]
+    # slots are stored [in, out]: gate_up [hidden 32, 2 x 16], down [16, hidden 32]
+    assert [tuple(t.shape) for t in sizes.allocate(3)[0]] == [(3, 32, 32), (3, 16, 32)]
     model = build_model(spec, Placement.static(2, L, L), 0, 1)
     batches = DecodeBatches(model, batch=2, prompt_len=3, max_new_tokens=3, seed=4)
     outs = [batches.step() for _ in range(4)]

@@ -131,12 +131,12 @@ def test_the_replica_assignment_spreads_a_hot_expert():
 def test_the_start_up_check_trips_on_an_op_that_depends_on_the_batch(qwen):
     from eplb.models.packed import check_batch_invariant
 
-    check_batch_invariant(qwen.model)  # the real model passes
+    check_batch_invariant(qwen.model, tile=qwen.tile)  # the real model passes at its tile
     norm = qwen.model.model.layers[0].input_layernorm
     norm.forward = lambda x: x - x.mean(dim=0, keepdim=True)  # rows that see the other rows
     try:
         with pytest.raises(RuntimeError, match="layers.0.input_layernorm .* is not batch-invariant"):
-            check_batch_invariant(qwen.model)
+            check_batch_invariant(qwen.model, tile=qwen.tile)
     finally:
         del norm.forward
 

@@ -78,14 +78,14 @@ FLOOR_LIMIT = 64
 
 def pair_forward(module: torch.nn.Module, weights: dict[str, torch.Tensor], x: torch.Tensor,
                  slots: torch.Tensor, *, min_rows: int) -> torch.Tensor:
-    """One expert per row: ``x [n, H]`` through slot ``slots[i]`` of ``weights``; ``[n, H]``.
+    """One expert per row: ``x [n, H]`` through slot ``slots[i]`` of ``weights`` (every matrix
+    ``[slots, in, out]``, the slots' layout, see :class:`~eplb.models.hf.HFMoE`); ``[n, H]``.
 
     The rows of each slot form one group of a grouped GEMM (``torch._grouped_mm`` over the slot
     tensors, no weight copy), every group padded with zero rows to at least ``min_rows`` rows:
     with ``min_rows`` the machine's :func:`row_floor` a row's bits do not depend on the other
     rows (checked by :func:`check_row_independent`). Gating and activation are the module's.
     """
-    transposed = getattr(module, "is_transposed", False)
     has_gate = getattr(module, "has_gate", True)
     num_slots = next(iter(weights.values())).shape[0]
     order = torch.argsort(slots, stable=True)
@@ -100,7 +100,7 @@ def pair_forward(module: torch.nn.Module, weights: dict[str, torch.Tensor], x: t
 
     def linear(inp: torch.Tensor, name: str) -> torch.Tensor:
         w_all, bias = weights[name], weights.get(name + "_bias")
-        out = torch._grouped_mm(inp, w_all if transposed else w_all.transpose(1, 2), offs=offsets)
+        out = torch._grouped_mm(inp, w_all, offs=offsets)
         return out if bias is None else out + bias[row_slot]
 
     rows = x.new_zeros(int(ends[-1]), x.shape[1])
