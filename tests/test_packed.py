@@ -128,6 +128,28 @@ def test_the_replica_assignment_spreads_a_hot_expert():
     assert torch.bincount(slots, minlength=6).tolist() == sent[0].tolist()
 
 
+def test_a_lightly_used_expert_keeps_its_pairs_on_one_replica_which_rotates():
+    """Expert 0 has a replica on each of 2 ranks. With fewer than 2 x SPLIT_ROWS pairs its pairs
+    are not cut (two half-empty GEMMs would read both replicas' weights for the work of one):
+    they all go to one replica, which one turning with the pair count; with enough pairs for two
+    chunks of SPLIT_ROWS they are halved."""
+    from eplb.models.dispatch import SPLIT_ROWS, assign, pair_slots
+
+    placement = Placement.from_physical_to_logical(torch.tensor([[0, 1, 2, 0, 3, 4]]), 5)
+    l2p, rc = placement.logical_to_physical[0], placement.replica_count[0]
+    chosen = set()
+    for n in (3, 4, 2 * SPLIT_ROWS - 1):
+        counts = torch.tensor([[n - 1, 1, 0, 0, 0], [1, 0, 0, 1, 0]])
+        per_slot = assign(counts, l2p, rc, 6).sum(0)
+        assert sorted([int(per_slot[0]), int(per_slot[3])]) == [0, n]  # one replica takes all n
+        chosen.add(0 if per_slot[0] else 3)
+        ids = torch.tensor([0] * (n - 1) + [1])
+        assert (pair_slots(ids, 0, counts, l2p, rc)[:-1] == (0 if per_slot[0] else 3)).all()
+    assert chosen == {0, 3}  # both replicas take turns
+    counts = torch.tensor([[2 * SPLIT_ROWS, 0, 0, 0, 0], [0, 0, 0, 0, 0]])
+    assert assign(counts, l2p, rc, 6).sum(0)[[0, 3]].tolist() == [SPLIT_ROWS, SPLIT_ROWS]
+
+
 def test_the_start_up_check_trips_on_an_op_that_depends_on_the_batch(qwen):
     from eplb.models.packed import check_batch_invariant
 

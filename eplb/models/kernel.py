@@ -137,6 +137,8 @@ def _activate(module: torch.nn.Module, h: torch.Tensor, has_gate: bool) -> torch
     if has_gate:
         inter = width // 2
         padded = -(-inter // _LANES) * _LANES
+        if padded == inter:  # every half already a whole number of vectors: no tail, nothing to pad
+            return _module_fn(module, "_apply_gate")(h)
         wide = h.new_zeros(n, 2 * padded)
         if getattr(module, "is_concatenated", True):  # [gate | up]: keep each half at the start of its half
             wide[:, :inter] = h[:, :inter]
@@ -145,6 +147,8 @@ def _activate(module: torch.nn.Module, h: torch.Tensor, has_gate: bool) -> torch
             wide[:, : 2 * inter] = h
         return _module_fn(module, "_apply_gate")(wide)[:, :inter]
     padded = -(-width // _LANES) * _LANES
+    if padded == width:
+        return _module_fn(module, "act_fn")(h)
     wide = h.new_zeros(n, padded)
     wide[:, :width] = h
     return _module_fn(module, "act_fn")(wide)[:, :width]
