@@ -375,9 +375,10 @@ def _seeded_copy(module: nn.Module, g: torch.Generator) -> nn.Module:
     """A copy of ``module`` with seeded weights (a joining rank's weights are not there yet); a wide
     linear (an lm_head) keeps its input width and at most 1024 outputs (a row's bits follow the input width)."""
     if isinstance(module, nn.Linear) and module.out_features > 1024:
-        probe: nn.Module = nn.Linear(module.in_features, 1024, bias=module.bias is not None, dtype=module.weight.dtype)
+        wide = nn.Linear(module.in_features, 1024, bias=module.bias is not None, dtype=module.weight.dtype)
         if module.weight.t().is_contiguous():  # relaid out (relayout_linears): probe the same layout
-            probe.weight = nn.Parameter(probe.weight.detach().t().contiguous().t())
+            wide.weight = nn.Parameter(wide.weight.detach().t().contiguous().t())
+        probe: nn.Module = wide
     else:
         probe = copy.deepcopy(module)  # clones keep each tensor's strides
     with torch.no_grad():
