@@ -211,7 +211,8 @@ def ep_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k
     rows = hidden_states.shape[0] if ctx.rows is None else ctx.rows
     if ctx.rows is None and ctx.num_ranks > 1:
         raise RuntimeError("an expert-parallel model runs through HFMoE.forward_batch (its dispatch is a collective)")
-    out = torch.zeros_like(hidden_states)
+    out = torch.empty_like(hidden_states)
+    out[rows:] = 0  # the padding rows
     out[:rows] = exchange(ctx, self, hidden_states[:rows], top_k_index[:rows], top_k_weights[:rows])
     return out
 

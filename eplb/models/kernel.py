@@ -103,7 +103,11 @@ def pair_forward(module: torch.nn.Module, weights: dict[str, torch.Tensor], x: t
         out = torch._grouped_mm(inp, w_all, offs=offsets)
         return out if bias is None else out + bias[row_slot]
 
-    rows = x.new_zeros(int(ends[-1]), x.shape[1])
+    rows = x.new_empty(int(ends[-1]), x.shape[1])
+    if rows.shape[0] > x.shape[0]:  # padding rows: zeros (the real rows are all written below)
+        pad = torch.ones(rows.shape[0], dtype=torch.bool)
+        pad[dest] = False
+        rows[pad] = 0
     rows[dest] = x[order]
     h = linear(rows, "gate_up_proj" if has_gate else "up_proj")
     h = _activate(module, h, has_gate)
