@@ -103,6 +103,18 @@ def pair_slots(ids: torch.Tensor, rank: int, counts: torch.Tensor, logical_to_ph
     return physical
 
 
+def _clock(ctx: ExpertsContext) -> float:
+    """The process's CPU seconds when this layer's CPU split is measured (``ctx.timed``), else 0:
+    ``process_time`` sums every thread's time in the kernel, and cost a rank several percent of
+    its samples when called around every exchange."""
+    return time.process_time() if ctx.timed else 0.0
+
+
+def _charge(ctx: ExpertsContext, key: str, started: float) -> None:
+    if ctx.timed:
+        ctx.stats[key] += time.process_time() - started
+
+
 def _wait(work: Any, ctx: ExpertsContext, what: str, started: float) -> None:
     """Wait for ``work`` within the deadline; its CPU since ``started`` (the post) goes to the stats."""
     try:
@@ -111,14 +123,14 @@ def _wait(work: Any, ctx: ExpertsContext, what: str, started: float) -> None:
         raise TimeoutError(f"{what} of MoE layer {ctx.layer} did not finish within {ctx.timeout}s: {exc}") from exc
     if done is False:
         raise TimeoutError(f"{what} of MoE layer {ctx.layer} did not finish within {ctx.timeout}s")
-    ctx.stats["collective_cpu_s"] += time.process_time() - started
+    _charge(ctx, "collective_cpu_s", started)
 
 
 def _group_counts(ctx: ExpertsContext, mine: torch.Tensor) -> torch.Tensor:
     """``[R, L]`` every rank's pairs per expert (one all_gather), after checking the placements agree."""
     send = torch.cat([mine, torch.tensor([ctx.placement_print], dtype=torch.int64)])
     recv = [torch.empty_like(send) for _ in range(ctx.num_ranks)]
-    started = time.process_time()
+    started = _clock(ctx)
     _wait(dist.all_gather(recv, send, group=ctx.group, async_op=True), ctx, "the pair-count all_gather", started)
     prints = [int(r[-1]) for r in recv]
     differ = [r for r, p in enumerate(prints) if p != ctx.placement_print]
@@ -133,7 +145,7 @@ def _all_to_all(ctx: ExpertsContext, rows: torch.Tensor, send: list[int], receiv
     width = math.prod(rows.shape[1:]) * rows.element_size()
     payload = rows.contiguous().view(torch.uint8).reshape(rows.shape[0], width)
     out = torch.empty(sum(receive), payload.shape[1], dtype=torch.uint8)
-    started = time.process_time()
+    started = _clock(ctx)
     work = dist.all_to_all_single(out, payload, output_split_sizes=receive, input_split_sizes=send,
                                   group=ctx.group, async_op=True)
     _wait(work, ctx, what, started)
@@ -165,9 +177,9 @@ def exchange(ctx: ExpertsContext, module: torch.nn.Module, hidden: torch.Tensor,
     weights = dict(zip(ctx.names, ctx.weights))
     x = hidden.repeat_interleave(top_k, dim=0)
     if ctx.num_ranks == 1:
-        started = time.process_time()
+        started = _clock(ctx)
         out = pair_forward(module, weights, x, physical, min_rows=ctx.min_rows) if ids.numel() else x
-        ctx.stats["expert_cpu_s"] += time.process_time() - started
+        _charge(ctx, "expert_cpu_s", started)
     else:
         out = _remote(ctx, module, weights, x, physical, sent)
     ctx.stats["pairs"] += int(per_rank[ctx.rank])
@@ -187,9 +199,9 @@ def _remote(ctx: ExpertsContext, module: torch.nn.Module, weights: dict[str, tor
     if received.shape[0]:
         local = torch.repeat_interleave(torch.arange(ctx.slots_per_rank).repeat(ctx.num_ranks),
                                         per_rank[:, ctx.rank].reshape(-1))
-        started = time.process_time()
+        started = _clock(ctx)
         result = pair_forward(module, weights, received, local, min_rows=ctx.min_rows).to(x.dtype)
-        ctx.stats["expert_cpu_s"] += time.process_time() - started
+        _charge(ctx, "expert_cpu_s", started)
     else:
         result = received
     back = _all_to_all(ctx, result, flows[:, ctx.rank].tolist(), flows[ctx.rank].tolist(),

@@ -365,6 +365,8 @@ class HFMoE:
         self.vocab_size = int(self.model.config.vocab_size)
         self._contexts: list[ExpertsContext] = []
         self._weights: list[list[torch.Tensor]] = []
+        #: measure the experts' and the exchanges' CPU (take_cpu_split); off: the clock costs
+        self.measure_cpu = False
         #: a slot's rows are padded to this many: the machine's floor for bits independent of the row count
         self.min_rows = row_floor(first, self._probe_weights(), self.hidden_size, self._tails[0][1])
         #: packed rows are padded to a multiple of this: the smallest tile proved batch-invariant here
@@ -425,7 +427,7 @@ class HFMoE:
                 logical_to_physical=self.placement.logical_to_physical[index],
                 replica_count=self.placement.replica_count[index], rank=self.rank, num_ranks=self.num_ranks,
                 slots_per_rank=self.num_local_physical_experts, group=self.group, timeout=self.timeout,
-                min_rows=self.min_rows, placement_print=placement_print(self.placement.logical_to_physical[index],
+                min_rows=self.min_rows, timed=self.measure_cpu, placement_print=placement_print(self.placement.logical_to_physical[index],
                                                 self.placement.replica_count[index]),
                 logical_counts=torch.zeros(self.num_logical_experts, dtype=torch.int64),
                 physical_counts=torch.zeros(self.num_physical_experts, dtype=torch.int64),
@@ -552,9 +554,17 @@ class HFMoE:
             c.rank_pairs.zero_()
         return sum(ratios) / len(ratios) if ratios else None
 
+    def time_cpu(self, on: bool = True) -> None:
+        """Measure the CPU split that :meth:`take_cpu_split` reports (off by default: it reads the
+        process's CPU clock around every exchange)."""
+        self.measure_cpu = on
+        for c in self._contexts:
+            c.timed = on
+
     def take_cpu_split(self) -> dict[str, float]:
         """CPU seconds this rank spent in the experts kernel and in the exchanges (posting and
-        waiting) since the last call, summed over the MoE layers (for benchmarks)."""
+        waiting) since the last call, summed over the MoE layers (for benchmarks; zeros unless
+        :meth:`time_cpu` is on)."""
         out = {"expert_cpu_s": 0.0, "collective_cpu_s": 0.0}
         for c in self._contexts:
             for key in out:

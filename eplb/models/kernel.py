@@ -65,6 +65,7 @@ class ExpertsContext:
     placement_print: int = 0  # a fingerprint of this layer's placement row: the ranks must agree on it
     rows: int | None = None  # real token rows of the packed step being run (None: outside forward_batch)
     record: bool = True
+    timed: bool = False  # measure the CPU split in stats (benchmarks; HFMoE.measure_cpu)
     logical_counts: torch.Tensor | None = None  # [L] int64: the group's pairs, accumulated while record is on
     physical_counts: torch.Tensor | None = None  # [P] int64: the group's pairs delivered per physical slot
     rank_pairs: torch.Tensor | None = None  # [R] int64: pairs each rank's experts computed
