@@ -447,10 +447,32 @@ def test_self_check_trips_on_a_row_dependent_kernel():
     model = unsharded({"architecture": "mixtral", "seed": 1})
     experts = model.model.model.layers[0].mlp.experts
     weights = dict(zip(model.names, model.expert_weights()[0]))
-    check_row_independent(experts, weights, model.hidden_size, torch.float32)  # the real one passes
+    check_row_independent(experts, weights, model.hidden_size, torch.float32, min_rows=model.min_rows)  # the real one passes
     experts._apply_gate = lambda h: torch.nn.functional.silu(h[:, : h.shape[1] // 2] - h.mean()) * h[:, h.shape[1] // 2:]
     with pytest.raises(RuntimeError, match="not row-independent"):
-        check_row_independent(experts, weights, model.hidden_size, torch.float32)
+        check_row_independent(experts, weights, model.hidden_size, torch.float32, min_rows=model.min_rows)
+
+
+@pytest.mark.parametrize("hidden", [64, 512])
+def test_the_row_floor_is_measured_on_this_machine_and_padding_to_it_is_what_keeps_the_bits(hidden):
+    """The floor ``row_floor`` measures is the one the kernel needs here: padding a slot's rows to
+    it keeps a row's bits whatever the row count; one row fewer (where the floor is above 1)
+    changes them. (Measured: 2 rows at hidden 64 on both CPUs seen; 4 on an AVX2 Xeon and 16 on
+    an AVX-512 one at hidden 512.)"""
+    from eplb.models.hf import unsharded
+    from eplb.models.kernel import check_row_independent, row_floor
+
+    torch.set_num_threads(1)
+    model = unsharded({"architecture": "mixtral", "seed": 1, "config": {"hidden_size": hidden, "intermediate_size": hidden}})
+    experts = model.model.model.layers[0].mlp.experts
+    weights = model._probe_weights()
+    floor = row_floor(experts, weights, model.hidden_size, torch.float32)
+    assert model.min_rows == floor and all(c.min_rows == floor for c in model._contexts)
+    check_row_independent(experts, weights, model.hidden_size, torch.float32, min_rows=floor)
+    if floor > 1:
+        with pytest.raises(RuntimeError, match="not row-independent"):
+            check_row_independent(experts, weights, model.hidden_size, torch.float32, min_rows=floor - 1,
+                                  rows=3 * floor + 5)
 
 
 def test_model_config_kinds():
@@ -511,7 +533,8 @@ def test_serving_helpers_for_both_kinds():
     spec = HFModelConfig(architecture="glm4_moe")
     sizes = model_info(spec)
     assert (sizes.kind, sizes.num_moe_layers, sizes.num_logical_experts, sizes.num_expert_groups) == ("hf", 2, 8, 2)
-    assert [tuple(t.shape) for t in sizes.allocate(3)[0]] == [(3, 32, 32), (3, 32, 16)]
+    # slots are stored [in, out]: gate_up [hidden 32, 2 x 16], down [16, hidden 32]
+    assert [tuple(t.shape) for t in sizes.allocate(3)[0]] == [(3, 32, 32), (3, 16, 32)]
     model = build_model(spec, Placement.static(2, L, L), 0, 1)
     batches = DecodeBatches(model, batch=2, prompt_len=3, max_new_tokens=3, seed=4)
     outs = [batches.step() for _ in range(4)]

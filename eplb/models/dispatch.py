@@ -8,9 +8,14 @@ in layer order, also with no tokens: vLLM's dummy batches):
    :class:`~eplb.models.kernel.ReplicaDivergence` naming the layer instead of posting
    mismatched exchanges);
 2. *assignment* (:func:`assign`, pure, the same on every rank): an expert's pairs, rank 0's
-   first, then rank 1's, ..., are cut into contiguous, equal chunks, one per replica in slot
-   order; so every replica gets its expert's share, and every rank knows how many rows each
-   rank sends to each slot without asking (the all_to_all's split sizes, and the load);
+   first, then rank 1's, ..., are cut into contiguous, equal chunks, one per replica it uses;
+   so every replica gets its expert's share, and every rank knows how many rows each rank sends
+   to each slot without asking (the all_to_all's split sizes, and the load). An expert uses
+   only as many replicas as give each at least :data:`SPLIT_ROWS` pairs (at least one): on a
+   CPU a GEMM of a few rows costs about the read of its expert's weights, so cutting a decode
+   step's 2 pairs over 2 replicas reads both replicas' weights for the work of one. Which of
+   its replicas a lightly used expert takes rotates with the expert and its pair count, so the
+   lone chunks spread over the ranks;
 3. *dispatch*: ``all_to_all_single`` of the pairs' rows, sorted by destination slot;
 4. the holding rank runs its slots' pairs through :func:`~eplb.models.kernel.pair_forward`
    (each pair its own row-independent product);
@@ -33,16 +38,33 @@ import torch.distributed as dist
 
 from eplb.models.kernel import KERNEL_NAME, ExpertsContext, ReplicaDivergence, pair_forward
 
-__all__ = ["assign", "ep_experts_forward", "exchange", "pair_slots", "register"]
+__all__ = ["SPLIT_ROWS", "assign", "ep_experts_forward", "exchange", "pair_slots", "register"]
+
+#: An expert's pairs are cut over more than one replica only in chunks of at least this many.
+SPLIT_ROWS = 16
 
 
 def _starts(total: torch.Tensor, replicas: torch.Tensor, width: int) -> torch.Tensor:
-    """``[L, width + 1]``: where replica ``j`` of each expert starts in its expert's pair order
-    (equal chunks; the first ``total % replicas`` one longer); ``total`` past the last replica."""
+    """``[L, width + 1]``: where chunk ``c`` of each expert starts in its expert's pair order
+    (equal chunks; the first ``total % replicas`` one longer); ``total`` past the last chunk."""
     j = torch.arange(width + 1)
     base, extra = total // replicas, total % replicas
     starts = j[None, :] * base[:, None] + torch.minimum(j[None, :], extra[:, None])
     return torch.minimum(starts, total[:, None])
+
+
+def _chunks(total: torch.Tensor, logical_to_physical: torch.Tensor, replica_count: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert's chunk starts ``[L, W + 1]`` (as :func:`_starts`, over the replicas it uses:
+    at most one per :data:`SPLIT_ROWS` pairs, at least one) and the physical slot of each chunk
+    ``[L, W]``: chunk ``c`` goes to replica ``(c + expert + total) % replicas``."""
+    num_logical, width = logical_to_physical.shape
+    used = torch.minimum((total // SPLIT_ROWS).clamp(min=1), replica_count)
+    starts = _starts(total, used, width)
+    c = torch.arange(width)[None, :]
+    rotation = (torch.arange(num_logical) + total) % replica_count.clamp(min=1)
+    replica = torch.where(c < replica_count[:, None], (c + rotation[:, None]) % replica_count.clamp(min=1)[:, None], c)
+    return starts, logical_to_physical.gather(1, replica)
 
 
 def assign(counts: torch.Tensor, logical_to_physical: torch.Tensor, replica_count: torch.Tensor,
@@ -51,14 +73,14 @@ def assign(counts: torch.Tensor, logical_to_physical: torch.Tensor, replica_coun
     (each rank's pairs per logical expert). Pure; every rank computes the same from the same counts."""
     width = logical_to_physical.shape[1]
     total = counts.sum(0)
-    starts = _starts(total, replica_count, width)  # [L, W + 1]
+    starts, chunk_slots = _chunks(total, logical_to_physical, replica_count)  # [L, W + 1], [L, W]
     first = torch.cumsum(counts, 0) - counts  # [R, L]: where rank r's pairs start in expert order
     lo = torch.maximum(first[:, :, None], starts[None, :, :-1])
     hi = torch.minimum((first + counts)[:, :, None], starts[None, :, 1:])
     overlap = (hi - lo).clamp(min=0)  # [R, L, W]
     valid = torch.arange(width)[None, :] < replica_count[:, None]
     overlap = overlap * valid[None]
-    slots = logical_to_physical.clamp(min=0).reshape(1, -1).expand(counts.shape[0], -1)
+    slots = chunk_slots.clamp(min=0).reshape(1, -1).expand(counts.shape[0], -1)
     return torch.zeros(counts.shape[0], num_physical, dtype=torch.int64).scatter_add_(
         1, slots, overlap.reshape(counts.shape[0], -1))
 
@@ -74,11 +96,23 @@ def pair_slots(ids: torch.Tensor, rank: int, counts: torch.Tensor, logical_to_ph
     within = torch.arange(ids.numel()) - (torch.cumsum(mine, 0) - mine)[sorted_ids]
     first = (torch.cumsum(counts, 0) - counts)[rank]
     position = first[sorted_ids] + within  # in the expert's pair order over all ranks
-    starts = _starts(counts.sum(0), replica_count, logical_to_physical.shape[1])
+    starts, chunk_slots = _chunks(counts.sum(0), logical_to_physical, replica_count)
     chunk = (position[:, None] >= starts[sorted_ids, 1:]).sum(1)
     physical = torch.empty_like(ids)
-    physical[order] = logical_to_physical[sorted_ids, chunk]
+    physical[order] = chunk_slots[sorted_ids, chunk]
     return physical
+
+
+def _clock(ctx: ExpertsContext) -> float:
+    """The process's CPU seconds when this layer's CPU split is measured (``ctx.timed``), else 0:
+    ``process_time`` sums every thread's time in the kernel, and cost a rank several percent of
+    its samples when called around every exchange."""
+    return time.process_time() if ctx.timed else 0.0
+
+
+def _charge(ctx: ExpertsContext, key: str, started: float) -> None:
+    if ctx.timed:
+        ctx.stats[key] += time.process_time() - started
 
 
 def _wait(work: Any, ctx: ExpertsContext, what: str, started: float) -> None:
@@ -89,14 +123,14 @@ def _wait(work: Any, ctx: ExpertsContext, what: str, started: float) -> None:
         raise TimeoutError(f"{what} of MoE layer {ctx.layer} did not finish within {ctx.timeout}s: {exc}") from exc
     if done is False:
         raise TimeoutError(f"{what} of MoE layer {ctx.layer} did not finish within {ctx.timeout}s")
-    ctx.stats["collective_cpu_s"] += time.process_time() - started
+    _charge(ctx, "collective_cpu_s", started)
 
 
 def _group_counts(ctx: ExpertsContext, mine: torch.Tensor) -> torch.Tensor:
     """``[R, L]`` every rank's pairs per expert (one all_gather), after checking the placements agree."""
     send = torch.cat([mine, torch.tensor([ctx.placement_print], dtype=torch.int64)])
     recv = [torch.empty_like(send) for _ in range(ctx.num_ranks)]
-    started = time.process_time()
+    started = _clock(ctx)
     _wait(dist.all_gather(recv, send, group=ctx.group, async_op=True), ctx, "the pair-count all_gather", started)
     prints = [int(r[-1]) for r in recv]
     differ = [r for r, p in enumerate(prints) if p != ctx.placement_print]
@@ -111,7 +145,7 @@ def _all_to_all(ctx: ExpertsContext, rows: torch.Tensor, send: list[int], receiv
     width = math.prod(rows.shape[1:]) * rows.element_size()
     payload = rows.contiguous().view(torch.uint8).reshape(rows.shape[0], width)
     out = torch.empty(sum(receive), payload.shape[1], dtype=torch.uint8)
-    started = time.process_time()
+    started = _clock(ctx)
     work = dist.all_to_all_single(out, payload, output_split_sizes=receive, input_split_sizes=send,
                                   group=ctx.group, async_op=True)
     _wait(work, ctx, what, started)
@@ -143,9 +177,9 @@ def exchange(ctx: ExpertsContext, module: torch.nn.Module, hidden: torch.Tensor,
     weights = dict(zip(ctx.names, ctx.weights))
     x = hidden.repeat_interleave(top_k, dim=0)
     if ctx.num_ranks == 1:
-        started = time.process_time()
-        out = pair_forward(module, weights, x, physical) if ids.numel() else x
-        ctx.stats["expert_cpu_s"] += time.process_time() - started
+        started = _clock(ctx)
+        out = pair_forward(module, weights, x, physical, min_rows=ctx.min_rows) if ids.numel() else x
+        _charge(ctx, "expert_cpu_s", started)
     else:
         out = _remote(ctx, module, weights, x, physical, sent)
     ctx.stats["pairs"] += int(per_rank[ctx.rank])
@@ -165,9 +199,9 @@ def _remote(ctx: ExpertsContext, module: torch.nn.Module, weights: dict[str, tor
     if received.shape[0]:
         local = torch.repeat_interleave(torch.arange(ctx.slots_per_rank).repeat(ctx.num_ranks),
                                         per_rank[:, ctx.rank].reshape(-1))
-        started = time.process_time()
-        result = pair_forward(module, weights, received, local).to(x.dtype)
-        ctx.stats["expert_cpu_s"] += time.process_time() - started
+        started = _clock(ctx)
+        result = pair_forward(module, weights, received, local, min_rows=ctx.min_rows).to(x.dtype)
+        _charge(ctx, "expert_cpu_s", started)
     else:
         result = received
     back = _all_to_all(ctx, result, flows[:, ctx.rank].tolist(), flows[ctx.rank].tolist(),
@@ -189,7 +223,8 @@ def ep_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k
     rows = hidden_states.shape[0] if ctx.rows is None else ctx.rows
     if ctx.rows is None and ctx.num_ranks > 1:
         raise RuntimeError("an expert-parallel model runs through HFMoE.forward_batch (its dispatch is a collective)")
-    out = torch.zeros_like(hidden_states)
+    out = torch.empty_like(hidden_states)
+    out[rows:] = 0  # the padding rows
     out[:rows] = exchange(ctx, self, hidden_states[:rows], top_k_index[:rows], top_k_weights[:rows])
     return out
 

@@ -38,13 +38,15 @@ from eplb.models.kernel import (
     ExpertsContext,
     check_row_independent,
     placement_print,
+    row_floor,
 )
 from eplb.models.packed import (
     SeqState,
-    check_batch_invariant,
+    choose_tile,
     crop_state,
     forward_packed,
     register_attention,
+    relayout_linears,
     wrap_linear_attention,
 )
 from eplb.placement import Placement
@@ -76,6 +78,21 @@ def _moe_layers(model: nn.Module) -> list[int]:
 
 def _expert_names(experts: nn.Module) -> tuple[str, ...]:
     return tuple(name for name, _ in experts.named_parameters(recurse=False))
+
+
+def _storage(experts: nn.Module, names: Sequence[str]) -> tuple[tuple[tuple[tuple[int, ...], torch.dtype], ...],
+                                                                 tuple[bool, ...]]:
+    """Each expert tensor's slot layout (shape after the slot dim, dtype) and whether it is the
+    module's transposed: every matrix is stored ``[in, out]`` (gpt_oss's already are; the others'
+    ``[out, in]`` are flipped), so the kernel's GEMMs read the weights untransposed: on MKL a
+    transposed operand moved the row floor from 2 to 16 rows on an AVX-512 Xeon (see the kernel)."""
+    tails, flips = [], []
+    for n in names:
+        t = getattr(experts, n)
+        flip = t.dim() == 3 and not getattr(experts, "is_transposed", False)
+        tails.append((tuple(t.shape[1:][::-1] if flip else t.shape[1:]), t.dtype))
+        flips.append(flip)
+    return tuple(tails), tuple(flips)
 
 
 def _is_expert_param(name: str) -> bool:
@@ -332,13 +349,15 @@ class HFMoE:
         self.source = open_source(self.spec)
         self.model = self.source.build(load=load_non_expert)
         self.model.set_experts_implementation(KERNEL_NAME)
+        relayout_linears(self.model)
         wrap_linear_attention(self.model)
         self.moe_layer_ids = _moe_layers(self.model)
         self.group = group
         self.timeout = timeout
         first = _experts_of(self.model, self.moe_layer_ids[0])
         self.names = _expert_names(first)
-        self._tails = [(tuple(getattr(first, n).shape[1:]), getattr(first, n).dtype) for n in self.names]
+        tails, self._flips = _storage(first, self.names)
+        self._tails = list(tails)
         self.num_moe_layers = len(self.moe_layer_ids)
         self.num_logical_experts = getattr(first, self.names[0]).shape[0]
         self.num_expert_groups = int(getattr(self.model.config, "n_group", None) or 1)
@@ -346,6 +365,12 @@ class HFMoE:
         self.vocab_size = int(self.model.config.vocab_size)
         self._contexts: list[ExpertsContext] = []
         self._weights: list[list[torch.Tensor]] = []
+        #: measure the experts' and the exchanges' CPU (take_cpu_split); off: the clock costs
+        self.measure_cpu = False
+        #: a slot's rows are padded to this many: the machine's floor for bits independent of the row count
+        self.min_rows = row_floor(first, self._probe_weights(), self.hidden_size, self._tails[0][1])
+        #: packed rows are padded to a multiple of this: the smallest tile proved batch-invariant here
+        self.tile = choose_tile(self.model)
         self.install_placement(placement, rank, num_ranks)
         self.replace_weights(self.allocate(self.num_local_physical_experts))
         if materialize:
@@ -393,16 +418,16 @@ class HFMoE:
         for index, layer_id in enumerate(self.moe_layer_ids):
             experts = _experts_of(self.model, layer_id)
             tensors = self._weights[index]
-            for name, t in zip(self.names, tensors):
-                # the module's parameters are views of the slot tensors: state_dict and the kernel agree
-                experts._parameters[name] = nn.Parameter(t, requires_grad=False)
+            for name, t, flip in zip(self.names, tensors, self._flips):
+                # the module's parameters are views of the slot tensors in its own layout: state_dict and the kernel agree
+                experts._parameters[name] = nn.Parameter(t.transpose(1, 2) if flip else t, requires_grad=False)
             prev = old.get(index)
             ctx = ExpertsContext(
                 layer=index, names=self.names, weights=tensors,
                 logical_to_physical=self.placement.logical_to_physical[index],
                 replica_count=self.placement.replica_count[index], rank=self.rank, num_ranks=self.num_ranks,
                 slots_per_rank=self.num_local_physical_experts, group=self.group, timeout=self.timeout,
-                placement_print=placement_print(self.placement.logical_to_physical[index],
+                min_rows=self.min_rows, timed=self.measure_cpu, placement_print=placement_print(self.placement.logical_to_physical[index],
                                                 self.placement.replica_count[index]),
                 logical_counts=torch.zeros(self.num_logical_experts, dtype=torch.int64),
                 physical_counts=torch.zeros(self.num_physical_experts, dtype=torch.int64),
@@ -423,8 +448,9 @@ class HFMoE:
             ctx.group = group
 
     def canonical_expert(self, layer: int, expert: int) -> list[torch.Tensor]:
-        """The source's tensors of logical ``expert`` in MoE layer ``layer`` (the reload path)."""
-        return self.source.expert(self.moe_layer_ids[layer], expert)
+        """The source's tensors of logical ``expert`` in MoE layer ``layer``, in the slots' layout (the reload path)."""
+        tensors = self.source.expert(self.moe_layer_ids[layer], expert)
+        return [t.t().contiguous() if flip else t for t, flip in zip(tensors, self._flips)]
 
     def load_canonical(self, layers: Sequence[int] | None = None) -> None:
         """Fill this rank's slots from the source; a checkpoint is read only for these slots' experts."""
@@ -446,14 +472,15 @@ class HFMoE:
         """Local slots of a staged layer that do not hold exactly the expert ``new_row`` assigns."""
         return mismatched_staged(self, layer, new_row, rank_plan, staging)
 
+    def _probe_weights(self) -> dict[str, torch.Tensor]:
+        """Seeded weights of the experts' shapes and dtypes, 4 slots (the slots may not be filled yet)."""
+        g = torch.Generator().manual_seed(0)
+        return {n: (torch.randn((4, *tail), generator=g) * 0.2).to(dtype) for n, (tail, dtype) in zip(self.names, self._tails)}
+
     def self_check(self) -> None:
         """Start-up check that the experts kernel's bits do not depend on rows per call (see kernel)."""
         experts = _experts_of(self.model, self.moe_layer_ids[0])
-        # seeded weights of the experts' shapes and dtypes: the slots may not be filled yet
-        g = torch.Generator().manual_seed(0)
-        weights = {n: (torch.randn((4, *tail), generator=g) * 0.2).to(dtype) for n, (tail, dtype) in zip(self.names, self._tails)}
-        check_row_independent(experts, weights, self.hidden_size, self._tails[0][1])
-        check_batch_invariant(self.model)
+        check_row_independent(experts, self._probe_weights(), self.hidden_size, self._tails[0][1], min_rows=self.min_rows)
 
     # -- non-expert weights for joining ranks ---------------------------------------------------
     def non_expert_tensors(self) -> list[tuple[str, torch.Tensor]]:
@@ -527,9 +554,17 @@ class HFMoE:
             c.rank_pairs.zero_()
         return sum(ratios) / len(ratios) if ratios else None
 
+    def time_cpu(self, on: bool = True) -> None:
+        """Measure the CPU split that :meth:`take_cpu_split` reports (off by default: it reads the
+        process's CPU clock around every exchange)."""
+        self.measure_cpu = on
+        for c in self._contexts:
+            c.timed = on
+
     def take_cpu_split(self) -> dict[str, float]:
         """CPU seconds this rank spent in the experts kernel and in the exchanges (posting and
-        waiting) since the last call, summed over the MoE layers (for benchmarks)."""
+        waiting) since the last call, summed over the MoE layers (for benchmarks; zeros unless
+        :meth:`time_cpu` is on)."""
         out = {"expert_cpu_s": 0.0, "collective_cpu_s": 0.0}
         for c in self._contexts:
             for key in out:
@@ -564,7 +599,7 @@ class HFMoE:
                 c.rows = rows
 
         try:
-            return forward_packed(self.model, checked, on_rows)
+            return forward_packed(self.model, checked, on_rows, tile=self.tile)
         finally:
             for c in self._contexts:
                 c.rows = None
@@ -665,7 +700,7 @@ class ModelInfo:
     num_logical_experts: int
     num_expert_groups: int
     names: tuple[str, ...]
-    tails: tuple[tuple[tuple[int, ...], torch.dtype], ...]  # per tensor: shape after the slot dim, dtype
+    tails: tuple[tuple[tuple[int, ...], torch.dtype], ...]  # per tensor: shape after the slot dim (slot layout), dtype
 
     @property
     def expert_bytes(self) -> int:
@@ -688,7 +723,7 @@ def describe(spec: HFModelConfig | dict) -> ModelInfo:
     experts = model.model.layers[layers[0]].mlp.experts
     names = _expert_names(experts)
     return ModelInfo(len(layers), getattr(experts, names[0]).shape[0], int(getattr(cfg, "n_group", None) or 1), names,
-                     tuple((tuple(getattr(experts, n).shape[1:]), getattr(experts, n).dtype) for n in names))
+                     _storage(experts, names)[0])
 
 
 def unsharded(spec: HFModelConfig | dict) -> HFMoE:

@@ -8,11 +8,14 @@ this rank holds, and the group to exchange pairs over.
 
 Why a kernel of our own (measured on this machine, CPU torch 2.13 with MKL):
 
-- *Rows per call.* The bits of an expert GEMM depend on how many rows one call holds
-  (``F.linear`` at 1-3 rows differs from larger calls by ~1e-5; from 4 rows up a row's bits do
-  not change with the row count), and expert parallelism changes how many rows each expert's
-  call gets. Here each slot's rows are one group of a grouped GEMM, padded with zero rows to at
-  least 4, so a pair's bits do not depend on the other rows: :func:`check_row_independent` proves it at start-up.
+- *Rows per call.* The bits of an expert GEMM depend on how many rows one call holds: below a
+  floor that depends on the CPU and the weights' shapes, MKL takes other code paths (measured:
+  1-3 rows differ from larger calls on an AVX2 Xeon, 1-15 rows on an AVX-512 one, by ~1e-5);
+  from the floor up a row's bits do not change with the row count, and expert parallelism
+  changes how many rows each expert's call gets. Here each slot's rows are one group of a
+  grouped GEMM, padded with zero rows to at least the floor, which :func:`row_floor` measures
+  on this machine at start-up, so a pair's bits do not depend on the other rows:
+  :func:`check_row_independent` proves it at start-up.
 - *Summation order.* Eager HF sums a token's k contributions in ascending expert id, the
   batched kernels in k order. Here always in k order, in float32, then cast to the model dtype
   (eager bf16 accumulates in bf16 and differs from the other kernels by up to 0.29 in logits).
@@ -34,7 +37,7 @@ from typing import Any
 import torch
 
 __all__ = ["KERNEL_NAME", "ExpertsContext", "ReplicaDivergence", "check_row_independent", "pair_forward",
-           "placement_print"]
+           "placement_print", "row_floor"]
 
 KERNEL_NAME = "eplb_rowwise"
 
@@ -58,9 +61,11 @@ class ExpertsContext:
     slots_per_rank: int = 0
     group: Any = None
     timeout: float = 30.0
+    min_rows: int = 1  # a slot's rows are padded to at least this many (the machine's row_floor)
     placement_print: int = 0  # a fingerprint of this layer's placement row: the ranks must agree on it
     rows: int | None = None  # real token rows of the packed step being run (None: outside forward_batch)
     record: bool = True
+    timed: bool = False  # measure the CPU split in stats (benchmarks; HFMoE.measure_cpu)
     logical_counts: torch.Tensor | None = None  # [L] int64: the group's pairs, accumulated while record is on
     physical_counts: torch.Tensor | None = None  # [P] int64: the group's pairs delivered per physical slot
     rank_pairs: torch.Tensor | None = None  # [R] int64: pairs each rank's experts computed
@@ -68,27 +73,25 @@ class ExpertsContext:
     stats: dict[str, float] = field(default_factory=lambda: {"pairs": 0, "expert_cpu_s": 0.0, "collective_cpu_s": 0.0})
 
 
-#: A GEMM's rows are bitwise the same for any row count from this one up (fewer rows differ): a
-#: slot's rows are padded to it with zero rows.
-MIN_ROWS = 4
+#: The most rows :func:`row_floor` accepts as a floor (a kernel whose bits change above it is refused).
+FLOOR_LIMIT = 64
 
 
 def pair_forward(module: torch.nn.Module, weights: dict[str, torch.Tensor], x: torch.Tensor,
-                 slots: torch.Tensor) -> torch.Tensor:
-    """One expert per row: ``x [n, H]`` through slot ``slots[i]`` of ``weights``; ``[n, H]``.
+                 slots: torch.Tensor, *, min_rows: int) -> torch.Tensor:
+    """One expert per row: ``x [n, H]`` through slot ``slots[i]`` of ``weights`` (every matrix
+    ``[slots, in, out]``, the slots' layout, see :class:`~eplb.models.hf.HFMoE`); ``[n, H]``.
 
     The rows of each slot form one group of a grouped GEMM (``torch._grouped_mm`` over the slot
-    tensors, no weight copy), every group padded with zero rows to at least :data:`MIN_ROWS`
-    rows: on this machine (MKL) a GEMM row's bits are the same for any row count from 4 up and
-    differ at 1-3 rows, so a row's bits do not depend on the other rows (checked by
-    :func:`check_row_independent`). Gating and activation are the module's.
+    tensors, no weight copy), every group padded with zero rows to at least ``min_rows`` rows:
+    with ``min_rows`` the machine's :func:`row_floor` a row's bits do not depend on the other
+    rows (checked by :func:`check_row_independent`). Gating and activation are the module's.
     """
-    transposed = getattr(module, "is_transposed", False)
     has_gate = getattr(module, "has_gate", True)
     num_slots = next(iter(weights.values())).shape[0]
     order = torch.argsort(slots, stable=True)
     counts = torch.bincount(slots, minlength=num_slots)
-    padded = torch.where(counts > 0, counts.clamp(min=MIN_ROWS), 0)
+    padded = torch.where(counts > 0, counts.clamp(min=min_rows), 0)
     ends = torch.cumsum(padded, 0)
     sorted_slots = slots[order]
     within = torch.arange(slots.numel()) - (torch.cumsum(counts, 0) - counts)[sorted_slots]
@@ -98,10 +101,14 @@ def pair_forward(module: torch.nn.Module, weights: dict[str, torch.Tensor], x: t
 
     def linear(inp: torch.Tensor, name: str) -> torch.Tensor:
         w_all, bias = weights[name], weights.get(name + "_bias")
-        out = torch._grouped_mm(inp, w_all if transposed else w_all.transpose(1, 2), offs=offsets)
+        out = torch._grouped_mm(inp, w_all, offs=offsets)
         return out if bias is None else out + bias[row_slot]
 
-    rows = x.new_zeros(int(ends[-1]), x.shape[1])
+    rows = x.new_empty(int(ends[-1]), x.shape[1])
+    if rows.shape[0] > x.shape[0]:  # padding rows: zeros (the real rows are all written below)
+        pad = torch.ones(rows.shape[0], dtype=torch.bool)
+        pad[dest] = False
+        rows[pad] = 0
     rows[dest] = x[order]
     h = linear(rows, "gate_up_proj" if has_gate else "up_proj")
     h = _activate(module, h, has_gate)
@@ -135,6 +142,8 @@ def _activate(module: torch.nn.Module, h: torch.Tensor, has_gate: bool) -> torch
     if has_gate:
         inter = width // 2
         padded = -(-inter // _LANES) * _LANES
+        if padded == inter:  # every half already a whole number of vectors: no tail, nothing to pad
+            return _module_fn(module, "_apply_gate")(h)
         wide = h.new_zeros(n, 2 * padded)
         if getattr(module, "is_concatenated", True):  # [gate | up]: keep each half at the start of its half
             wide[:, :inter] = h[:, :inter]
@@ -143,6 +152,8 @@ def _activate(module: torch.nn.Module, h: torch.Tensor, has_gate: bool) -> torch
             wide[:, : 2 * inter] = h
         return _module_fn(module, "_apply_gate")(wide)[:, :inter]
     padded = -(-width // _LANES) * _LANES
+    if padded == width:
+        return _module_fn(module, "act_fn")(h)
     wide = h.new_zeros(n, padded)
     wide[:, :width] = h
     return _module_fn(module, "act_fn")(wide)[:, :width]
@@ -152,26 +163,64 @@ class ReplicaDivergence(RuntimeError):
     """The ranks of an EP group disagree on a layer's placement: its pairs cannot be exchanged."""
 
 
-def check_row_independent(module: torch.nn.Module, weights: dict[str, torch.Tensor], hidden: int,
-                          dtype: torch.dtype, *, rows: int = 37, seed: int = 0) -> None:
-    """Raise if a pair's output bits depend on how many other pairs share the call.
+_FLOORS: dict[tuple[Any, ...], int] = {}
 
-    Runs ``rows`` random pairs in one call, over random slots and again all in one slot, then in
-    uneven chunks (1..5 rows, the counts where MKL changed bits, and the rest in one), and
-    compares bitwise.
+
+def row_floor(module: torch.nn.Module, weights: dict[str, torch.Tensor], hidden: int, dtype: torch.dtype, *,
+              seed: int = 0) -> int:
+    """The fewest rows a slot's group must hold for its rows' bits not to change with the group's
+    row count, measured on this machine (cached per experts class, weight shapes, dtype and torch's
+    thread count: the bits depend on each).
+
+    Runs ``2 * FLOOR_LIMIT`` seeded rows through one slot in one call, then every shorter prefix
+    alone (each prefix's last rows fall in the GEMM's tail blocks), unpadded, and returns one more
+    than the longest prefix whose bits differ. Raises if bits still change at :data:`FLOOR_LIMIT` rows.
+    """
+    key = (type(module).__name__, getattr(module, "is_transposed", False), getattr(module, "has_gate", True),
+           tuple((n, tuple(w.shape[1:]), w.dtype) for n, w in weights.items()), dtype, hidden, torch.get_num_threads())
+    if key in _FLOORS:
+        return _FLOORS[key]
+    g = torch.Generator().manual_seed(seed)
+    total = 2 * FLOOR_LIMIT
+    x = torch.randn(total, hidden, generator=g).to(dtype)
+    slots = torch.zeros(total, dtype=torch.long)
+    sizes = [*range(1, FLOOR_LIMIT + 1), FLOOR_LIMIT + 13, FLOOR_LIMIT + 31, total - 1]
+    with torch.no_grad():
+        whole = pair_forward(module, weights, x, slots, min_rows=1)
+        differ = [m for m in sizes if not torch.equal(pair_forward(module, weights, x[:m], slots[:m], min_rows=1), whole[:m])]
+    floor = differ[-1] + 1 if differ else 1
+    if floor > FLOOR_LIMIT:
+        raise RuntimeError(
+            f"the experts kernel is not row-independent on this machine: a row's bits still change with the "
+            f"number of rows in the call at {differ[-1]} rows (tried up to {total}): expert-parallel output "
+            "would not match the unsharded model")
+    _FLOORS[key] = floor
+    return floor
+
+
+def check_row_independent(module: torch.nn.Module, weights: dict[str, torch.Tensor], hidden: int,
+                          dtype: torch.dtype, *, min_rows: int, rows: int = 37, seed: int = 0) -> None:
+    """Raise if a pair's output bits depend on how many other pairs share the call, with every
+    slot's rows padded to ``min_rows``.
+
+    Runs ``rows`` (at least ``3 * min_rows + 5``) random pairs in one call, over random slots and
+    again all in one slot, then in uneven chunks (1, 2, ... ``min_rows + 2`` rows, around the
+    floor, and the rest in one), and compares bitwise.
     """
     g = torch.Generator().manual_seed(seed)
+    rows = max(rows, 3 * min_rows + 5)
     num_slots = next(iter(weights.values())).shape[0]
     x = torch.randn(rows, hidden, generator=g).to(dtype)
     for slots in (torch.randint(0, num_slots, (rows,), generator=g), torch.zeros(rows, dtype=torch.long)):
         with torch.no_grad():
-            whole = pair_forward(module, weights, x, slots)
+            whole = pair_forward(module, weights, x, slots, min_rows=min_rows)
             parts = []
             start, size = 0, 1
             while start < rows:
-                parts.append(pair_forward(module, weights, x[start : start + size], slots[start : start + size]))
+                parts.append(pair_forward(module, weights, x[start : start + size], slots[start : start + size],
+                                          min_rows=min_rows))
                 start += size
-                size = size % 5 + 1 if start < rows // 2 else rows
+                size = size % (min_rows + 2) + 1 if start < rows // 2 else rows
         pieces = torch.cat(parts)
         if not torch.equal(whole, pieces):
             bad = (whole != pieces).any(dim=1).nonzero().squeeze(1).tolist()

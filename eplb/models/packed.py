@@ -2,7 +2,7 @@
 
 :func:`forward_packed` runs a transformers causal LM once over many requests (prefill and decode
 tokens alike), the way vLLM packs a step (varlen): the new tokens of every request side by side
-in one ``[1, T]`` sequence, ``T`` padded to a multiple of :data:`TILE` rows. Everything that
+in one ``[1, T]`` sequence, ``T`` padded to a multiple of a row tile (:func:`choose_tile`). Everything that
 works row by row runs packed (embeddings, the q/k/v/o projections, norms, rotary, router,
 shared experts, dense MLPs; the experts through the dispatch in :mod:`eplb.models.dispatch`);
 what mixes rows runs per request, on the request's own Hugging Face cache (a ``DynamicCache`` of
@@ -11,7 +11,7 @@ batch 1):
 - *attention*: a :class:`RoutingCache` stands in for the model's cache: its ``update`` splits
   the packed keys and values by request, appends each request's to that request's own cache,
   and hands back every request's whole keys and values side by side (each padded to a multiple
-  of :data:`TILE`, so position-wise code between the cache and the attention, like DeepSeek's
+  of the tile, so position-wise code between the cache and the attention, like DeepSeek's
   MLA ``expand_kv``, runs at a fixed tile too); the attention function registered as
   :data:`ATTENTION_NAME` then calls the model's own attention function (sdpa, or its eager one
   with gpt_oss's sinks) once per request, with the causal or sliding-window mask transformers
@@ -39,11 +39,12 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ATTENTION_NAME", "TILE", "RoutingCache", "SeqState", "check_batch_invariant", "crop_state",
-           "forward_packed", "register_attention", "request_masks", "wrap_linear_attention"]
+__all__ = ["ATTENTION_NAME", "TILES", "RoutingCache", "SeqState", "check_batch_invariant", "choose_tile", "crop_state",
+           "forward_packed", "register_attention", "relayout_linears", "request_masks", "wrap_linear_attention"]
 
-#: Packed rows (and each request's keys and values handed to attention) are padded to a multiple of this.
-TILE = 32
+#: The row tiles tried, smallest first: packed rows (and each request's keys and values handed to
+#: attention) are padded to a multiple of the first one the start-up check passes (see choose_tile).
+TILES = (8, 16, 32, 64)
 #: The attention function registered in transformers' AttentionInterface while a packed step runs.
 ATTENTION_NAME = "eplb_packed"
 
@@ -65,14 +66,15 @@ class _Step:
     masks: list[dict[str, Any]]
     layer_types: Callable[[int], str]
     attention: str  # the model's own attention implementation
+    tile: int
     kv: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
 
 _ACTIVE: list[_Step] = []
 
 
-def _padded(n: int) -> int:
-    return max(TILE, -(-n // TILE) * TILE)
+def _padded(n: int, tile: int) -> int:
+    return max(tile, -(-n // tile) * tile)
 
 
 class RoutingCache:
@@ -92,16 +94,17 @@ class RoutingCache:
             keys.append(k)
             values.append(v)
             spans.append((offset, offset + k.shape[2]))
-            offset += _padded(k.shape[2])
+            offset += _padded(k.shape[2], self.step.tile)
         self.step.kv[layer_idx] = spans
         return _side_by_side(keys, spans, offset), _side_by_side(values, spans, offset)
 
 
 def _side_by_side(parts: list[torch.Tensor], spans: list[tuple[int, int]], total: int) -> torch.Tensor:
     first = parts[0]
-    out = first.new_zeros(first.shape[0], first.shape[1], total, first.shape[3])
-    for part, (start, end) in zip(parts, spans):
+    out = first.new_empty(first.shape[0], first.shape[1], total, first.shape[3])
+    for part, (start, end), gap_end in zip(parts, spans, [s for s, _ in spans[1:]] + [total]):
         out[:, :, start:end] = part
+        out[:, :, end:gap_end] = 0  # the padding after each request's keys (only zeros need writing)
     return out
 
 
@@ -126,7 +129,8 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         o, _ = function(module, query[:, :, start:end].contiguous(), key[:, :, k0:k1].contiguous(),
                         value[:, :, k0:k1].contiguous(), step.masks[i][kind], **kwargs)
         if out is None:
-            out = o.new_zeros(o.shape[0], query.shape[2], *o.shape[2:])
+            out = o.new_empty(o.shape[0], query.shape[2], *o.shape[2:])
+            out[:, step.segments[-1][1]:] = 0  # the padding rows; every request's rows are written below
         out[:, start:end] = o
     assert out is not None  # a packed step holds at least one request
     return out, None
@@ -211,7 +215,8 @@ def crop_state(state: SeqState, length: int) -> SeqState:
     return SeqState(forked, length)
 
 
-def _pack(inputs: Sequence[tuple[torch.Tensor, SeqState | None]]) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+def _pack(inputs: Sequence[tuple[torch.Tensor, SeqState | None]], tile: int
+          ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
     """Token ids and positions of the packed sequence (padded to the tile), and each request's rows."""
     ids, positions, segments = [], [], []
     row = 0
@@ -221,29 +226,29 @@ def _pack(inputs: Sequence[tuple[torch.Tensor, SeqState | None]]) -> tuple[torch
         positions.append(torch.arange(past, past + tokens.numel()))
         segments.append((row, row + tokens.numel()))
         row += tokens.numel()
-    pad = _padded(row) - row
+    pad = _padded(row, tile) - row
     ids.append(torch.zeros(pad, dtype=torch.long))
     positions.append(torch.zeros(pad, dtype=torch.long))
     return torch.cat(ids), torch.cat(positions), segments
 
 
 def forward_packed(model: Any, inputs: Sequence[tuple[torch.Tensor, SeqState | None]],
-                   on_rows: Callable[[int], None]) -> tuple[torch.Tensor, list[SeqState]]:
+                   on_rows: Callable[[int], None], *, tile: int) -> tuple[torch.Tensor, list[SeqState]]:
     """Logits ``[len(inputs), V]`` of each request's last new token, and the requests' new states.
 
     ``on_rows(n)`` is told how many packed rows are real before the model runs (the experts
-    dispatch only those)."""
+    dispatch only those); ``tile`` is the row tile :func:`choose_tile` proved on this model."""
     from transformers import DynamicCache
 
     config = model.config
-    ids, positions, segments = _pack(inputs)
+    ids, positions, segments = _pack(inputs, tile)
     caches = [DynamicCache(config=config) if state is None else _fork(state.cache) for _, state in inputs]
     types = layer_types(config)
     kinds = {types(i) for i in range(int(config.num_hidden_layers))}
     dtype = model.get_input_embeddings().weight.dtype
     masks = [request_masks(config, kinds, cache, positions[start:end], dtype)
              for cache, (start, end) in zip(caches, segments)]
-    step = _Step(segments, caches, masks, types, config._attn_implementation)
+    step = _Step(segments, caches, masks, types, config._attn_implementation, tile)
     on_rows(segments[-1][1])
     _ACTIVE.append(step)
     config._attn_implementation = ATTENTION_NAME
@@ -254,7 +259,7 @@ def forward_packed(model: Any, inputs: Sequence[tuple[torch.Tensor, SeqState | N
         config._attn_implementation = step.attention
         _ACTIVE.pop()
     last = torch.tensor([end - 1 for _, end in segments])
-    rows = hidden.new_zeros(_padded(len(segments)), hidden.shape[-1])
+    rows = hidden.new_zeros(_padded(len(segments), tile), hidden.shape[-1])
     rows[: len(segments)] = hidden[0, last]
     logits = model.get_output_embeddings()(rows)[: len(segments)]
     states = [SeqState(cache, (0 if state is None else state.length) + tokens.numel())
@@ -262,12 +267,51 @@ def forward_packed(model: Any, inputs: Sequence[tuple[torch.Tensor, SeqState | N
     return logits, states
 
 
-def check_batch_invariant(model: nn.Module, *, seed: int = 0) -> None:
+def relayout_linears(model: nn.Module) -> int:
+    """Store every ``nn.Linear`` (and router) weight outside the experts ``[in, out]`` in memory (the same
+    ``[out, in]`` tensor to torch, as a transposed view), so ``F.linear``'s GEMM reads it
+    untransposed. On MKL the transposed operand changes a row's bits below 16 rows on an AVX-512
+    Xeon (4 on an AVX2 one) and costs more; untransposed, a row's bits stay the same from 2 rows up.
+    A weight shared with another module (a tied lm_head) is left as it is. Values are unchanged;
+    later writes (``copy_``) keep the layout. Returns how many weights moved."""
+    users: dict[int, int] = {}
+    for _, module in model.named_modules(remove_duplicate=False):
+        for p in module.parameters(recurse=False):
+            users[id(p)] = users.get(id(p), 0) + 1
+    moved = 0
+    for name, module in model.named_modules():
+        linear = isinstance(module, nn.Linear) or type(module).__name__.endswith(("Router", "Gate"))
+        w = module._parameters.get("weight") if linear else None
+        if w is None or ".experts" in name or users.get(id(w), 0) > 1 or w.dim() != 2 or w.t().is_contiguous():
+            continue
+        module.weight = nn.Parameter(w.detach().t().contiguous().t(), requires_grad=w.requires_grad)
+        moved += 1
+    return moved
+
+
+def choose_tile(model: nn.Module) -> int:
+    """The smallest row tile of :data:`TILES` that :func:`check_batch_invariant` passes on this
+    machine (GEMM kernels change a row's bits below a row count that depends on the CPU and the
+    weights' layout; 8 rows leave no scalar tail in an elementwise loop over rows of a width that
+    is a multiple of 8). Raises the largest tile's error if none passes."""
+    for tile in TILES:
+        try:
+            check_batch_invariant(model, tile=tile)
+        except RuntimeError:
+            if tile == TILES[-1]:
+                raise
+            continue
+        return tile
+    raise AssertionError("unreachable")
+
+
+def check_batch_invariant(model: nn.Module, *, tile: int, seed: int = 0) -> None:
     """Raise if a packed op's rows change bits with the number of rows in the call.
 
     Runs a seeded copy of every distinct row-wise module outside the experts (``nn.Linear``,
-    norms, dense MLPs, routers) on random rows: once in one call of three tiles, and again one
-    tile at a time in another order, and compares bitwise (what :func:`forward_packed` relies on).
+    norms, dense MLPs, routers; weights in the module's own memory layout) on random rows: once in
+    one call of three ``tile``-row tiles, and again one tile at a time in another order, and
+    compares bitwise (what :func:`forward_packed` relies on).
     """
     g = torch.Generator().manual_seed(seed)
     seen: set[tuple] = set()
@@ -279,35 +323,35 @@ def check_batch_invariant(model: nn.Module, *, seed: int = 0) -> None:
         seen.add(key)
         probe = _seeded_copy(module, g)
         dtype = next(probe.parameters()).dtype
-        x = torch.randn(3 * TILE, width, generator=g).to(dtype)
+        x = torch.randn(3 * tile, width, generator=g).to(dtype)
         with torch.no_grad():
             whole = _flat(probe(x))
-            parts = [_flat(probe(x[i * TILE:(i + 1) * TILE])) for i in (2, 0, 1)]
-        _compare(name, module, whole, torch.cat([parts[1], parts[2], parts[0]]))
-    _check_rotary(model, g)
+            parts = [_flat(probe(x[i * tile:(i + 1) * tile])) for i in (2, 0, 1)]
+        _compare(name, module, whole, torch.cat([parts[1], parts[2], parts[0]]), tile)
+    _check_rotary(model, g, tile)
 
 
-def _compare(name: str, module: nn.Module, whole: torch.Tensor, tiles: torch.Tensor) -> None:
+def _compare(name: str, module: nn.Module, whole: torch.Tensor, tiles: torch.Tensor, tile: int) -> None:
     if not torch.equal(whole, tiles):
         raise RuntimeError(
-            f"{name} ({type(module).__name__}) is not batch-invariant on this machine: its rows change bits "
-            f"with the number of rows in the call (max diff {float((whole.float() - tiles.float()).abs().max()):.3g}); "
+            f"{name} ({type(module).__name__}) is not batch-invariant on this machine at a {tile}-row tile: its rows "
+            f"change bits with the number of rows in the call (max diff {float((whole.float() - tiles.float()).abs().max()):.3g}); "
             "a request's tokens would depend on the other requests in its step")
 
 
-def _check_rotary(model: nn.Module, g: torch.Generator) -> None:
+def _check_rotary(model: nn.Module, g: torch.Generator, tile: int) -> None:
     """The rotary embedding's cos/sin of packed positions: the same bits in one call and tile by tile."""
     rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
     if rotary is None:
         return
     dtype = next(model.parameters()).dtype
-    x = torch.zeros(1, 3 * TILE, 8, dtype=dtype)
-    positions = torch.randint(0, 64, (1, 3 * TILE), generator=g)
+    x = torch.zeros(1, 3 * tile, 8, dtype=dtype)
+    positions = torch.randint(0, 64, (1, 3 * tile), generator=g)
     with torch.no_grad():
-        whole = torch.cat([t.reshape(3 * TILE, -1) for t in rotary(x, positions)], dim=1)
-        parts = [torch.cat([t.reshape(TILE, -1) for t in rotary(x[:, :TILE], positions[:, i * TILE:(i + 1) * TILE])], dim=1)
+        whole = torch.cat([t.reshape(3 * tile, -1) for t in rotary(x, positions)], dim=1)
+        parts = [torch.cat([t.reshape(tile, -1) for t in rotary(x[:, :tile], positions[:, i * tile:(i + 1) * tile])], dim=1)
                  for i in range(3)]
-    _compare("model.rotary_emb", rotary, whole, torch.cat(parts))
+    _compare("model.rotary_emb", rotary, whole, torch.cat(parts), tile)
 
 
 def _row_wise(module: nn.Module) -> bool:
@@ -333,9 +377,12 @@ def _seeded_copy(module: nn.Module, g: torch.Generator) -> nn.Module:
     """A copy of ``module`` with seeded weights (a joining rank's weights are not there yet); a wide
     linear (an lm_head) keeps its input width and at most 1024 outputs (a row's bits follow the input width)."""
     if isinstance(module, nn.Linear) and module.out_features > 1024:
-        probe: nn.Module = nn.Linear(module.in_features, 1024, bias=module.bias is not None, dtype=module.weight.dtype)
+        wide = nn.Linear(module.in_features, 1024, bias=module.bias is not None, dtype=module.weight.dtype)
+        if module.weight.t().is_contiguous():  # relaid out (relayout_linears): probe the same layout
+            wide.weight = nn.Parameter(wide.weight.detach().t().contiguous().t())
+        probe: nn.Module = wide
     else:
-        probe = copy.deepcopy(module)
+        probe = copy.deepcopy(module)  # clones keep each tensor's strides
     with torch.no_grad():
         for p in probe.parameters():
             p.copy_((torch.randn(p.shape, generator=g) * 0.2).to(p.dtype))
