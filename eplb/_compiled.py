@@ -557,6 +557,67 @@ def keep_idle(p2l, carried, idle, g):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True)
+def _pairwise(a, lo, n):  # pragma: no cover - compiled
+    """``a[lo:lo + n].sum()`` for ``n <= 128``, added in numpy's order (its pairwise summation: eight
+    partial sums), so the result is numpy's to the bit. Not recursive: a recursive function loaded
+    from numba's cache crashed (numba 0.68)."""
+    if n < 8:
+        res = 0.0
+        for i in range(n):
+            res += a[lo + i]
+        return res
+    if n <= 128:
+        r0, r1, r2, r3 = a[lo], a[lo + 1], a[lo + 2], a[lo + 3]
+        r4, r5, r6, r7 = a[lo + 4], a[lo + 5], a[lo + 6], a[lo + 7]
+        i = 8
+        while i < n - (n % 8):
+            r0 += a[lo + i]
+            r1 += a[lo + i + 1]
+            r2 += a[lo + i + 2]
+            r3 += a[lo + i + 3]
+            r4 += a[lo + i + 4]
+            r5 += a[lo + i + 5]
+            r6 += a[lo + i + 6]
+            r7 += a[lo + i + 7]
+            i += 8
+        res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+        while i < n:
+            res += a[lo + i]
+            i += 1
+        return res
+    raise ValueError("_pairwise: more than 128 items (numpy splits them in halves; not done here)")
+
+
+@numba.njit(cache=True)
+def balancedness(p2l, load, g):  # pragma: no cover - compiled
+    """``[B]`` mean GPU load over the peak of ``p2l [B, P]`` on ``load [B, L]`` (float64; 1 where the
+    peak is 0), as numpy computes it (``eplb.algorithm._balancedness``), bit for bit; at most 128
+    GPUs and 128 slots per GPU (:func:`_pairwise`)."""
+    b, p = p2l.shape
+    n = load.shape[1]
+    s = p // g
+    out = np.empty(b)
+    cnt = np.zeros(n, np.int64)
+    per = np.empty(p)
+    gl = np.empty(g)
+    for r in range(b):
+        for t in range(p):
+            cnt[p2l[r, t]] += 1
+        for t in range(p):
+            per[t] = load[r, p2l[r, t]] / max(cnt[p2l[r, t]], 1)
+        peak = -np.inf
+        for x in range(g):
+            gl[x] = _pairwise(per, x * s, s)
+            if gl[x] > peak:
+                peak = gl[x]
+        mean = _pairwise(gl, 0, g) / g
+        out[r] = mean / max(peak, 1e-300) if peak > 0 else 1.0
+        for t in range(p):
+            cnt[p2l[r, t]] = 0
+    return out
+
+
+@numba.njit(cache=True)
 def take_counts(slot_expert, load, target):  # pragma: no cover - compiled
     """Replace moves (one copy each) that give every layer of ``slot_expert [R, G, S]`` (in place)
     the replica counts ``target [R, L]`` (same total): each step the short expert with the largest

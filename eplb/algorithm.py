@@ -1607,6 +1607,11 @@ def _swapped(p2l: np.ndarray, load: np.ndarray, num_gpus: int, aim: np.ndarray) 
 
 
 def _balancedness(p2l: np.ndarray, load: np.ndarray, num_gpus: int) -> np.ndarray:
+    """``[B]`` mean GPU load over the peak (1 where the peak is 0); compiled for float64 loads
+    (:func:`eplb._compiled.balancedness`, numpy's sums to the bit)."""
+    if (load.dtype == np.float64 and p2l.dtype == np.int64 and p2l.size and p2l.min() >= 0 and num_gpus <= 128
+            and p2l.shape[1] <= 128 * num_gpus):
+        return _compiled.balancedness(np.ascontiguousarray(p2l), np.ascontiguousarray(load), int(num_gpus))
     loads = _gpu_loads(p2l, load, num_gpus)
     peak = loads.max(axis=1)
     return np.where(peak > 0, loads.mean(axis=1) / np.maximum(peak, 1e-300), 1.0)

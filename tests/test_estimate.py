@@ -176,6 +176,25 @@ def test_keep_idle_reseats_idle_experts_without_changing_balance_or_counts_and_n
     assert (_copies_vs(carried, out, gpus, n) <= _copies_vs(carried, p2l, gpus, n)).all()
 
 
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), gpus=st.sampled_from([1, 2, 3, 8, 32, 64, 128]), per_gpu=st.integers(1, 20),
+       integer=st.booleans())
+def test_the_compiled_balancedness_is_numpys_to_the_bit(seed, gpus, per_gpu, integer):
+    from eplb.algorithm import _gpu_loads
+
+    rng = np.random.default_rng(seed)
+    slots = gpus * per_gpu
+    n = int(rng.integers(1, slots + 1))
+    load = rng.pareto(1.2, (3, n)) * 100 * (rng.random((3, n)) < 0.8)
+    load = np.round(load) if integer else load
+    p2l = np.stack([np.concatenate([rng.permutation(n), rng.integers(0, n, slots - n)]) for _ in range(3)])
+    loads = _gpu_loads(p2l, load, gpus)  # numpy: sums over a GPU's slots, the mean over GPUs
+    peak = loads.max(axis=1)
+    want = np.where(peak > 0, loads.mean(axis=1) / np.maximum(peak, 1e-300), 1.0)
+    assert np.array_equal(_compiled.balancedness(p2l, load, gpus), want)
+
+
 # --- the deployment knob: eplb.load_smoothing -------------------------------------------------
 
 
