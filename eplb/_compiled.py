@@ -618,6 +618,41 @@ def balancedness(p2l, load, g):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True)
+def on_draws(p2l, draws, g):  # pragma: no cover - compiled
+    """``[B]`` mean over ``draws [K, B, L]`` (float64) of the balancedness of ``p2l [B, P]``, as numpy
+    computes it (``eplb.algorithm._on_draws``); at most 128 GPUs, 128 slots per GPU and 128 draws
+    (:func:`_pairwise`). numpy's own sums over the slots run in an order that depends on its
+    gathered array's layout (one after another with several draws), so the two may differ in the
+    last bits."""
+    k, b, n = draws.shape
+    p = p2l.shape[1]
+    s = p // g
+    out = np.empty(b)
+    cnt = np.zeros(n, np.int64)
+    per = np.empty(p)
+    gl = np.empty(g)
+    bal = np.empty(k)
+    for r in range(b):
+        for t in range(p):
+            cnt[p2l[r, t]] += 1
+        for d in range(k):
+            for t in range(p):
+                e = p2l[r, t]
+                per[t] = draws[d, r, e] * (1.0 / max(cnt[e], 1))
+            peak = -np.inf
+            for x in range(g):
+                gl[x] = _pairwise(per, x * s, s)
+                if gl[x] > peak:
+                    peak = gl[x]
+            mean = _pairwise(gl, 0, g) / g
+            bal[d] = mean / max(peak, 1e-300) if peak > 0 else 1.0
+        out[r] = _pairwise(bal, 0, k) / k
+        for t in range(p):
+            cnt[p2l[r, t]] = 0
+    return out
+
+
+@numba.njit(cache=True)
 def take_counts(slot_expert, load, target):  # pragma: no cover - compiled
     """Replace moves (one copy each) that give every layer of ``slot_expert [R, G, S]`` (in place)
     the replica counts ``target [R, L]`` (same total): each step the short expert with the largest

@@ -1584,8 +1584,12 @@ def _normals(shape: tuple[int, ...]) -> np.ndarray:
 
 
 def _on_draws(p2l: np.ndarray, draws: np.ndarray, num_gpus: int) -> np.ndarray:
-    """``[B]`` mean over ``draws [K, B, L]`` of the balancedness of ``p2l [B, P]``."""
+    """``[B]`` mean over ``draws [K, B, L]`` of the balancedness of ``p2l [B, P]`` (compiled for float64
+    draws: :func:`eplb._compiled.on_draws`, equal to this up to the last bits of its sums)."""
     k, b, n = draws.shape
+    if (draws.dtype == np.float64 and p2l.dtype == np.int64 and num_gpus <= 128 and k <= 128
+            and p2l.shape[1] <= 128 * num_gpus and p2l.size and p2l.min() >= 0):
+        return _compiled.on_draws(np.ascontiguousarray(p2l), np.ascontiguousarray(draws), int(num_gpus))
     rows = np.arange(b)[:, None]
     share = (1.0 / np.maximum(_counts_of(p2l, n), 1)).astype(draws.dtype)
     per_slot = draws[:, rows, p2l] * share[rows, p2l][None]

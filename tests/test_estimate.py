@@ -195,6 +195,25 @@ def test_the_compiled_balancedness_is_numpys_to_the_bit(seed, gpus, per_gpu, int
     assert np.array_equal(_compiled.balancedness(p2l, load, gpus), want)
 
 
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), gpus=st.sampled_from([1, 2, 3, 8, 32, 64]), per_gpu=st.integers(1, 12),
+       draws=st.sampled_from([1, 2, 4, 9]))
+def test_the_compiled_balance_on_drawn_windows_is_numpys(seed, gpus, per_gpu, draws):
+    rng = np.random.default_rng(seed)
+    slots = gpus * per_gpu
+    n = int(rng.integers(1, slots + 1))
+    load = rng.pareto(1.2, (3, n)) * 100 * (rng.random((3, n)) < 0.8)
+    drawn = np.maximum(load[None] + rng.standard_normal((draws, 3, n)) * np.sqrt(1.18 * load)[None], 0.0)
+    p2l = np.stack([np.concatenate([rng.permutation(n), rng.integers(0, n, slots - n)]) for _ in range(3)])
+    rows = np.arange(3)[:, None]
+    per_slot = drawn[:, rows, p2l] / np.maximum(_counts_of(p2l, n), 1)[rows, p2l][None]
+    loads = per_slot.reshape(draws, 3, gpus, -1).sum(axis=3)
+    peak = loads.max(axis=2)
+    want = np.where(peak > 0, loads.mean(axis=2) / np.maximum(peak, 1e-300), 1.0).mean(axis=0)
+    np.testing.assert_allclose(_compiled.on_draws(p2l, drawn, gpus), want, rtol=1e-12, atol=0)
+
+
 # --- the deployment knob: eplb.load_smoothing -------------------------------------------------
 
 
