@@ -142,8 +142,9 @@ def test_after_a_torn_commit_every_rank_starts_the_next_scheduled_rebalance_at_t
     # rebalance was one step behind; the recovery shared the window but not the countdown, and rank 0
     # started the next rebalance alone (its transfer waited on a peer that never came), folded one window
     # more into its load estimate, and from the restart on the ranks committed other layers at the same
-    # steps: wrong weights in a "running" deployment. The flaky case needed the recovery's Resume to come
-    # before the countdowns ran out; slow steps and a long interval make it come first every time.
+    # steps: wrong weights in a "running" deployment. The flaky case needed the torn commit to come so
+    # soon after its rebalance's start that the countdowns had not run out by the recovery's Resume;
+    # slow steps (the first layer stages at once) and a long interval make it so every time.
     config = small_config(eplb=dict(async_layer_interval=3, step_interval=24, window_size=6, transfer_timeout_s=10),
                           timeouts=dict(collective=2, heartbeat=3), step_delay_s=0.1)
     with running(config, faults=[TornCommit(rank=1, at_commit=1, generation=0)]) as c:
