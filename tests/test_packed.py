@@ -197,3 +197,19 @@ def test_a_stalled_peer_becomes_a_timeout_naming_the_layer():
     assert r0["first"] == (1, 128) and r1["first"] == (1, 128)
     assert "MoE layer 0" in r0["error"] and "within 3.0s" in r0["error"], r0["error"]
     assert DEADLINE - 0.5 <= r0["seconds"] <= DEADLINE + 2.5
+
+
+def test_the_cpu_split_is_measured_only_when_asked(qwen):
+    """Reading the process's CPU clock around every exchange costs a serving rank; the split is
+    measured only after time_cpu(), and survives a rebind (a rescale makes new contexts)."""
+    prompt = [(torch.tensor([1, 2, 3]), None)]
+    qwen.take_cpu_split()
+    qwen.forward_batch(prompt)
+    assert qwen.take_cpu_split() == {"expert_cpu_s": 0.0, "collective_cpu_s": 0.0}
+    qwen.time_cpu()
+    try:
+        qwen.install_placement(qwen.placement, 0, 1)  # new contexts keep the setting
+        qwen.forward_batch(prompt)
+        assert qwen.take_cpu_split()["expert_cpu_s"] > 0.0
+    finally:
+        qwen.time_cpu(False)
