@@ -32,7 +32,7 @@ from torch import nn
 
 from eplb.model import mismatched_slots, mismatched_staged
 from eplb.models.config import HFModelConfig, tiny_config
-from eplb.models.dispatch import register
+from eplb.models.dispatch import register, step_header
 from eplb.models.kernel import (
     KERNEL_NAME,
     ExpertsContext,
@@ -362,6 +362,7 @@ class HFMoE:
         self.num_logical_experts = getattr(first, self.names[0]).shape[0]
         self.num_expert_groups = int(getattr(self.model.config, "n_group", None) or 1)
         self.hidden_size = int(self.model.config.hidden_size)
+        self.top_k = int(self.model.config.num_experts_per_tok)
         self.vocab_size = int(self.model.config.vocab_size)
         self._contexts: list[ExpertsContext] = []
         self._weights: list[list[torch.Tensor]] = []
@@ -597,6 +598,7 @@ class HFMoE:
         def on_rows(rows: int) -> None:
             for c in self._contexts:
                 c.rows = rows
+            step_header(self._contexts, rows, self.top_k)
 
         try:
             return forward_packed(self.model, checked, on_rows, tile=self.tile)
@@ -617,6 +619,7 @@ class HFMoE:
         """Take part in every MoE layer's exchanges with no tokens of our own (vLLM's dummy batch)."""
         from eplb.models.dispatch import exchange
 
+        step_header(self._contexts, 0, 0)
         dtype = self.dtype
         hidden = torch.empty(0, self.hidden_size, dtype=dtype)
         for c, layer_id in zip(self._contexts, self.moe_layer_ids):

@@ -64,6 +64,8 @@ class ExpertsContext:
     min_rows: int = 1  # a slot's rows are padded to at least this many (the machine's row_floor)
     placement_print: int = 0  # a fingerprint of this layer's placement row: the ranks must agree on it
     rows: int | None = None  # real token rows of the packed step being run (None: outside forward_batch)
+    peer_rows: tuple[int, ...] = ()  # every rank's real rows this step (dispatch.step_header)
+    peer_top_k: int = 0  # the group's top-k this step (0: no rank has tokens)
     record: bool = True
     timed: bool = False  # measure the CPU split in stats (benchmarks; HFMoE.measure_cpu)
     logical_counts: torch.Tensor | None = None  # [L] int64: the group's pairs, accumulated while record is on
