@@ -349,7 +349,7 @@ def compute_placement(
 
 @functools.cache
 def warm_up() -> None:
-    """Compile (or load from numba's on-disk cache) the compiled kernels of ``default`` with a tiny
+    """Compile (or load from numba's on-disk cache) the compiled kernels of every policy with a tiny
     call through each, so that the first real rebalance does not pay for it (about 0.3 s with the
     cache, several seconds without). Idempotent; safe to run in a background thread (numba
     compiles under its own lock: a concurrent first call waits for it)."""
@@ -363,6 +363,12 @@ def warm_up() -> None:
     _compiled.replica_counts(load, 8, 2)
     _compiled.repair_counts(load, counts.copy(), np.ones(1), 2, 1)
     _compiled.add_replicas(load, counts, np.ones(1, dtype=np.int64), load > 0, 2)
+    p2l = slot_expert.reshape(1, -1)
+    _compiled.logical_to_physical(p2l, counts, 3)
+    _compiled.balancedness(p2l, load, 2)
+    _compiled.on_draws(p2l, load[None], 2)
+    _compiled.copies_vs(p2l, p2l, 2, 6)
+    _compiled.keep_idle(p2l.copy(), p2l, load == 0, 2)
 
 
 # --------------------------------------------------------------------------------------------
