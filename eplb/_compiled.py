@@ -674,6 +674,8 @@ def take_counts(slot_expert, load, target):  # pragma: no cover - compiled
     ssf = np.empty(n)
     last = np.empty(n, np.int64)
     top = np.empty(g, np.int64)
+    rs = np.empty(n)  # a surplus expert's rise of load per replica once it loses one
+    sur = np.empty(n, np.int64)  # the surplus experts
     for r in range(rows):
         w = load[r]
         se = slot_expert[r]
@@ -699,8 +701,8 @@ def take_counts(slot_expert, load, target):  # pragma: no cover - compiled
                 for k in range(s):
                     acc += pl[se[x, k]]
                 gle[x] = acc - (per_e - new_e) * hc[x, e]
-            _surplus_peaks(w, tr, cnt, hc, se, gle, m1, i1, m2, ssf, last, top)
-            bx, bk = _best_take(w, tr, cnt, pl, hc, se, gle, m1, i1, m2, ssf, e, new_e)
+            _surplus_peaks(w, tr, cnt, hc, se, gle, m1, i1, m2, ssf, last, top, rs, sur)
+            bx, bk = _best_take(tr, cnt, pl, hc, se, gle, m1, i1, m2, ssf, e, new_e, rs)
             if bx < 0:
                 stuck[e] = True
                 continue
@@ -718,16 +720,18 @@ def take_counts(slot_expert, load, target):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True)
-def _surplus_peaks(w, target, cnt, hc, se, gle, m1, i1, m2, ssf, last, top):  # pragma: no cover - compiled
+def _surplus_peaks(w, target, cnt, hc, se, gle, m1, i1, m2, ssf, last, top, rs, sur):  # pragma: no cover - compiled
     """For :func:`take_counts`: per expert ``f`` with a surplus, its holders' loads once it loses a
     replica: the highest two GPU loads (``m1``, ``m2``; where the highest is, ``i1``, the lowest
     such GPU on a tie), so a candidate slot's GPU can be left out, and the change of the sum of
     squared GPU loads (``ssf``). Only ``f``'s holders change: they are met in one pass over the
     slots (GPUs in ascending order, as a sum over all GPUs adds them), and the others' highest two
-    are the first two non-holders of the GPUs ordered by load (``top``, as many as needed)."""
+    are the first two non-holders of the GPUs ordered by load (``top``, as many as needed). Also
+    ``rs[f]``, the rise of ``f``'s load per replica, and ``sur``, the surplus experts (returns how many)."""
     g, n = hc.shape
     s = se.shape[1]
     most = 0
+    ns = 0
     for f in range(n):
         if cnt[f] > target[f]:
             m1[f] = -np.inf
@@ -735,6 +739,9 @@ def _surplus_peaks(w, target, cnt, hc, se, gle, m1, i1, m2, ssf, last, top):  # 
             i1[f] = -1
             ssf[f] = 0.0
             last[f] = -1
+            rs[f] = w[f] / (cnt[f] - 1) - w[f] / cnt[f]
+            sur[ns] = f
+            ns += 1
             if cnt[f] > most:
                 most = cnt[f]
     # the holders, GPUs ascending
@@ -744,8 +751,7 @@ def _surplus_peaks(w, target, cnt, hc, se, gle, m1, i1, m2, ssf, last, top):  # 
             if cnt[f] <= target[f] or last[f] == x:
                 continue
             last[f] = x
-            rise = w[f] / (cnt[f] - 1) - w[f] / cnt[f]
-            v = gle[x] + rise * hc[x, f]
+            v = gle[x] + rs[f] * hc[x, f]
             ssf[f] += v * v - gle[x] * gle[x]
             if v > m1[f] or (v == m1[f] and x < i1[f]):
                 m2[f] = m1[f]
@@ -767,9 +773,8 @@ def _surplus_peaks(w, target, cnt, hc, se, gle, m1, i1, m2, ssf, last, top):  # 
         top[j] = x
         if c < m:
             c += 1
-    for f in range(n):
-        if cnt[f] <= target[f]:
-            continue
+    for q in range(ns):
+        f = sur[q]
         taken = 0
         for j in range(c):
             x = top[j]
@@ -785,12 +790,14 @@ def _surplus_peaks(w, target, cnt, hc, se, gle, m1, i1, m2, ssf, last, top):  # 
             taken += 1
             if taken == 2:
                 break
+    return ns
 
 
 @numba.njit(cache=True)
-def _best_take(w, target, cnt, pl, hc, se, gle, m1, i1, m2, ssf, e, new_e):  # pragma: no cover - compiled
+def _best_take(target, cnt, pl, hc, se, gle, m1, i1, m2, ssf, e, new_e, rs):  # pragma: no cover - compiled
     """For :func:`take_counts`: the slot ``(x, k)`` of a surplus expert, on a GPU without ``e``, whose
-    move to ``e`` leaves the lowest peak (ties: the lowest sum of squares); ``(-1, -1)`` if none."""
+    move to ``e`` leaves the lowest peak (ties: the lowest sum of squares); ``(-1, -1)`` if none.
+    ``rs``: each surplus expert's rise of load per replica (:func:`_surplus_peaks`)."""
     g, s = se.shape
     bpeak = np.inf
     bload = np.inf
@@ -804,13 +811,15 @@ def _best_take(w, target, cnt, pl, hc, se, gle, m1, i1, m2, ssf, e, new_e):  # p
             if cnt[f] <= target[f]:
                 continue
             per_f = pl[f]
-            rise = w[f] / (cnt[f] - 1) - per_f
+            rise = rs[f]
             here = gle[x] - per_f + new_e + rise * (hc[x, f] - 1)
             others = m2[f] if i1[f] == x else m1[f]
             pk = max(here, others)
+            tie = abs(pk - bpeak) <= 1e-12 * max(abs(bpeak), 1.0)
+            if not tie and pk >= bpeak:  # neither lower nor tied: its sum of squares does not matter
+                continue
             old = gle[x] + rise * hc[x, f]
             dss = ssf[f] - (old * old - gle[x] * gle[x]) + (here * here - gle[x] * gle[x])
-            tie = abs(pk - bpeak) <= 1e-12 * max(abs(bpeak), 1.0)
             if (pk < bpeak and not tie) or (tie and dss < bload):
                 bpeak = pk
                 bload = dss
