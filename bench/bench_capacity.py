@@ -53,6 +53,7 @@ import math
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -625,8 +626,10 @@ def phase_figures(rounds: list[dict[str, Any]], phases: list[str], phase: str,
              if any(r["step_start"] < s["step"] <= r["step_end"] for r in chosen)]
     if not steps:
         raise BenchError(f"no /state sample of a step {phase} the first rebalance")
+    rates = sorted(r["tokens"] / r["wall_s"] for r in chosen)
     return figures.as_dict() | {
         "rounds": len(chosen), "requests": sum(r["requests"] for r in chosen),
+        "round_tokens_per_s": {"min": rates[0], "median": statistics.median(rates), "max": rates[-1]},
         "mismatched": [i for r in chosen for i in r["mismatched"]],
         "step_balancedness": sum(steps) / len(steps), "sampled_steps": len(steps),
         "window": chosen[-1]["window"]}
@@ -704,8 +707,9 @@ def run_skew(model_dir: Path, args: argparse.Namespace, expected: list[list[int]
             b, a = data["before"], data["after"]
             print(f"EP {ep}, EPLB {name}: balancedness window {b['window']['balancedness']:.3f} -> "
                   f"{a['window']['balancedness']:.3f}, per step {b['step_balancedness']:.3f} -> "
-                  f"{a['step_balancedness']:.3f}; tokens/s {b['tokens_per_s']:.1f} -> {a['tokens_per_s']:.1f}",
-                  file=sys.stderr)
+                  f"{a['step_balancedness']:.3f} (ceiling {a['window']['step_ceiling']:.3f}); tokens/s "
+                  f"{b['tokens_per_s']:.1f} -> {a['tokens_per_s']:.1f} (rounds' median "
+                  f"{b['round_tokens_per_s']['median']:.1f} -> {a['round_tokens_per_s']['median']:.1f})", file=sys.stderr)
     return out
 
 
@@ -848,11 +852,11 @@ def skew_targets(figures: dict[str, Any], eps: Sequence[int]) -> list[Target]:
                           "1st rebalance", _figure(figures, "skew", size, "on", "after", "window", "balancedness"),
                           0.9, False))
         out.append(Target(f"dispatch balancedness, skewed, EPLB on, EP {size}: per step after the 1st rebalance "
-                          f"(mean of {sampled} sampled steps; sampling caps it at {ceiling:.3f})",
+                          f"(mean of {sampled} sampled steps; est. of a decode step drawn from the window {ceiling:.3f})",
                           _figure(figures, "skew", size, "on", "after", "step_balancedness"), 0.9, False))
-        out.append(Target(f"tokens/s after the 1st rebalance, skewed, EPLB on / off, EP {size} (x)",
-                          _figure(figures, "skew", size, "on", "after", "tokens_per_s")
-                          / _figure(figures, "skew", size, "off", "after", "tokens_per_s"), None, False))
+        out.append(Target(f"tokens/s after the 1st rebalance, skewed, EPLB on / off, EP {size} (x, medians of the "
+                          "rounds)", _figure(figures, "skew", size, "on", "after", "round_tokens_per_s", "median")
+                          / _figure(figures, "skew", size, "off", "after", "round_tokens_per_s", "median"), None, False))
         wrong = 0
         for mode in ("on", "off"):
             for phase in ("before", "after"):
@@ -889,7 +893,7 @@ def print_table(figures: dict[str, Any], checks: list[Target], eps: Sequence[int
 
     skewed = "skew" in figures
     table = Table(title=f"capacity: {figures['model']['summary']}", caption=caption)
-    middle = ("balancedness, window", "balancedness, per step (of ceiling)") if skewed else ("idle (cores/rank)",)
+    middle = ("balancedness, window", "balancedness, per step") if skewed else ("idle (cores/rank)",)
     columns = ("", "CPU/token (ms)", "tokens/s", "x reference CPU/token", *middle, "tokens unlike ref.")
     for column in columns:
         table.add_column(column, justify="left" if not column else "right")
@@ -912,11 +916,12 @@ def print_table(figures: dict[str, Any], checks: list[Target], eps: Sequence[int
                 run = figures["skew"][size][mode][phase]
                 table.add_row(f"elastic-ep EP {size}, {max(concurrencies)} concurrent, skew {figures['skew_s']:g}, "
                               f"EPLB {mode}, {phase} the 1st rebalance ({run['rounds']} rounds)",
-                              _fmt(run["cpu_per_token_ms"]), _fmt(run["tokens_per_s"], 1),
+                              _fmt(run["cpu_per_token_ms"]),
+                              f"{_fmt(run['tokens_per_s'], 1)} (median {_fmt(run['round_tokens_per_s']['median'], 1)})",
                               _fmt(run["cpu_per_token_ms"] / ref_cpu),
                               f"{_fmt(run['window']['balancedness'], 3)} ({run['window']['steps']} steps)",
-                              f"{_fmt(run['step_balancedness'], 3)} of {_fmt(run['window']['step_ceiling'], 3)} "
-                              f"({run['sampled_steps']} steps)",
+                              f"{_fmt(run['step_balancedness'], 3)} ({run['sampled_steps']} steps; est. "
+                              f"{_fmt(run['window']['step_ceiling'], 3)})",
                               f"{len(run['mismatched'])} of {run['requests']}")
     table.add_section()
     blank = [""] * (len(columns) - 4)
@@ -1034,9 +1039,11 @@ def skew_caption(figures: dict[str, Any], eps: Sequence[int]) -> str:
         for mode in ("on", "off"):
             parts.append(f"EP {size} EPLB {mode} window {_fmt(mean(figures['skew'][size][mode]['after']['window']['hot_over_mean']))}")
     return "; ".join(parts) + (". Balancedness: mean over layers of mean/max pairs per rank; window: the EPLB's "
-                               "load window (GET /placement) under the placement; per step: GET /state's, sampled, "
-                               "'of' the most a step of as many tokens as requests in flight can reach on that "
-                               "window's load and placement (sampling alone: drawn steps, the dispatch's split).")
+                               "load window (GET /placement) under the placement; per step: GET /state's, sampled "
+                               "(prefill steps among them); est.: a decode step of as many tokens as requests in "
+                               "flight, its pairs drawn from that window's load, split over the placement's replicas "
+                               "as the dispatch does (what sampling alone leaves). tokens/s: the phase's total, and "
+                               "the median of its rounds (other jobs share the cores).")
 
 
 def main(argv: list[str] | None = None) -> int:

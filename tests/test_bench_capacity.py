@@ -263,6 +263,8 @@ def test_rounds_split_before_during_after_the_first_rebalance() -> None:
     assert after["cpu_per_token_ms"] == pytest.approx(1e3 * 2.0 / 200)
     assert after["sampled_steps"] == 3 and after["step_balancedness"] == pytest.approx(0.9)  # 45, 55, 60; not 40
     assert after["window"]["balancedness"] == 0.97 and after["mismatched"] == [2]
+    assert after["round_tokens_per_s"] == {"min": 200.0, "median": 200.0, "max": 200.0}
+    assert phase_figures(rounds, phases, "during", samples)["round_tokens_per_s"]["median"] == 100.0
     before = phase_figures(rounds, phases, "before", samples)
     assert before["sampled_steps"] == 1 and before["window"]["balancedness"] == 0.5
     with pytest.raises(BenchError, match="no round before"):
@@ -274,7 +276,8 @@ def test_rounds_split_before_during_after_the_first_rebalance() -> None:
 def _skew_figures(window_on: float = 0.95, step_on: float = 0.92, tps_on: float = 300.0, tps_off: float = 200.0,
                   wrong: tuple[int, ...] = ()) -> dict:
     def phase(window: float, step: float, tps: float) -> dict:
-        return {"tokens_per_s": tps, "step_balancedness": step, "sampled_steps": 12, "mismatched": list(wrong),
+        return {"tokens_per_s": tps + 100, "round_tokens_per_s": {"median": tps}, "step_balancedness": step,
+                "sampled_steps": 12, "mismatched": list(wrong),
                 "window": {"balancedness": window, "steps": 64, "step_ceiling": 0.95}}
     run = {"on": {"before": phase(0.7, 0.6, 250.0), "after": phase(window_on, step_on, tps_on)},
            "off": {"before": phase(0.7, 0.6, 250.0), "after": phase(0.7, 0.6, tps_off)}}
@@ -284,13 +287,13 @@ def _skew_figures(window_on: float = 0.95, step_on: float = 0.92, tps_on: float 
 def test_skew_targets() -> None:
     ok = _by_name(skew_targets(_skew_figures(), [2]))
     assert all(t.ok for t in ok.values()) and len(ok) == 4
-    ratio = ok["tokens/s after the 1st rebalance, skewed, EPLB on / off, EP 2 (x)"]
+    ratio = ok["tokens/s after the 1st rebalance, skewed, EPLB on / off, EP 2 (x, medians of the rounds)"]
     assert ratio.value == pytest.approx(1.5) and ratio.limit is None
     bad = _by_name(skew_targets(_skew_figures(window_on=0.89, step_on=0.85, tps_on=100.0, wrong=(1,)), [2]))
     assert {n for n, t in bad.items() if not t.ok} == {
         "dispatch balancedness, skewed, EPLB on, EP 2: window of 64 steps after the 1st rebalance",
         "dispatch balancedness, skewed, EPLB on, EP 2: per step after the 1st rebalance (mean of 12 sampled steps; "
-        "sampling caps it at 0.950)",
+        "est. of a decode step drawn from the window 0.950)",
         "requests with tokens unlike the reference, skewed, EP 2"}
     assert bad["requests with tokens unlike the reference, skewed, EP 2"].value == 4  # on and off, before and after
     figures = _skew_figures()
