@@ -839,7 +839,8 @@ def targets(figures: dict[str, Any], eps: Sequence[int], concurrencies: Sequence
 def skew_targets(figures: dict[str, Any], eps: Sequence[int]) -> list[Target]:
     """The skewed-routing target at each EP size (a missing figure raises): the dispatch's balancedness
     after the first rebalance with the EPLB on, over the load window and per step (>= 0.9); the tokens/s
-    after it, EPLB on over off (no limit in the issue); and no request with tokens unlike the reference.
+    after it, EPLB on over off (no limit in the issue), and before it (both runs on the static placement:
+    how far apart two runs are by noise alone); and no request with tokens unlike the reference.
 
     ``figures``: ``{"skew": {ep: {"on"|"off": {"before"|"after": {tokens_per_s, step_balancedness,
     sampled_steps, mismatched, window: {balancedness, steps}}}}}}``."""
@@ -854,9 +855,12 @@ def skew_targets(figures: dict[str, Any], eps: Sequence[int]) -> list[Target]:
         out.append(Target(f"dispatch balancedness, skewed, EPLB on, EP {size}: per step after the 1st rebalance "
                           f"(mean of {sampled} sampled steps; est. of a decode step drawn from the window {ceiling:.3f})",
                           _figure(figures, "skew", size, "on", "after", "step_balancedness"), 0.9, False))
-        out.append(Target(f"tokens/s after the 1st rebalance, skewed, EPLB on / off, EP {size} (x, medians of the "
-                          "rounds)", _figure(figures, "skew", size, "on", "after", "round_tokens_per_s", "median")
-                          / _figure(figures, "skew", size, "off", "after", "round_tokens_per_s", "median"), None, False))
+        for phase, what in (("after", "after the 1st rebalance"),
+                            ("before", "before it (the same placement: the runs' noise)")):
+            out.append(Target(f"tokens/s {what}, skewed, EPLB on / off, EP {size} (x, medians of the rounds)",
+                              _figure(figures, "skew", size, "on", phase, "round_tokens_per_s", "median")
+                              / _figure(figures, "skew", size, "off", phase, "round_tokens_per_s", "median"),
+                              None, False))
         wrong = 0
         for mode in ("on", "off"):
             for phase in ("before", "after"):

@@ -286,7 +286,10 @@ def _skew_figures(window_on: float = 0.95, step_on: float = 0.92, tps_on: float 
 
 def test_skew_targets() -> None:
     ok = _by_name(skew_targets(_skew_figures(), [2]))
-    assert all(t.ok for t in ok.values()) and len(ok) == 4
+    assert all(t.ok for t in ok.values()) and len(ok) == 5
+    control = ok["tokens/s before it (the same placement: the runs' noise), skewed, EPLB on / off, EP 2 (x, medians "
+                 "of the rounds)"]
+    assert control.value == pytest.approx(1.0) and control.limit is None
     ratio = ok["tokens/s after the 1st rebalance, skewed, EPLB on / off, EP 2 (x, medians of the rounds)"]
     assert ratio.value == pytest.approx(1.5) and ratio.limit is None
     bad = _by_name(skew_targets(_skew_figures(window_on=0.89, step_on=0.85, tps_on=100.0, wrong=(1,)), [2]))
