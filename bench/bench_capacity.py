@@ -919,12 +919,12 @@ def print_table(figures: dict[str, Any], checks: list[Target], eps: Sequence[int
             for phase in ("before", "after"):
                 run = figures["skew"][size][mode][phase]
                 table.add_row(f"elastic-ep EP {size}, {max(concurrencies)} concurrent, skew {figures['skew_s']:g}, "
-                              f"EPLB {mode}, {phase} the 1st rebalance ({run['rounds']} rounds)",
+                              f"EPLB {mode}: {phase} the 1st rebalance, {run['rounds']} rounds",
                               _fmt(run["cpu_per_token_ms"]),
                               f"{_fmt(run['tokens_per_s'], 1)} (median {_fmt(run['round_tokens_per_s']['median'], 1)})",
                               _fmt(run["cpu_per_token_ms"] / ref_cpu),
                               f"{_fmt(run['window']['balancedness'], 3)} ({run['window']['steps']} steps)",
-                              f"{_fmt(run['step_balancedness'], 3)} ({run['sampled_steps']} steps; est. "
+                              f"{_fmt(run['step_balancedness'], 3)} ({run['sampled_steps']}; est. "
                               f"{_fmt(run['window']['step_ceiling'], 3)})",
                               f"{len(run['mismatched'])} of {run['requests']}")
     table.add_section()
@@ -934,7 +934,7 @@ def print_table(figures: dict[str, Any], checks: list[Target], eps: Sequence[int
         limit = "-" if t.limit is None else f"{'<=' if t.at_most else '>='} {t.limit:g}"
         verdict = "(reported)" if t.limit is None else "[green]PASS[/green]" if t.ok else "[red]FAIL[/red]"
         table.add_row(t.name, _fmt(t.value, 3), limit, *blank, verdict)
-    Console(width=170 if skewed else 150).print(table)
+    Console(width=200 if skewed else 150).print(table)
 
 
 # -- main ---------------------------------------------------------------------------------------------
@@ -1043,7 +1043,7 @@ def skew_caption(figures: dict[str, Any], eps: Sequence[int]) -> str:
         for mode in ("on", "off"):
             parts.append(f"EP {size} EPLB {mode} window {_fmt(mean(figures['skew'][size][mode]['after']['window']['hot_over_mean']))}")
     return "; ".join(parts) + (". Balancedness: mean over layers of mean/max pairs per rank; window: the EPLB's "
-                               "load window (GET /placement) under the placement; per step: GET /state's, sampled "
+                               "load window (GET /placement) under the placement; per step: GET /state's, sampled (how many) "
                                "(prefill steps among them); est.: a decode step of as many tokens as requests in "
                                "flight, its pairs drawn from that window's load, split over the placement's replicas "
                                "as the dispatch does (what sampling alone leaves). tokens/s: the phase's total, and "
