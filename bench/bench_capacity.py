@@ -707,7 +707,7 @@ def run_skew(model_dir: Path, args: argparse.Namespace, expected: list[list[int]
             b, a = data["before"], data["after"]
             print(f"EP {ep}, EPLB {name}: balancedness window {b['window']['balancedness']:.3f} -> "
                   f"{a['window']['balancedness']:.3f}, per step {b['step_balancedness']:.3f} -> "
-                  f"{a['step_balancedness']:.3f} (ceiling {a['window']['step_ceiling']:.3f}); tokens/s "
+                  f"{a['step_balancedness']:.3f} (est. {a['window']['step_ceiling']:.3f}); tokens/s "
                   f"{b['tokens_per_s']:.1f} -> {a['tokens_per_s']:.1f} (rounds' median "
                   f"{b['round_tokens_per_s']['median']:.1f} -> {a['round_tokens_per_s']['median']:.1f})", file=sys.stderr)
     return out
@@ -1043,8 +1043,8 @@ def skew_caption(figures: dict[str, Any], eps: Sequence[int]) -> str:
         for mode in ("on", "off"):
             parts.append(f"EP {size} EPLB {mode} window {_fmt(mean(figures['skew'][size][mode]['after']['window']['hot_over_mean']))}")
     return "; ".join(parts) + (". Balancedness: mean over layers of mean/max pairs per rank; window: the EPLB's "
-                               "load window (GET /placement) under the placement; per step: GET /state's, sampled (how many) "
-                               "(prefill steps among them); est.: a decode step of as many tokens as requests in "
+                               "load window (GET /placement) under the placement; per step: GET /state's, sampled (how many steps, "
+                               "prefill steps among them); est.: a decode step of as many tokens as requests in "
                                "flight, its pairs drawn from that window's load, split over the placement's replicas "
                                "as the dispatch does (what sampling alone leaves). tokens/s: the phase's total, and "
                                "the median of its rounds (other jobs share the cores).")
