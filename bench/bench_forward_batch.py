@@ -85,6 +85,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace, store: str, queue: An
     model = HFMoE(spec, Placement.static(layers, args.experts, args.experts), rank, world, timeout=120)
     mine = prompts_of(args)[rank::world]
     decode(model, mine[:1], 2)  # warm-up
+    model.time_cpu()
     model.take_cpu_split()
     dist.barrier()
     tokens, cpu, wall = timed(lambda: decode(model, mine, args.new_tokens))
@@ -145,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens_out = args.requests * args.new_tokens
     rows: dict[str, dict[str, Any]] = {}
     decode(model, prompts[:2], 2)  # warm-up
+    model.time_cpu()
     model.take_cpu_split()
     ours, cpu, wall = timed(lambda: decode(model, prompts, args.new_tokens))
     rows["forward_batch EP 1"] = {"cpu": cpu, "wall": wall, "same": True, "per_rank": [{"cpu_s": cpu, **model.take_cpu_split()}]}

@@ -705,3 +705,31 @@ def test_a_latency_gap_is_labelled_by_the_server_windows_it_overlaps(start, end,
                             {"kind": "failure", "started_at": 20.0, "ended_at": None},
                             {"kind": "rebalance", "started_at": 30.0, "ended_at": 30.05}]}
     assert label_gaps(start, end, _windows(timeline, until=25.0)) == expected
+
+
+def test_a_waiting_handler_is_woken_by_the_engine_not_by_a_poll():
+    """The HTTP handlers wait on the engine's change notices: a token reported from another thread
+    wakes the waiter at once, though its fallback timeout is 30 s; an idle waiter is not woken."""
+    import asyncio
+
+    from elastic.service.completions import Wakeups
+
+    gate = RecordingGate()
+    engine = engine_with(gate)
+    wakeups = Wakeups(engine)
+    c = engine.submit(spec("a", n=2))
+    engine._admit_once()
+
+    async def scenario() -> tuple[float, bool]:
+        with wakeups.waiter() as event:
+            started = time.monotonic()
+            await wakeups.wait(event, 0.3)  # nothing happens: it sleeps its whole timeout
+            woken_while_idle = time.monotonic() - started < 0.25
+            loop = asyncio.get_running_loop()
+            started = time.monotonic()
+            loop.run_in_executor(None, lambda: (time.sleep(0.05), engine.on_tokens(tokens("a", (0, 5)))))
+            await wakeups.wait(event, 30.0)
+            return time.monotonic() - started, woken_while_idle
+
+    waited, woken_while_idle = asyncio.run(scenario())
+    assert c.tokens == [5] and waited < 5.0 and not woken_while_idle

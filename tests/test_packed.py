@@ -128,6 +128,28 @@ def test_the_replica_assignment_spreads_a_hot_expert():
     assert torch.bincount(slots, minlength=6).tolist() == sent[0].tolist()
 
 
+def test_a_lightly_used_expert_keeps_its_pairs_on_one_replica_which_rotates():
+    """Expert 0 has a replica on each of 2 ranks. With fewer than 2 x SPLIT_ROWS pairs its pairs
+    are not cut (two half-empty GEMMs would read both replicas' weights for the work of one):
+    they all go to one replica, which one turning with the pair count; with enough pairs for two
+    chunks of SPLIT_ROWS they are halved."""
+    from eplb.models.dispatch import SPLIT_ROWS, assign, pair_slots
+
+    placement = Placement.from_physical_to_logical(torch.tensor([[0, 1, 2, 0, 3, 4]]), 5)
+    l2p, rc = placement.logical_to_physical[0], placement.replica_count[0]
+    chosen = set()
+    for n in (3, 4, 2 * SPLIT_ROWS - 1):
+        counts = torch.tensor([[n - 1, 1, 0, 0, 0], [1, 0, 0, 1, 0]])
+        per_slot = assign(counts, l2p, rc, 6).sum(0)
+        assert sorted([int(per_slot[0]), int(per_slot[3])]) == [0, n]  # one replica takes all n
+        chosen.add(0 if per_slot[0] else 3)
+        ids = torch.tensor([0] * (n - 1) + [1])
+        assert (pair_slots(ids, 0, counts, l2p, rc)[:-1] == (0 if per_slot[0] else 3)).all()
+    assert chosen == {0, 3}  # both replicas take turns
+    counts = torch.tensor([[2 * SPLIT_ROWS, 0, 0, 0, 0], [0, 0, 0, 0, 0]])
+    assert assign(counts, l2p, rc, 6).sum(0)[[0, 3]].tolist() == [SPLIT_ROWS, SPLIT_ROWS]
+
+
 def test_the_start_up_check_trips_on_an_op_that_depends_on_the_batch(qwen):
     from eplb.models.packed import check_batch_invariant
 
@@ -175,3 +197,19 @@ def test_a_stalled_peer_becomes_a_timeout_naming_the_layer():
     assert r0["first"] == (1, 128) and r1["first"] == (1, 128)
     assert "MoE layer 0" in r0["error"] and "within 3.0s" in r0["error"], r0["error"]
     assert DEADLINE - 0.5 <= r0["seconds"] <= DEADLINE + 2.5
+
+
+def test_the_cpu_split_is_measured_only_when_asked(qwen):
+    """Reading the process's CPU clock around every exchange costs a serving rank; the split is
+    measured only after time_cpu(), and survives a rebind (a rescale makes new contexts)."""
+    prompt = [(torch.tensor([1, 2, 3]), None)]
+    qwen.take_cpu_split()
+    qwen.forward_batch(prompt)
+    assert qwen.take_cpu_split() == {"expert_cpu_s": 0.0, "collective_cpu_s": 0.0}
+    qwen.time_cpu()
+    try:
+        qwen.install_placement(qwen.placement, 0, 1)  # new contexts keep the setting
+        qwen.forward_batch(prompt)
+        assert qwen.take_cpu_split()["expert_cpu_s"] > 0.0
+    finally:
+        qwen.time_cpu(False)

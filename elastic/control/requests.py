@@ -112,6 +112,7 @@ class RequestEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._watchers: list[Callable[[], None]] = []
         self.counts = {"ok": 0, "failed": 0, "cancelled": 0, "rejected": 0, "replayed": 0, "mismatched": 0}
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -129,6 +130,18 @@ class RequestEngine:
             left = [*self._queue, *self._running.values()]
             for c in left:
                 self._fail(c, ServiceUnavailable("the server is shutting down", retry_after_s=self.config.retry_after_s))
+
+    def watch(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` (from the engine's threads, maybe under its lock: it must not block or call
+        back in) whenever a request got tokens or changed status: waiters need not poll."""
+        self._watchers.append(fn)
+
+    def _changed(self) -> None:
+        for fn in self._watchers:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - a watcher's failure must not break the engine
+                log.exception("a serving watcher failed")
 
     # -- requests --------------------------------------------------------------------------------
     def new_id(self) -> str:
@@ -200,6 +213,8 @@ class RequestEngine:
                     else:
                         break  # a gap: the missing token is on its way
             self._cancels.extend(cancel)
+        if report.tokens:
+            self._changed()
         if cancel:
             self._wake.set()
 
@@ -289,6 +304,7 @@ class RequestEngine:
                     continue
                 c.status = "running"
                 self._running[c.id] = c
+        self._changed()
 
     def _owned(self, admitting: list[Completion], size: int) -> tuple[p.RequestSpec, ...]:
         """The specs of ``admitting``, each owned by the least loaded rank of a group of ``size``
@@ -337,6 +353,7 @@ class RequestEngine:
         c.status = status
         c.finish_reason = reason
         self.counts["ok" if status == "finished" else status] += 1
+        self._changed()
 
     def _fail(self, c: Completion, error: RequestNotServed) -> None:
         if c.done:

@@ -17,11 +17,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,9 +44,7 @@ __all__ = ["CompletionRequest", "ChatRequest", "ServedModel", "completion_routes
 
 log = logging.getLogger("elastic.service.completions")
 
-POLL_S = 0.002  # how often a decoding request looks for new tokens
-QUEUED_POLL_S = 0.02  # and a queued one (many may wait: they must not slow the decoding ones)
-DISCONNECT_CHECK_S = 0.1
+DISCONNECT_CHECK_S = 0.1  # how often a waiting request checks that its client is still there
 BYTES_PER_TOKEN = 24  # the body limit of /v1: 1 MiB and max_model_len tokens of JSON ids or text for 16 prompts
 
 
@@ -237,21 +236,63 @@ def _first_of(choices: list[Choice], prompt_index: int) -> int:
 
 # -- waiting for tokens ---------------------------------------------------------------------------
 
-async def _wait_all(engine: RequestEngine, choices: list[Choice], request: Request, timer: RequestTimer | None) -> bool:
+class Wakeups:
+    """Wakes the handlers that wait for tokens when the engine reports a change, instead of each
+    polling (16 requests polling every 2 ms cost the server 0.13 cores at 270 tokens/s)."""
+
+    def __init__(self, engine: RequestEngine):
+        self._events: set[asyncio.Event] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        engine.watch(self._from_engine)
+
+    def _from_engine(self) -> None:  # the engine's threads
+        loop = self._loop
+        if loop is None or not self._events:
+            return
+        try:
+            loop.call_soon_threadsafe(self._set_all)
+        except RuntimeError:  # the loop closed (shutdown)
+            pass
+
+    def _set_all(self) -> None:
+        for event in self._events:
+            event.set()
+
+    async def wait(self, event: asyncio.Event, timeout: float) -> None:
+        """Until the engine reports a change (or ``timeout``); the event is clear after."""
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except TimeoutError:
+            pass
+        event.clear()
+
+    @contextlib.contextmanager
+    def waiter(self) -> Iterator[asyncio.Event]:
+        self._loop = asyncio.get_running_loop()
+        event = asyncio.Event()
+        self._events.add(event)
+        try:
+            yield event
+        finally:
+            self._events.discard(event)
+
+
+async def _wait_all(engine: RequestEngine, wakeups: Wakeups, choices: list[Choice], request: Request,
+                    timer: RequestTimer | None) -> bool:
     """Until every choice is done; False when the client went away (each then cancelled)."""
     last_check = time.monotonic()
     try:
-        while not all(ch.completion.done for ch in choices):
-            queued = all(ch.completion.status == "queued" for ch in choices)
-            await asyncio.sleep(QUEUED_POLL_S if queued else POLL_S)
-            if timer is not None:
-                timer.update(choices)
-            if time.monotonic() - last_check > DISCONNECT_CHECK_S:
-                last_check = time.monotonic()
-                if await request.is_disconnected():
-                    for ch in choices:
-                        engine.cancel(ch.completion.id)
-                    return False
+        with wakeups.waiter() as event:
+            while not all(ch.completion.done for ch in choices):
+                await wakeups.wait(event, DISCONNECT_CHECK_S)
+                if timer is not None:
+                    timer.update(choices)
+                if time.monotonic() - last_check > DISCONNECT_CHECK_S:
+                    last_check = time.monotonic()
+                    if await request.is_disconnected():
+                        for ch in choices:
+                            engine.cancel(ch.completion.id)
+                        return False
     except asyncio.CancelledError:
         for ch in choices:
             engine.cancel(ch.completion.id)
@@ -292,6 +333,7 @@ class Routes:
 
     def __init__(self, controller: Any, engine: RequestEngine, served: ServedModel, metrics: ServingMetrics | None):
         self.controller, self.engine, self.served, self.metrics = controller, engine, served, metrics
+        self.wakeups = Wakeups(engine)
         self.created = int(time.time())
 
     def router(self) -> APIRouter:
@@ -374,7 +416,7 @@ class Routes:
 
     async def _finish(self, choices: list[Choice], request: Request, timer: RequestTimer | None) -> JSONResponse | None:
         """Wait for every choice; an error response when the client left or a choice failed."""
-        if not await _wait_all(self.engine, choices, request, timer):
+        if not await _wait_all(self.engine, self.wakeups, choices, request, timer):
             return error_response(OpenAIError(499, "the client went away", code="cancelled"))
         _raise_failed(choices)
         if timer is not None:
@@ -465,24 +507,25 @@ class Routes:
         sent_text = [""] * len(choices)
         over = [False] * len(choices)
         try:
-            while not all(over):
-                if timer is not None:
-                    timer.update(choices)
-                for ch in choices:
-                    c = ch.completion
-                    if over[ch.index]:
-                        continue
-                    if c.status == "failed":
-                        return
-                    done, end = c.done, len(c.tokens)
-                    if end > sent[ch.index] or done:
-                        text = ch.view.text(c.tokens[:end], final=done)
-                        piece = text[len(sent_text[ch.index]):] if text.startswith(sent_text[ch.index]) else ""
-                        yield ch, piece, sent[ch.index], end, done
-                        sent[ch.index], sent_text[ch.index] = end, sent_text[ch.index] + piece
-                        over[ch.index] = done
-                queued = all(ch.completion.status == "queued" for ch in choices)
-                await asyncio.sleep(QUEUED_POLL_S if queued else POLL_S)
+            with self.wakeups.waiter() as event:
+                while not all(over):
+                    if timer is not None:
+                        timer.update(choices)
+                    for ch in choices:
+                        c = ch.completion
+                        if over[ch.index]:
+                            continue
+                        if c.status == "failed":
+                            return
+                        done, end = c.done, len(c.tokens)
+                        if end > sent[ch.index] or done:
+                            text = ch.view.text(c.tokens[:end], final=done)
+                            piece = text[len(sent_text[ch.index]):] if text.startswith(sent_text[ch.index]) else ""
+                            yield ch, piece, sent[ch.index], end, done
+                            sent[ch.index], sent_text[ch.index] = end, sent_text[ch.index] + piece
+                            over[ch.index] = done
+                    if not all(over):
+                        await self.wakeups.wait(event, DISCONNECT_CHECK_S)
         finally:
             for ch in choices:
                 if not ch.completion.done:  # the client went away mid-stream: its slot is freed

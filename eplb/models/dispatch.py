@@ -1,24 +1,32 @@
 """Expert-parallel MoE: every (token, expert) pair goes to one replica of its expert and back.
 
-Per MoE layer and step (every rank of the EP group calls :func:`exchange` for every MoE layer,
-in layer order, also with no tokens: vLLM's dummy batches):
+Once per step (:func:`step_header`, called by ``HFMoE.forward_batch`` before the model runs):
+one ``all_gather`` of each rank's real rows, its top-k, and a fingerprint of its placement row
+of every MoE layer, so ranks that disagree on a placement raise
+:class:`~eplb.models.kernel.ReplicaDivergence` naming the layer instead of posting mismatched
+exchanges. Then per MoE layer (every rank of the EP group calls :func:`exchange` for every MoE
+layer, in layer order, also with no tokens: vLLM's dummy batches):
 
-1. *counts*: one ``all_gather`` of each rank's pairs per logical expert (``[L]``, plus a
-   fingerprint of the rank's placement row, so ranks that disagree on the placement raise
-   :class:`~eplb.models.kernel.ReplicaDivergence` naming the layer instead of posting
-   mismatched exchanges);
+1. *dispatch*: one ``all_gather`` of every rank's rows and their expert ids (as bytes, padded
+   to the step's largest row count), so every rank sees every pair;
 2. *assignment* (:func:`assign`, pure, the same on every rank): an expert's pairs, rank 0's
-   first, then rank 1's, ..., are cut into contiguous, equal chunks, one per replica in slot
-   order; so every replica gets its expert's share, and every rank knows how many rows each
-   rank sends to each slot without asking (the all_to_all's split sizes, and the load);
-3. *dispatch*: ``all_to_all_single`` of the pairs' rows, sorted by destination slot;
-4. the holding rank runs its slots' pairs through :func:`~eplb.models.kernel.pair_forward`
-   (each pair its own row-independent product);
-5. *combine*: a second ``all_to_all_single`` returns the outputs; the owner sums a token's k
-   outputs in k order, in float32.
+   first, then rank 1's, ..., are cut into contiguous, equal chunks, one per replica it uses;
+   so every replica gets its expert's share, and every rank knows which pairs every slot takes
+   (the combine's split sizes, and the load). An expert uses only as many replicas as give
+   each at least :data:`SPLIT_ROWS` pairs (at least one): on a CPU a GEMM of a few rows costs
+   about the read of its expert's weights, so cutting a decode step's 2 pairs over 2 replicas
+   reads both replicas' weights for the work of one. Which of its replicas a lightly used
+   expert takes rotates with the expert and its pair count, so the lone chunks spread over the
+   ranks;
+3. the holding rank runs the pairs its slots take, from every rank, through
+   :func:`~eplb.models.kernel.pair_forward` (each pair its own row-independent product);
+4. *combine*: ``all_to_all_single`` returns each owner its pairs' outputs (in pair order per
+   holder); the owner sums a token's k outputs in k order, in float32.
 
-Every wait has a deadline; a dead or stalled peer becomes a :class:`TimeoutError` naming the
-layer. With one rank nothing is sent.
+Two collectives per MoE layer and one per step: the pair counts travel with the rows, which an
+all_gather can size from the step's header (an all_to_all needs every split size first, which
+took a third collective per layer). Every wait has a deadline; a dead or stalled peer becomes a
+:class:`TimeoutError` naming the layer. With one rank nothing is sent.
 """
 
 from __future__ import annotations
@@ -33,16 +41,33 @@ import torch.distributed as dist
 
 from eplb.models.kernel import KERNEL_NAME, ExpertsContext, ReplicaDivergence, pair_forward
 
-__all__ = ["assign", "ep_experts_forward", "exchange", "pair_slots", "register"]
+__all__ = ["SPLIT_ROWS", "assign", "ep_experts_forward", "exchange", "pair_slots", "register", "step_header"]
+
+#: An expert's pairs are cut over more than one replica only in chunks of at least this many.
+SPLIT_ROWS = 16
 
 
 def _starts(total: torch.Tensor, replicas: torch.Tensor, width: int) -> torch.Tensor:
-    """``[L, width + 1]``: where replica ``j`` of each expert starts in its expert's pair order
-    (equal chunks; the first ``total % replicas`` one longer); ``total`` past the last replica."""
+    """``[L, width + 1]``: where chunk ``c`` of each expert starts in its expert's pair order
+    (equal chunks; the first ``total % replicas`` one longer); ``total`` past the last chunk."""
     j = torch.arange(width + 1)
     base, extra = total // replicas, total % replicas
     starts = j[None, :] * base[:, None] + torch.minimum(j[None, :], extra[:, None])
     return torch.minimum(starts, total[:, None])
+
+
+def _chunks(total: torch.Tensor, logical_to_physical: torch.Tensor, replica_count: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert's chunk starts ``[L, W + 1]`` (as :func:`_starts`, over the replicas it uses:
+    at most one per :data:`SPLIT_ROWS` pairs, at least one) and the physical slot of each chunk
+    ``[L, W]``: chunk ``c`` goes to replica ``(c + expert + total) % replicas``."""
+    num_logical, width = logical_to_physical.shape
+    used = torch.minimum((total // SPLIT_ROWS).clamp(min=1), replica_count)
+    starts = _starts(total, used, width)
+    c = torch.arange(width)[None, :]
+    rotation = (torch.arange(num_logical) + total) % replica_count.clamp(min=1)
+    replica = torch.where(c < replica_count[:, None], (c + rotation[:, None]) % replica_count.clamp(min=1)[:, None], c)
+    return starts, logical_to_physical.gather(1, replica)
 
 
 def assign(counts: torch.Tensor, logical_to_physical: torch.Tensor, replica_count: torch.Tensor,
@@ -51,14 +76,14 @@ def assign(counts: torch.Tensor, logical_to_physical: torch.Tensor, replica_coun
     (each rank's pairs per logical expert). Pure; every rank computes the same from the same counts."""
     width = logical_to_physical.shape[1]
     total = counts.sum(0)
-    starts = _starts(total, replica_count, width)  # [L, W + 1]
+    starts, chunk_slots = _chunks(total, logical_to_physical, replica_count)  # [L, W + 1], [L, W]
     first = torch.cumsum(counts, 0) - counts  # [R, L]: where rank r's pairs start in expert order
     lo = torch.maximum(first[:, :, None], starts[None, :, :-1])
     hi = torch.minimum((first + counts)[:, :, None], starts[None, :, 1:])
     overlap = (hi - lo).clamp(min=0)  # [R, L, W]
     valid = torch.arange(width)[None, :] < replica_count[:, None]
     overlap = overlap * valid[None]
-    slots = logical_to_physical.clamp(min=0).reshape(1, -1).expand(counts.shape[0], -1)
+    slots = chunk_slots.clamp(min=0).reshape(1, -1).expand(counts.shape[0], -1)
     return torch.zeros(counts.shape[0], num_physical, dtype=torch.int64).scatter_add_(
         1, slots, overlap.reshape(counts.shape[0], -1))
 
@@ -74,11 +99,23 @@ def pair_slots(ids: torch.Tensor, rank: int, counts: torch.Tensor, logical_to_ph
     within = torch.arange(ids.numel()) - (torch.cumsum(mine, 0) - mine)[sorted_ids]
     first = (torch.cumsum(counts, 0) - counts)[rank]
     position = first[sorted_ids] + within  # in the expert's pair order over all ranks
-    starts = _starts(counts.sum(0), replica_count, logical_to_physical.shape[1])
+    starts, chunk_slots = _chunks(counts.sum(0), logical_to_physical, replica_count)
     chunk = (position[:, None] >= starts[sorted_ids, 1:]).sum(1)
     physical = torch.empty_like(ids)
-    physical[order] = logical_to_physical[sorted_ids, chunk]
+    physical[order] = chunk_slots[sorted_ids, chunk]
     return physical
+
+
+def _clock(ctx: ExpertsContext) -> float:
+    """The process's CPU seconds when this layer's CPU split is measured (``ctx.timed``), else 0:
+    ``process_time`` sums every thread's time in the kernel, and cost a rank several percent of
+    its samples when called around every exchange."""
+    return time.process_time() if ctx.timed else 0.0
+
+
+def _charge(ctx: ExpertsContext, key: str, started: float) -> None:
+    if ctx.timed:
+        ctx.stats[key] += time.process_time() - started
 
 
 def _wait(work: Any, ctx: ExpertsContext, what: str, started: float) -> None:
@@ -89,21 +126,53 @@ def _wait(work: Any, ctx: ExpertsContext, what: str, started: float) -> None:
         raise TimeoutError(f"{what} of MoE layer {ctx.layer} did not finish within {ctx.timeout}s: {exc}") from exc
     if done is False:
         raise TimeoutError(f"{what} of MoE layer {ctx.layer} did not finish within {ctx.timeout}s")
-    ctx.stats["collective_cpu_s"] += time.process_time() - started
+    _charge(ctx, "collective_cpu_s", started)
 
 
-def _group_counts(ctx: ExpertsContext, mine: torch.Tensor) -> torch.Tensor:
-    """``[R, L]`` every rank's pairs per expert (one all_gather), after checking the placements agree."""
-    send = torch.cat([mine, torch.tensor([ctx.placement_print], dtype=torch.int64)])
-    recv = [torch.empty_like(send) for _ in range(ctx.num_ranks)]
-    started = time.process_time()
-    _wait(dist.all_gather(recv, send, group=ctx.group, async_op=True), ctx, "the pair-count all_gather", started)
-    prints = [int(r[-1]) for r in recv]
-    differ = [r for r, p in enumerate(prints) if p != ctx.placement_print]
-    if differ:
-        raise ReplicaDivergence(f"MoE layer {ctx.layer}: rank {ctx.rank} and ranks {differ} hold different placements "
-                                "of this layer (a rank between placements?): the pairs cannot be exchanged")
-    return torch.stack([r[:-1] for r in recv])
+def step_header(contexts: list[ExpertsContext], rows: int, top_k: int) -> None:
+    """Once per step, before the model runs: every rank's real rows and top-k (0: no tokens), and
+    the ranks' placement fingerprints of every MoE layer checked, over one all_gather; every
+    context learns the rows (``peer_rows``) and the top-k (``peer_top_k``) its exchanges size from."""
+    first = contexts[0]
+    if first.num_ranks == 1:
+        for c in contexts:
+            c.peer_rows, c.peer_top_k = (rows,), top_k
+        return
+    send = torch.tensor([rows, top_k, *(c.placement_print for c in contexts)], dtype=torch.int64)
+    recv = [torch.empty_like(send) for _ in range(first.num_ranks)]
+    started = _clock(first)
+    _wait(dist.all_gather(recv, send, group=first.group, async_op=True), first, "the step header all_gather", started)
+    header = torch.stack(recv)  # [R, 2 + layers]
+    for c in contexts:
+        differ = (header[:, 2 + c.layer] != c.placement_print).nonzero().flatten().tolist()
+        if differ:
+            raise ReplicaDivergence(f"MoE layer {c.layer}: rank {c.rank} and ranks {differ} hold different placements "
+                                    "of this layer (a rank between placements?): the pairs cannot be exchanged")
+    peer_rows, peer_top_k = tuple(header[:, 0].tolist()), int(header[:, 1].max())
+    for c in contexts:
+        c.peer_rows, c.peer_top_k = peer_rows, peer_top_k
+
+
+def _gather_pairs(ctx: ExpertsContext, hidden: torch.Tensor, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every rank's rows ``[n_r, H]`` and expert ids ``[n_r, k]``, in rank order (one all_gather of
+    bytes, each rank's padded to the step's largest row count)."""
+    width = hidden.shape[1] * hidden.element_size()
+    k = ctx.peer_top_k
+    most = max(ctx.peer_rows)
+    payload = torch.zeros(most, width + 4 * k, dtype=torch.uint8)
+    n = hidden.shape[0]
+    if n:
+        payload[:n, :width] = hidden.contiguous().view(torch.uint8).reshape(n, width)
+        payload[:n, width:] = ids.to(torch.int32).contiguous().view(torch.uint8).reshape(n, 4 * k)
+    recv = [torch.empty_like(payload) for _ in range(ctx.num_ranks)]
+    started = _clock(ctx)
+    _wait(dist.all_gather(recv, payload, group=ctx.group, async_op=True), ctx, "the expert dispatch all_gather", started)
+    rows, expert_ids = [], []
+    for r, got in enumerate(recv):
+        m = ctx.peer_rows[r]
+        rows.append(got[:m, :width].contiguous().view(hidden.dtype).reshape(m, hidden.shape[1]))
+        expert_ids.append(got[:m, width:].contiguous().view(torch.int32).reshape(m, k).to(torch.int64))
+    return rows, expert_ids
 
 
 def _all_to_all(ctx: ExpertsContext, rows: torch.Tensor, send: list[int], receive: list[int], what: str) -> torch.Tensor:
@@ -111,7 +180,7 @@ def _all_to_all(ctx: ExpertsContext, rows: torch.Tensor, send: list[int], receiv
     width = math.prod(rows.shape[1:]) * rows.element_size()
     payload = rows.contiguous().view(torch.uint8).reshape(rows.shape[0], width)
     out = torch.empty(sum(receive), payload.shape[1], dtype=torch.uint8)
-    started = time.process_time()
+    started = _clock(ctx)
     work = dist.all_to_all_single(out, payload, output_split_sizes=receive, input_split_sizes=send,
                                   group=ctx.group, async_op=True)
     _wait(work, ctx, what, started)
@@ -131,49 +200,63 @@ def exchange(ctx: ExpertsContext, module: torch.nn.Module, hidden: torch.Tensor,
              top_k_weights: torch.Tensor) -> torch.Tensor:
     """One MoE layer's experts for this rank's tokens ``hidden [n, H]`` (``n`` may be 0): ``[n, H]``."""
     num_tokens, top_k = top_k_index.shape
-    ids = top_k_index.reshape(-1).to(torch.int64)
-    mine = torch.bincount(ids, minlength=ctx.logical_to_physical.shape[0])
-    counts = mine[None] if ctx.num_ranks == 1 else _group_counts(ctx, mine)
-    num_physical = ctx.slots_per_rank * ctx.num_ranks
-    sent = assign(counts, ctx.logical_to_physical, ctx.replica_count, num_physical)
-    per_slot = sent.sum(0)  # the group's pairs per physical slot
-    per_rank = per_slot.view(ctx.num_ranks, -1).sum(1)  # and per holding rank
-    _record(ctx, counts, per_slot, per_rank)
-    physical = pair_slots(ids, ctx.rank, counts, ctx.logical_to_physical, ctx.replica_count)
     weights = dict(zip(ctx.names, ctx.weights))
-    x = hidden.repeat_interleave(top_k, dim=0)
     if ctx.num_ranks == 1:
-        started = time.process_time()
+        ids = top_k_index.reshape(-1).to(torch.int64)
+        counts = torch.bincount(ids, minlength=ctx.logical_to_physical.shape[0])[None]
+        sent = assign(counts, ctx.logical_to_physical, ctx.replica_count, ctx.slots_per_rank)
+        _record(ctx, counts, sent.sum(0), sent.sum(0).sum().reshape(1))
+        physical = pair_slots(ids, 0, counts, ctx.logical_to_physical, ctx.replica_count)
+        x = hidden.repeat_interleave(top_k, dim=0)
+        started = _clock(ctx)
         out = pair_forward(module, weights, x, physical, min_rows=ctx.min_rows) if ids.numel() else x
-        ctx.stats["expert_cpu_s"] += time.process_time() - started
+        _charge(ctx, "expert_cpu_s", started)
+        ctx.stats["pairs"] += int(ids.numel())
     else:
-        out = _remote(ctx, module, weights, x, physical, sent)
-    ctx.stats["pairs"] += int(per_rank[ctx.rank])
+        if max(ctx.peer_rows) == 0:  # no rank has a token this step (all know it from the header)
+            return hidden.new_zeros(0, hidden.shape[1])
+        out = _remote(ctx, module, weights, hidden, top_k_index)
     # combine in k order, in float32, whatever the rank layout: the same bits everywhere
     weighted = out.to(hidden.dtype).float() * top_k_weights.reshape(-1, 1).float()
     return weighted.view(num_tokens, top_k, hidden.shape[1]).sum(dim=1).to(hidden.dtype)
 
 
-def _remote(ctx: ExpertsContext, module: torch.nn.Module, weights: dict[str, torch.Tensor], x: torch.Tensor,
-            physical: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
-    """Dispatch ``x``'s pairs to their slots' ranks, compute what this rank holds, combine back."""
-    per_rank = sent.view(ctx.num_ranks, ctx.num_ranks, ctx.slots_per_rank)  # [src, dst, local slot]
-    flows = per_rank.sum(2)  # [src, dst]
-    order = torch.argsort(physical, stable=True)  # by destination rank, then slot
-    layer_what = "the expert dispatch all_to_all"
-    received = _all_to_all(ctx, x[order], flows[ctx.rank].tolist(), flows[:, ctx.rank].tolist(), layer_what)
-    if received.shape[0]:
-        local = torch.repeat_interleave(torch.arange(ctx.slots_per_rank).repeat(ctx.num_ranks),
-                                        per_rank[:, ctx.rank].reshape(-1))
-        started = time.process_time()
-        result = pair_forward(module, weights, received, local, min_rows=ctx.min_rows).to(x.dtype)
-        ctx.stats["expert_cpu_s"] += time.process_time() - started
+def _remote(ctx: ExpertsContext, module: torch.nn.Module, weights: dict[str, torch.Tensor], hidden: torch.Tensor,
+            top_k_index: torch.Tensor) -> torch.Tensor:
+    """Gather every rank's pairs, compute those this rank's slots take, send each owner its outputs.
+    Returns this rank's pairs' outputs ``[n * k, H]`` in pair order."""
+    rows, expert_ids = _gather_pairs(ctx, hidden, top_k_index)
+    num_logical, k = ctx.logical_to_physical.shape[0], ctx.peer_top_k
+    flat = [e.reshape(-1) for e in expert_ids]
+    counts = torch.stack([torch.bincount(f, minlength=num_logical) for f in flat])  # [R, L]
+    sent = assign(counts, ctx.logical_to_physical, ctx.replica_count, ctx.slots_per_rank * ctx.num_ranks)
+    per_slot = sent.sum(0)  # the group's pairs per physical slot
+    per_rank = per_slot.view(ctx.num_ranks, -1).sum(1)  # and per holding rank
+    _record(ctx, counts, per_slot, per_rank)
+    ctx.stats["pairs"] += int(per_rank[ctx.rank])
+    # this rank's slots' pairs from every owner, each owner's in pair order
+    first, holders, taken, local = ctx.rank * ctx.slots_per_rank, [], [], []
+    for r in range(ctx.num_ranks):
+        physical = pair_slots(flat[r], r, counts, ctx.logical_to_physical, ctx.replica_count)
+        holder = torch.div(physical, ctx.slots_per_rank, rounding_mode="floor")
+        holders.append(holder)
+        mine = (holder == ctx.rank).nonzero().flatten()
+        taken.append(rows[r][torch.div(mine, k, rounding_mode="floor")])
+        local.append(physical[mine] - first)
+    x, slots = torch.cat(taken), torch.cat(local)
+    if x.shape[0]:
+        started = _clock(ctx)
+        result = pair_forward(module, weights, x, slots, min_rows=ctx.min_rows).to(hidden.dtype)
+        _charge(ctx, "expert_cpu_s", started)
     else:
-        result = received
-    back = _all_to_all(ctx, result, flows[:, ctx.rank].tolist(), flows[ctx.rank].tolist(),
-                       "the expert combine all_to_all")
-    out = torch.empty_like(x)
-    out[order] = back
+        result = x
+    # combine: owner r gets its pairs' outputs from each holder in rank order, each in pair order
+    send = [int(t.shape[0]) for t in taken]
+    mine = holders[ctx.rank]
+    receive = torch.bincount(mine, minlength=ctx.num_ranks).tolist()
+    back = _all_to_all(ctx, result, send, receive, "the expert combine all_to_all")
+    out = torch.empty(mine.numel(), hidden.shape[1], dtype=hidden.dtype)
+    out[torch.argsort(mine, stable=True)] = back
     return out
 
 
@@ -189,7 +272,8 @@ def ep_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k
     rows = hidden_states.shape[0] if ctx.rows is None else ctx.rows
     if ctx.rows is None and ctx.num_ranks > 1:
         raise RuntimeError("an expert-parallel model runs through HFMoE.forward_batch (its dispatch is a collective)")
-    out = torch.zeros_like(hidden_states)
+    out = torch.empty_like(hidden_states)
+    out[rows:] = 0  # the padding rows
     out[:rows] = exchange(ctx, self, hidden_states[:rows], top_k_index[:rows], top_k_weights[:rows])
     return out
 

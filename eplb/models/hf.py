@@ -32,7 +32,7 @@ from torch import nn
 
 from eplb.model import mismatched_slots, mismatched_staged
 from eplb.models.config import HFModelConfig, tiny_config
-from eplb.models.dispatch import register
+from eplb.models.dispatch import register, step_header
 from eplb.models.kernel import (
     KERNEL_NAME,
     ExpertsContext,
@@ -362,9 +362,12 @@ class HFMoE:
         self.num_logical_experts = getattr(first, self.names[0]).shape[0]
         self.num_expert_groups = int(getattr(self.model.config, "n_group", None) or 1)
         self.hidden_size = int(self.model.config.hidden_size)
+        self.top_k = int(self.model.config.num_experts_per_tok)
         self.vocab_size = int(self.model.config.vocab_size)
         self._contexts: list[ExpertsContext] = []
         self._weights: list[list[torch.Tensor]] = []
+        #: measure the experts' and the exchanges' CPU (take_cpu_split); off: the clock costs
+        self.measure_cpu = False
         #: a slot's rows are padded to this many: the machine's floor for bits independent of the row count
         self.min_rows = row_floor(first, self._probe_weights(), self.hidden_size, self._tails[0][1])
         #: packed rows are padded to a multiple of this: the smallest tile proved batch-invariant here
@@ -425,7 +428,7 @@ class HFMoE:
                 logical_to_physical=self.placement.logical_to_physical[index],
                 replica_count=self.placement.replica_count[index], rank=self.rank, num_ranks=self.num_ranks,
                 slots_per_rank=self.num_local_physical_experts, group=self.group, timeout=self.timeout,
-                min_rows=self.min_rows, placement_print=placement_print(self.placement.logical_to_physical[index],
+                min_rows=self.min_rows, timed=self.measure_cpu, placement_print=placement_print(self.placement.logical_to_physical[index],
                                                 self.placement.replica_count[index]),
                 logical_counts=torch.zeros(self.num_logical_experts, dtype=torch.int64),
                 physical_counts=torch.zeros(self.num_physical_experts, dtype=torch.int64),
@@ -552,9 +555,17 @@ class HFMoE:
             c.rank_pairs.zero_()
         return sum(ratios) / len(ratios) if ratios else None
 
+    def time_cpu(self, on: bool = True) -> None:
+        """Measure the CPU split that :meth:`take_cpu_split` reports (off by default: it reads the
+        process's CPU clock around every exchange)."""
+        self.measure_cpu = on
+        for c in self._contexts:
+            c.timed = on
+
     def take_cpu_split(self) -> dict[str, float]:
         """CPU seconds this rank spent in the experts kernel and in the exchanges (posting and
-        waiting) since the last call, summed over the MoE layers (for benchmarks)."""
+        waiting) since the last call, summed over the MoE layers (for benchmarks; zeros unless
+        :meth:`time_cpu` is on)."""
         out = {"expert_cpu_s": 0.0, "collective_cpu_s": 0.0}
         for c in self._contexts:
             for key in out:
@@ -587,6 +598,7 @@ class HFMoE:
         def on_rows(rows: int) -> None:
             for c in self._contexts:
                 c.rows = rows
+            step_header(self._contexts, rows, self.top_k)
 
         try:
             return forward_packed(self.model, checked, on_rows, tile=self.tile)
@@ -607,6 +619,7 @@ class HFMoE:
         """Take part in every MoE layer's exchanges with no tokens of our own (vLLM's dummy batch)."""
         from eplb.models.dispatch import exchange
 
+        step_header(self._contexts, 0, 0)
         dtype = self.dtype
         hidden = torch.empty(0, self.hidden_size, dtype=dtype)
         for c, layer_id in zip(self._contexts, self.moe_layer_ids):

@@ -64,7 +64,10 @@ class ExpertsContext:
     min_rows: int = 1  # a slot's rows are padded to at least this many (the machine's row_floor)
     placement_print: int = 0  # a fingerprint of this layer's placement row: the ranks must agree on it
     rows: int | None = None  # real token rows of the packed step being run (None: outside forward_batch)
+    peer_rows: tuple[int, ...] = ()  # every rank's real rows this step (dispatch.step_header)
+    peer_top_k: int = 0  # the group's top-k this step (0: no rank has tokens)
     record: bool = True
+    timed: bool = False  # measure the CPU split in stats (benchmarks; HFMoE.measure_cpu)
     logical_counts: torch.Tensor | None = None  # [L] int64: the group's pairs, accumulated while record is on
     physical_counts: torch.Tensor | None = None  # [P] int64: the group's pairs delivered per physical slot
     rank_pairs: torch.Tensor | None = None  # [R] int64: pairs each rank's experts computed
@@ -103,7 +106,11 @@ def pair_forward(module: torch.nn.Module, weights: dict[str, torch.Tensor], x: t
         out = torch._grouped_mm(inp, w_all, offs=offsets)
         return out if bias is None else out + bias[row_slot]
 
-    rows = x.new_zeros(int(ends[-1]), x.shape[1])
+    rows = x.new_empty(int(ends[-1]), x.shape[1])
+    if rows.shape[0] > x.shape[0]:  # padding rows: zeros (the real rows are all written below)
+        pad = torch.ones(rows.shape[0], dtype=torch.bool)
+        pad[dest] = False
+        rows[pad] = 0
     rows[dest] = x[order]
     h = linear(rows, "gate_up_proj" if has_gate else "up_proj")
     h = _activate(module, h, has_gate)
@@ -137,6 +144,8 @@ def _activate(module: torch.nn.Module, h: torch.Tensor, has_gate: bool) -> torch
     if has_gate:
         inter = width // 2
         padded = -(-inter // _LANES) * _LANES
+        if padded == inter:  # every half already a whole number of vectors: no tail, nothing to pad
+            return _module_fn(module, "_apply_gate")(h)
         wide = h.new_zeros(n, 2 * padded)
         if getattr(module, "is_concatenated", True):  # [gate | up]: keep each half at the start of its half
             wide[:, :inter] = h[:, :inter]
@@ -145,6 +154,8 @@ def _activate(module: torch.nn.Module, h: torch.Tensor, has_gate: bool) -> torch
             wide[:, : 2 * inter] = h
         return _module_fn(module, "_apply_gate")(wide)[:, :inter]
     padded = -(-width // _LANES) * _LANES
+    if padded == width:
+        return _module_fn(module, "act_fn")(h)
     wide = h.new_zeros(n, padded)
     wide[:, :width] = h
     return _module_fn(module, "act_fn")(wide)[:, :width]

@@ -101,9 +101,10 @@ class RoutingCache:
 
 def _side_by_side(parts: list[torch.Tensor], spans: list[tuple[int, int]], total: int) -> torch.Tensor:
     first = parts[0]
-    out = first.new_zeros(first.shape[0], first.shape[1], total, first.shape[3])
-    for part, (start, end) in zip(parts, spans):
+    out = first.new_empty(first.shape[0], first.shape[1], total, first.shape[3])
+    for part, (start, end), gap_end in zip(parts, spans, [s for s, _ in spans[1:]] + [total]):
         out[:, :, start:end] = part
+        out[:, :, end:gap_end] = 0  # the padding after each request's keys (only zeros need writing)
     return out
 
 
@@ -128,7 +129,8 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         o, _ = function(module, query[:, :, start:end].contiguous(), key[:, :, k0:k1].contiguous(),
                         value[:, :, k0:k1].contiguous(), step.masks[i][kind], **kwargs)
         if out is None:
-            out = o.new_zeros(o.shape[0], query.shape[2], *o.shape[2:])
+            out = o.new_empty(o.shape[0], query.shape[2], *o.shape[2:])
+            out[:, step.segments[-1][1]:] = 0  # the padding rows; every request's rows are written below
         out[:, start:end] = o
     assert out is not None  # a packed step holds at least one request
     return out, None
@@ -375,9 +377,10 @@ def _seeded_copy(module: nn.Module, g: torch.Generator) -> nn.Module:
     """A copy of ``module`` with seeded weights (a joining rank's weights are not there yet); a wide
     linear (an lm_head) keeps its input width and at most 1024 outputs (a row's bits follow the input width)."""
     if isinstance(module, nn.Linear) and module.out_features > 1024:
-        probe: nn.Module = nn.Linear(module.in_features, 1024, bias=module.bias is not None, dtype=module.weight.dtype)
+        wide = nn.Linear(module.in_features, 1024, bias=module.bias is not None, dtype=module.weight.dtype)
         if module.weight.t().is_contiguous():  # relaid out (relayout_linears): probe the same layout
-            probe.weight = nn.Parameter(probe.weight.detach().t().contiguous().t())
+            wide.weight = nn.Parameter(wide.weight.detach().t().contiguous().t())
+        probe: nn.Module = wide
     else:
         probe = copy.deepcopy(module)  # clones keep each tensor's strides
     with torch.no_grad():
