@@ -315,5 +315,9 @@ def test_step_ceiling_is_the_sampling_limit_of_a_placement() -> None:
     assert step_ceiling(spread, 2, 2, draws=300) == small  # seeded
     alone = step_ceiling(_placement_doc([[0, 1, 2, 3, 1, 2]], load, 2), 256, 2, draws=100)
     assert alone == pytest.approx(0.75, abs=0.03)  # the window's 0.75: a placement's imbalance stays
-    one = step_ceiling(_placement_doc([[0, 1, 2, 3, 0, 0]], [[5.0, 0.0, 0.0, 0.0]], 2), 4, 2, draws=20)
-    assert one == pytest.approx(4 / 5)  # one expert in slots 0 | 4, 5: its 8 pairs cut 3 | 3 + 2, every step
+    from eplb.models.dispatch import SPLIT_ROWS
+
+    one = _placement_doc([[0, 1, 2, 3, 0, 0]], [[5.0, 0.0, 0.0, 0.0]], 2)  # one expert, in slots 0 | 4, 5
+    # the dispatch's cut: as many replicas as give each SPLIT_ROWS pairs; 3 chunks: one rank 1, the other 2
+    assert step_ceiling(one, 3 * SPLIT_ROWS // 2, 2, draws=5) == pytest.approx(0.75)
+    assert step_ceiling(one, 1, 2, draws=5) == pytest.approx(0.5)  # 2 pairs: one replica, one rank
