@@ -37,7 +37,9 @@ rebalance (the on run's phases, by round, for both). Per phase: CPU/token, token
 checked, the dispatch's balancedness per step (``GET /state``'s, sampled every 0.1 s: mean over
 layers of mean / max pairs per rank of the rank's last step) and over the load window at the phase's
 end (``GET /placement``: the window's pairs per expert under the placement, split evenly over an
-expert's replicas as the dispatch cuts them). Targets: balancedness after the first rebalance with
+expert's replicas: the EPLB's model, which the dispatch's chunks of at least ``SPLIT_ROWS`` pairs
+reach only over many steps), with an estimate of a decode step's (:func:`step_ceiling`: pairs drawn
+from the window, cut as the dispatch cuts them). Targets: balancedness after the first rebalance with
 the EPLB on at least 0.9 (window and per step), the tokens/s after it on over off (reported), no
 token unlike the reference's.
 
@@ -548,10 +550,12 @@ class StatePoller:
 
 
 def window_figures(document: dict[str, Any]) -> dict[str, Any]:
-    """From a placement file (``GET /placement``): the dispatch's balancedness over its load window under
-    its placement (mean over layers of mean rank load / max rank load, an expert's pairs split evenly
-    over its replicas, as the dispatch's ``assign`` cuts them), the window's steps, and its skew (the
-    hottest expert's pairs over the mean's, per layer)."""
+    """From a placement file (``GET /placement``): the balancedness of its load window under its placement
+    (mean over layers of mean rank load / max rank load, an expert's pairs split evenly over its replicas:
+    the EPLB's model. The dispatch cuts a step's pairs of an expert in chunks of at least ``SPLIT_ROWS``,
+    a lone chunk's replica rotating with the step's count, which only many steps even out; the window
+    keeps pairs per logical expert, not per slot), the window's steps, and its skew (the hottest
+    expert's pairs over the mean's, per layer)."""
     from eplb.placement import Placement
     from eplb.placement_file import parse_placement
 
@@ -689,7 +693,8 @@ def measure_skew(model_dir: Path, ep: int, eplb_on: bool, args: argparse.Namespa
     if phases is None:
         phases = phase_of_rounds(rounds)
     out: dict[str, Any] = {"eplb": eplb_on, "rounds": rounds, "phases": phases, "samples": len(samples),
-                           "rebalances": rounds[-1]["rebalances_end"]}
+                           "rebalances": rounds[-1]["rebalances_end"], "requests": sum(r["requests"] for r in rounds),
+                           "mismatched": [i for r in rounds for i in r["mismatched"]]}  # every round, during too
     for phase in ("before", "after"):
         out[phase] = phase_figures(rounds, phases, phase, samples)
     return out
@@ -862,12 +867,11 @@ def skew_targets(figures: dict[str, Any], eps: Sequence[int]) -> list[Target]:
                               / _figure(figures, "skew", size, "off", phase, "round_tokens_per_s", "median"),
                               None, False))
         wrong = 0
-        for mode in ("on", "off"):
-            for phase in ("before", "after"):
-                try:
-                    wrong += len(figures["skew"][size][mode][phase]["mismatched"])
-                except (KeyError, TypeError) as exc:
-                    raise BenchError(f"the output check of EP {size}, EPLB {mode}, {phase} was not made") from exc
+        for mode in ("on", "off"):  # every round's requests, the rounds during the rebalance too
+            try:
+                wrong += len(figures["skew"][size][mode]["mismatched"])
+            except (KeyError, TypeError) as exc:
+                raise BenchError(f"the output check of EP {size}, EPLB {mode} was not made") from exc
         out.append(Target(f"requests with tokens unlike the reference, skewed, EP {size}", wrong, 0, True))
     return out
 
@@ -1043,7 +1047,8 @@ def skew_caption(figures: dict[str, Any], eps: Sequence[int]) -> str:
         for mode in ("on", "off"):
             parts.append(f"EP {size} EPLB {mode} window {_fmt(mean(figures['skew'][size][mode]['after']['window']['hot_over_mean']))}")
     return "; ".join(parts) + (". Balancedness: mean over layers of mean/max pairs per rank; window: the EPLB's "
-                               "load window (GET /placement) under the placement; per step: GET /state's, sampled (how many steps, "
+                               "load window (GET /placement) under the placement, an expert's pairs split evenly over its replicas "
+                               "(the EPLB's model); per step: GET /state's, sampled (how many steps, "
                                "prefill steps among them); est.: a decode step of as many tokens as requests in "
                                "flight, its pairs drawn from that window's load, split over the placement's replicas "
                                "as the dispatch does (what sampling alone leaves). tokens/s: the phase's total, and "

@@ -279,8 +279,9 @@ def _skew_figures(window_on: float = 0.95, step_on: float = 0.92, tps_on: float 
         return {"tokens_per_s": tps + 100, "round_tokens_per_s": {"median": tps}, "step_balancedness": step,
                 "sampled_steps": 12, "mismatched": list(wrong),
                 "window": {"balancedness": window, "steps": 64, "step_ceiling": 0.95}}
-    run = {"on": {"before": phase(0.7, 0.6, 250.0), "after": phase(window_on, step_on, tps_on)},
-           "off": {"before": phase(0.7, 0.6, 250.0), "after": phase(0.7, 0.6, tps_off)}}
+    run = {"on": {"before": phase(0.7, 0.6, 250.0), "after": phase(window_on, step_on, tps_on),
+                  "mismatched": list(wrong) + [9] if wrong else []},  # a round during the rebalance too
+           "off": {"before": phase(0.7, 0.6, 250.0), "after": phase(0.7, 0.6, tps_off), "mismatched": list(wrong)}}
     return {"skew": {2: run}}
 
 
@@ -298,13 +299,17 @@ def test_skew_targets() -> None:
         "dispatch balancedness, skewed, EPLB on, EP 2: per step after the 1st rebalance (mean of 12 sampled steps; "
         "est. of a decode step drawn from the window 0.950)",
         "requests with tokens unlike the reference, skewed, EP 2"}
-    assert bad["requests with tokens unlike the reference, skewed, EP 2"].value == 4  # on and off, before and after
+    assert bad["requests with tokens unlike the reference, skewed, EP 2"].value == 3  # every round of on and off
     figures = _skew_figures()
     figures["skew"][2]["on"]["after"]["window"]["balancedness"] = math.nan
     with pytest.raises(BenchError, match="is nan"):
         skew_targets(figures, [2])
     with pytest.raises(BenchError, match="skew/4/on/after/window/steps was not measured"):
         skew_targets(_skew_figures(), [2, 4])
+    figures = _skew_figures()
+    del figures["skew"][2]["off"]["mismatched"]
+    with pytest.raises(BenchError, match="output check of EP 2, EPLB off was not made"):
+        skew_targets(figures, [2])
 
 
 def test_step_ceiling_is_the_sampling_limit_of_a_placement() -> None:
