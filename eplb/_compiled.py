@@ -217,16 +217,19 @@ def _swap_one(slot_load, slot_expert, max_steps, stop_below):  # pragma: no cove
     Returns the peak."""
     g, s = slot_load.shape
     gl = np.zeros(g)
+    lo = np.empty(g)  # each GPU's lightest and heaviest slot
+    hi = np.empty(g)
     for x in range(g):
         for j in range(s):
             gl[x] += slot_load[x, j]
+        _slot_range(slot_load, x, lo, hi)
     order = np.argsort(gl, kind="mergesort")  # ascending load, kept sorted below
     for _ in range(max_steps):
         h = order[g - 1]
         peak = gl[h]
         if peak <= stop_below:
             break
-        bx, bi, bj = _heaviest_swap(slot_load, slot_expert, gl, order, h, peak)
+        bx, bi, bj = _heaviest_swap(slot_load, slot_expert, gl, order, h, peak, lo, hi)
         if bx < 0:
             break
         li, lj = slot_load[h, bi], slot_load[bx, bj]
@@ -235,6 +238,8 @@ def _swap_one(slot_load, slot_expert, max_steps, stop_below):  # pragma: no cove
         slot_expert[h, bi], slot_expert[bx, bj] = ej, ei
         gl[h] += lj - li
         gl[bx] += li - lj
+        _slot_range(slot_load, h, lo, hi)
+        _slot_range(slot_load, bx, lo, hi)
         # re-sort: h got lighter (moves left), bx heavier (moves right)
         _resort_one(order, gl, h)
         _resort_one(order, gl, bx)
@@ -242,9 +247,27 @@ def _swap_one(slot_load, slot_expert, max_steps, stop_below):  # pragma: no cove
 
 
 @numba.njit(cache=True)
-def _heaviest_swap(slot_load, slot_expert, gl, order, h, peak):  # pragma: no cover - compiled
+def _slot_range(slot_load, x, lo, hi):  # pragma: no cover - compiled
+    """``lo[x]`` / ``hi[x]``: the lightest and heaviest slot of GPU ``x``."""
+    a = slot_load[x, 0]
+    b = a
+    for j in range(1, slot_load.shape[1]):
+        v = slot_load[x, j]
+        if v < a:
+            a = v
+        if v > b:
+            b = v
+    lo[x] = a
+    hi[x] = b
+
+
+@numba.njit(cache=True)
+def _heaviest_swap(slot_load, slot_expert, gl, order, h, peak, lo, hi):  # pragma: no cover - compiled
     """The heaviest GPU ``h``'s best swap (:func:`_swap_one`): ``(x, i, j)``, slot ``i`` of ``h`` for slot
-    ``j`` of ``x``, the lowest resulting peak of the pair below ``peak``; ``(-1, -1, -1)`` if none."""
+    ``j`` of ``x``, the lowest resulting peak of the pair below ``peak``; ``(-1, -1, -1)`` if none.
+    ``lo`` / ``hi``: each GPU's lightest and heaviest slot, to skip a slot ``i`` no slot of ``x`` can
+    pair with (every ``d`` at most 0, at least the gap, or too small to lower the peak below the
+    best so far: the same tests as the scan's, on the extreme ``d``, so the choice is unchanged)."""
     g, s = slot_load.shape
     best = peak * (1.0 - 1e-12)
     bx, bi, bj = -1, -1, -1
@@ -257,7 +280,7 @@ def _heaviest_swap(slot_load, slot_expert, gl, order, h, peak):  # pragma: no co
         gap = peak - gl[x]
         for i in range(s):
             li = slot_load[h, i]
-            if li <= 0.0:
+            if li <= 0.0 or li <= lo[x] or li - hi[x] >= gap or peak - (li - lo[x]) >= best:
                 continue
             ei = slot_expert[h, i]
             for j in range(s):
@@ -408,6 +431,228 @@ def _holdings(se, n):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True)
+def _fill_holdings(se, cnt, hc):  # pragma: no cover - compiled
+    """:func:`_holdings` into ``cnt`` and ``hc``, which are zero (see :func:`_clear_holdings`)."""
+    g, s = se.shape
+    for x in range(g):
+        for t in range(s):
+            cnt[se[x, t]] += 1
+            hc[x, se[x, t]] += 1
+
+
+@numba.njit(cache=True)
+def _clear_holdings(se, cnt, hc):  # pragma: no cover - compiled
+    """Zero ``cnt`` and ``hc`` where :func:`_fill_holdings` of ``se`` (as it is now) wrote: cheaper
+    than a new ``[G, L]`` array per layer."""
+    g, s = se.shape
+    for x in range(g):
+        for t in range(s):
+            cnt[se[x, t]] = 0
+            hc[x, se[x, t]] = 0
+
+
+@numba.njit(cache=True)
+def copies_vs(carried, p2l, g, n):  # pragma: no cover - compiled
+    """``[B]`` (GPU, expert) pairs of ``p2l [B, P]`` that ``carried [B, P]`` (``-1``: an empty slot)
+    lacks, both ``g`` GPUs of ``P / g`` slots: the copies that make ``p2l`` from ``carried``."""
+    b, p = p2l.shape
+    s = p // g
+    out = np.zeros(b, np.int64)
+    mark = np.full(n, -1, np.int64)  # mark[e] = r * 2g + x: e is on GPU x of layer r (old), or + g: counted (new)
+    for r in range(b):
+        for x in range(g):
+            old = (r * 2 + 0) * g + x
+            new = (r * 2 + 1) * g + x
+            for t in range(x * s, (x + 1) * s):
+                e = carried[r, t]
+                if e >= 0:
+                    mark[e] = old
+            for t in range(x * s, (x + 1) * s):
+                e = p2l[r, t]
+                if mark[e] != old and mark[e] != new:
+                    mark[e] = new
+                    out[r] += 1
+    return out
+
+
+@numba.njit(cache=True)
+def logical_to_physical(p2l, counts, width):  # pragma: no cover - compiled
+    """``[B, L * width]`` slots of each expert in ascending order, ``-1`` padded, from
+    ``p2l [B, P]`` and its replica counts ``counts [B, L]`` (at most ``width`` each)."""
+    b, p = p2l.shape
+    n = counts.shape[1]
+    out = np.empty((b, n * width), np.int64)
+    nxt = np.empty(n, np.int64)
+    for r in range(b):
+        row = out[r]
+        for e in range(n):
+            base = e * width
+            for k in range(counts[r, e], width):
+                row[base + k] = -1
+            nxt[e] = base
+        for t in range(p):
+            e = p2l[r, t]
+            row[nxt[e]] = t
+            nxt[e] += 1
+    return out
+
+
+@numba.njit(cache=True)
+def keep_idle(p2l, carried, idle, g):  # pragma: no cover - compiled
+    """Re-seat the idle experts (``idle [R, L]``, no load) of ``p2l [R, P]`` (in place) among the
+    slots they fill, each where ``carried [R, P]`` (``-1``: an empty slot) holds it when that GPU
+    has such a slot, the rest in the slots left (on a GPU without that expert where one is free).
+    An idle expert already on a GPU where ``carried`` holds it stays. The replica counts and every
+    GPU's load stay as they are: only which zero-load expert sits in which zero-load slot changes,
+    so no more of them are copies (with at most one replica of an idle expert per GPU)."""
+    rows, p = p2l.shape
+    n = idle.shape[1]
+    s = p // g
+    pool = np.zeros(n, np.int64)  # replicas of each idle expert to re-seat
+    seated = np.full(n, -1, np.int64)  # the last GPU an idle expert was seated on
+    held = np.full(n, -1, np.int64)  # held[e] == x: the carried placement has e on GPU x (for the GPU being read)
+    for r in range(rows):
+        for x in range(g):  # 0. an idle expert already where the carried placement holds it stays
+            for u in range(x * s, (x + 1) * s):
+                if carried[r, u] >= 0:
+                    held[carried[r, u]] = r * g + x
+            for t in range(x * s, (x + 1) * s):
+                e = p2l[r, t]
+                if idle[r, e] and held[e] != r * g + x:
+                    pool[e] += 1
+                    p2l[r, t] = -1  # open
+                    seated[e] = -1
+        for x in range(g):  # 1. where the carried placement holds them
+            for u in range(x * s, (x + 1) * s):
+                e = carried[r, u]
+                if e < 0 or not idle[r, e] or pool[e] == 0 or seated[e] == x:
+                    continue
+                for t in range(x * s, (x + 1) * s):
+                    if p2l[r, t] < 0:
+                        p2l[r, t] = e
+                        pool[e] -= 1
+                        seated[e] = x
+                        break
+        for e in range(n):  # 2. the rest: open slots in order, on a GPU without e if one is open
+            while pool[e] > 0:
+                pick = -1
+                for t in range(p):
+                    if p2l[r, t] < 0:
+                        x = t // s
+                        dup = False
+                        for u in range(x * s, (x + 1) * s):
+                            if p2l[r, u] == e:
+                                dup = True
+                                break
+                        if not dup:
+                            pick = t
+                            break
+                        if pick < 0:
+                            pick = -2 - t  # a slot on a GPU that holds e: only if nothing else
+                if pick <= -2:
+                    pick = -2 - pick
+                p2l[r, pick] = e
+                pool[e] -= 1
+    return p2l
+
+
+@numba.njit(cache=True)
+def _pairwise(a, lo, n):  # pragma: no cover - compiled
+    """``a[lo:lo + n].sum()`` for ``n <= 128``, added in numpy's order (its pairwise summation: eight
+    partial sums), so the result is numpy's to the bit. Not recursive: a recursive function loaded
+    from numba's cache crashed (numba 0.68)."""
+    if n < 8:
+        res = 0.0
+        for i in range(n):
+            res += a[lo + i]
+        return res
+    if n <= 128:
+        r0, r1, r2, r3 = a[lo], a[lo + 1], a[lo + 2], a[lo + 3]
+        r4, r5, r6, r7 = a[lo + 4], a[lo + 5], a[lo + 6], a[lo + 7]
+        i = 8
+        while i < n - (n % 8):
+            r0 += a[lo + i]
+            r1 += a[lo + i + 1]
+            r2 += a[lo + i + 2]
+            r3 += a[lo + i + 3]
+            r4 += a[lo + i + 4]
+            r5 += a[lo + i + 5]
+            r6 += a[lo + i + 6]
+            r7 += a[lo + i + 7]
+            i += 8
+        res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+        while i < n:
+            res += a[lo + i]
+            i += 1
+        return res
+    raise ValueError("_pairwise: more than 128 items (numpy splits them in halves; not done here)")
+
+
+@numba.njit(cache=True)
+def balancedness(p2l, load, g):  # pragma: no cover - compiled
+    """``[B]`` mean GPU load over the peak of ``p2l [B, P]`` on ``load [B, L]`` (float64; 1 where the
+    peak is 0), as numpy computes it (``eplb.algorithm._balancedness``), bit for bit; at most 128
+    GPUs and 128 slots per GPU (:func:`_pairwise`)."""
+    b, p = p2l.shape
+    n = load.shape[1]
+    s = p // g
+    out = np.empty(b)
+    cnt = np.zeros(n, np.int64)
+    per = np.empty(p)
+    gl = np.empty(g)
+    for r in range(b):
+        for t in range(p):
+            cnt[p2l[r, t]] += 1
+        for t in range(p):
+            per[t] = load[r, p2l[r, t]] / max(cnt[p2l[r, t]], 1)
+        peak = -np.inf
+        for x in range(g):
+            gl[x] = _pairwise(per, x * s, s)
+            if gl[x] > peak:
+                peak = gl[x]
+        mean = _pairwise(gl, 0, g) / g
+        out[r] = mean / max(peak, 1e-300) if peak > 0 else 1.0
+        for t in range(p):
+            cnt[p2l[r, t]] = 0
+    return out
+
+
+@numba.njit(cache=True)
+def on_draws(p2l, draws, g):  # pragma: no cover - compiled
+    """``[B]`` mean over ``draws [K, B, L]`` (float64) of the balancedness of ``p2l [B, P]``, as numpy
+    computes it (``eplb.algorithm._on_draws``); at most 128 GPUs, 128 slots per GPU and 128 draws
+    (:func:`_pairwise`). numpy's own sums over the slots run in an order that depends on its
+    gathered array's layout (one after another with several draws), so the two may differ in the
+    last bits."""
+    k, b, n = draws.shape
+    p = p2l.shape[1]
+    s = p // g
+    out = np.empty(b)
+    cnt = np.zeros(n, np.int64)
+    per = np.empty(p)
+    gl = np.empty(g)
+    bal = np.empty(k)
+    for r in range(b):
+        for t in range(p):
+            cnt[p2l[r, t]] += 1
+        for d in range(k):
+            for t in range(p):
+                e = p2l[r, t]
+                per[t] = draws[d, r, e] * (1.0 / max(cnt[e], 1))
+            peak = -np.inf
+            for x in range(g):
+                gl[x] = _pairwise(per, x * s, s)
+                if gl[x] > peak:
+                    peak = gl[x]
+            mean = _pairwise(gl, 0, g) / g
+            bal[d] = mean / max(peak, 1e-300) if peak > 0 else 1.0
+        out[r] = _pairwise(bal, 0, k) / k
+        for t in range(p):
+            cnt[p2l[r, t]] = 0
+    return out
+
+
+@numba.njit(cache=True)
 def take_counts(slot_expert, load, target):  # pragma: no cover - compiled
     """Replace moves (one copy each) that give every layer of ``slot_expert [R, G, S]`` (in place)
     the replica counts ``target [R, L]`` (same total): each step the short expert with the largest
@@ -418,72 +663,132 @@ def take_counts(slot_expert, load, target):  # pragma: no cover - compiled
     rows, g, s = slot_expert.shape
     n = load.shape[1]
     moves = np.zeros(rows, np.int64)
+    cnt = np.zeros(n, np.int64)
+    hc = np.zeros((g, n), np.int64)
+    pl = np.empty(n)
+    stuck = np.zeros(n, np.bool_)
+    gle = np.empty(g)
+    m1 = np.empty(n)
+    i1 = np.empty(n, np.int64)
+    m2 = np.empty(n)
+    ssf = np.empty(n)
+    last = np.empty(n, np.int64)
+    top = np.empty(g, np.int64)
     for r in range(rows):
         w = load[r]
-        cnt, hc = _holdings(slot_expert[r], n)
-        stuck = np.zeros(n, np.bool_)
-        gle = np.empty(g)
-        m1 = np.empty(n)
-        i1 = np.empty(n, np.int64)
-        m2 = np.empty(n)
-        ssf = np.empty(n)
+        se = slot_expert[r]
+        tr = target[r]
+        _fill_holdings(se, cnt, hc)
+        for x in range(n):
+            stuck[x] = False
+            if cnt[x] > 0:
+                pl[x] = w[x] / cnt[x]
         while True:
             e = -1
             best = -1.0
             for x in range(n):
-                if cnt[x] < target[r, x] and not stuck[x] and w[x] / cnt[x] > best:
-                    best = w[x] / cnt[x]
+                if cnt[x] < tr[x] and not stuck[x] and pl[x] > best:
+                    best = pl[x]
                     e = x
             if e < 0:
                 break
-            per_e = w[e] / cnt[e]
+            per_e = pl[e]
             new_e = w[e] / (cnt[e] + 1)
             for x in range(g):  # the GPU loads once e has one more replica (not yet placed)
                 acc = 0.0
                 for k in range(s):
-                    acc += w[slot_expert[r, x, k]] / cnt[slot_expert[r, x, k]]
+                    acc += pl[se[x, k]]
                 gle[x] = acc - (per_e - new_e) * hc[x, e]
-            _surplus_peaks(w, target[r], cnt, hc, gle, m1, i1, m2, ssf)
-            bx, bk = _best_take(w, target[r], cnt, hc, slot_expert[r], gle, m1, i1, m2, ssf, e, new_e)
+            _surplus_peaks(w, tr, cnt, hc, se, gle, m1, i1, m2, ssf, last, top)
+            bx, bk = _best_take(w, tr, cnt, pl, hc, se, gle, m1, i1, m2, ssf, e, new_e)
             if bx < 0:
                 stuck[e] = True
                 continue
-            f = slot_expert[r, bx, bk]
-            slot_expert[r, bx, bk] = e
+            f = se[bx, bk]
+            se[bx, bk] = e
             cnt[e] += 1
             cnt[f] -= 1
+            pl[e] = w[e] / cnt[e]
+            pl[f] = w[f] / cnt[f]
             hc[bx, e] += 1
             hc[bx, f] -= 1
             moves[r] += 1
+        _clear_holdings(se, cnt, hc)
     return moves
 
 
 @numba.njit(cache=True)
-def _surplus_peaks(w, target, cnt, hc, gle, m1, i1, m2, ssf):  # pragma: no cover - compiled
+def _surplus_peaks(w, target, cnt, hc, se, gle, m1, i1, m2, ssf, last, top):  # pragma: no cover - compiled
     """For :func:`take_counts`: per expert ``f`` with a surplus, its holders' loads once it loses a
-    replica: the highest two (``m1``, ``m2``; where the highest is, ``i1``), so a candidate slot's GPU
-    can be left out, and the change of the sum of squared GPU loads (``ssf``)."""
+    replica: the highest two GPU loads (``m1``, ``m2``; where the highest is, ``i1``, the lowest
+    such GPU on a tie), so a candidate slot's GPU can be left out, and the change of the sum of
+    squared GPU loads (``ssf``). Only ``f``'s holders change: they are met in one pass over the
+    slots (GPUs in ascending order, as a sum over all GPUs adds them), and the others' highest two
+    are the first two non-holders of the GPUs ordered by load (``top``, as many as needed)."""
     g, n = hc.shape
+    s = se.shape[1]
+    most = 0
     for f in range(n):
         if cnt[f] > target[f]:
-            rise = w[f] / (cnt[f] - 1) - w[f] / cnt[f]
             m1[f] = -np.inf
             m2[f] = -np.inf
             i1[f] = -1
             ssf[f] = 0.0
-            for x in range(g):
-                v = gle[x] + rise * hc[x, f]
-                ssf[f] += v * v - gle[x] * gle[x]
-                if v > m1[f]:
-                    m2[f] = m1[f]
-                    m1[f] = v
-                    i1[f] = x
-                elif v > m2[f]:
-                    m2[f] = v
+            last[f] = -1
+            if cnt[f] > most:
+                most = cnt[f]
+    # the holders, GPUs ascending
+    for x in range(g):
+        for k in range(s):
+            f = se[x, k]
+            if cnt[f] <= target[f] or last[f] == x:
+                continue
+            last[f] = x
+            rise = w[f] / (cnt[f] - 1) - w[f] / cnt[f]
+            v = gle[x] + rise * hc[x, f]
+            ssf[f] += v * v - gle[x] * gle[x]
+            if v > m1[f] or (v == m1[f] and x < i1[f]):
+                m2[f] = m1[f]
+                m1[f] = v
+                i1[f] = x
+            elif v > m2[f]:
+                m2[f] = v
+    # the heaviest GPUs by load (ties: the lower index first), enough to pass every holder
+    m = min(g, most + 2)
+    c = 0
+    for x in range(g):
+        v = gle[x]
+        if c == m and v <= gle[top[m - 1]]:
+            continue
+        j = c if c < m else m - 1
+        while j > 0 and gle[top[j - 1]] < v:
+            top[j] = top[j - 1]
+            j -= 1
+        top[j] = x
+        if c < m:
+            c += 1
+    for f in range(n):
+        if cnt[f] <= target[f]:
+            continue
+        taken = 0
+        for j in range(c):
+            x = top[j]
+            if hc[x, f] > 0:
+                continue
+            v = gle[x]
+            if v > m1[f] or (v == m1[f] and x < i1[f]):
+                m2[f] = m1[f]
+                m1[f] = v
+                i1[f] = x
+            elif v > m2[f]:
+                m2[f] = v
+            taken += 1
+            if taken == 2:
+                break
 
 
 @numba.njit(cache=True)
-def _best_take(w, target, cnt, hc, se, gle, m1, i1, m2, ssf, e, new_e):  # pragma: no cover - compiled
+def _best_take(w, target, cnt, pl, hc, se, gle, m1, i1, m2, ssf, e, new_e):  # pragma: no cover - compiled
     """For :func:`take_counts`: the slot ``(x, k)`` of a surplus expert, on a GPU without ``e``, whose
     move to ``e`` leaves the lowest peak (ties: the lowest sum of squares); ``(-1, -1)`` if none."""
     g, s = se.shape
@@ -498,7 +803,7 @@ def _best_take(w, target, cnt, hc, se, gle, m1, i1, m2, ssf, e, new_e):  # pragm
             f = se[x, k]
             if cnt[f] <= target[f]:
                 continue
-            per_f = w[f] / cnt[f]
+            per_f = pl[f]
             rise = w[f] / (cnt[f] - 1) - per_f
             here = gle[x] - per_f + new_e + rise * (hc[x, f] - 1)
             others = m2[f] if i1[f] == x else m1[f]
@@ -646,94 +951,140 @@ def repair_counts(load, counts, half, num_gpus, max_iters):  # pragma: no cover 
 
 
 @numba.njit(cache=True)
-def _layer_loads(w, cnt, se, gl):  # pragma: no cover - compiled
-    """GPU loads ``gl [G]`` of one layer ``se [G, S]`` with replica counts ``cnt``."""
+def _layer_loads(pl, se, gl):  # pragma: no cover - compiled
+    """GPU loads ``gl [G]`` of one layer ``se [G, S]`` with load per replica ``pl [L]`` (``w / cnt``)."""
     g, s = se.shape
     for x in range(g):
         acc = 0.0
         for k in range(s):
-            acc += w[se[x, k]] / cnt[se[x, k]]
+            acc += pl[se[x, k]]
         gl[x] = acc
 
 
 @numba.njit(cache=True)
-def _best_replace(w, cnt, hc, se, gl, h, light, pref, prefer_share, m1, i1, m2):  # pragma: no cover - compiled
+def _lightest(gl, k, light, h):  # pragma: no cover - compiled
+    """``light [k]``: the ``k`` lightest GPUs of ``gl`` in ascending load, ties by index (as a stable
+    argsort's first ``k``); ``h`` (the heaviest) where it lands is replaced by the lightest."""
+    g = gl.shape[0]
+    m = 0
+    for x in range(g):
+        v = gl[x]
+        if m == k and v >= gl[light[k - 1]]:
+            continue
+        j = m if m < k else k - 1
+        while j > 0 and gl[light[j - 1]] > v:
+            light[j] = light[j - 1]
+            j -= 1
+        light[j] = x
+        if m < k:
+            m += 1
+    for j in range(k):
+        if light[j] == h:
+            light[j] = light[0]
+
+
+@numba.njit(cache=True)
+def _best_replace(w, cnt, pl, hc, hold, se, gl, h, light, pref, prefer_share, base, f_peak):  # pragma: no cover - compiled
     """:func:`improve`'s best replace move of one step: ``(estimate, slot on h, candidate)``;
-    ``-1`` for none (no candidate, or with ``pref`` none that lowers the peak). ``m1 / i1 / m2``:
-    scratch ``[L]`` for the two heaviest GPUs holding each expert."""
+    ``-1`` for none (no candidate, or with ``pref`` none that lowers the peak). ``hold [L, *]``:
+    the GPU of each replica of each expert (the first ``cnt`` entries); ``base / f_peak``: scratch
+    ``[len(light) * S]``."""
     g, s = se.shape
     peak = gl[h]
-    nq = light.shape[0] * s
+    nl = light.shape[0]
     # per candidate slot: what its GPU and the other holders of its expert f carry once f loses it
-    m1[:] = -np.inf
-    m2[:] = -np.inf
-    i1[:] = -1
-    for x in range(g):
-        for t in range(s):
-            f = se[x, t]
-            if i1[f] == x:
-                continue
-            if gl[x] > m1[f]:
-                m2[f], m1[f], i1[f] = m1[f], gl[x], x
-            elif gl[x] > m2[f]:
-                m2[f] = gl[x]
-    base = np.empty(nq)  # the candidate's GPU without the evicted replica
-    f_peak = np.empty(nq)
-    for j in range(light.shape[0]):
+    for j in range(nl):
         x = light[j]
         for t in range(s):
             q = j * s + t
             f = se[x, t]
             cf, wf = cnt[f], w[f]
-            lq = wf / cf
+            lq = pl[f]
             base[q] = gl[x] - lq
             f_peak[q] = np.inf
             if cf >= 2:
-                top = m2[f] if i1[f] == x else m1[f]
+                # the heaviest holder of f other than x (GPUs counted once; the lowest index
+                # first on a tie, as a scan of the GPUs in order finds it)
+                m1, i1, m2 = -np.inf, -1, -np.inf
+                for k in range(cf):
+                    y = hold[f, k]
+                    if y == i1:
+                        continue
+                    v = gl[y]
+                    if v > m1 or (v == m1 and y < i1):
+                        m2, m1, i1 = m1, v, y
+                    elif v > m2:
+                        m2 = v
+                top = m2 if i1 == x else m1
                 f_peak[q] = top + min(wf / (cf - 1) - lq, 1e300)
     best_est, chosen, best_adj, bi, bq = np.inf, np.inf, np.inf, -1, -1
     use_pref = pref.shape[0] > 0
+    thr = peak * (1 - 1e-12)
+    c = prefer_share * peak
+    # candidates that cannot beat the best so far are skipped (est >= h_new and est >= f_peak[q],
+    # exactly, and adj is monotone in est), so the choice is the one of the full scan
     for i in range(s):
         e = se[h, i]
         we, ce = w[e], cnt[e]
-        h_new = peak - we / ce + we / (ce + 1)
+        h_new = peak - pl[e] + we / (ce + 1)
         share = we / (ce + 1)
-        for j in range(light.shape[0]):
+        pen_e = 1.0 if use_pref and ce >= pref[e] else 0.0
+        if use_pref:
+            if h_new >= thr or h_new + c * pen_e >= best_adj:
+                continue
+        elif h_new >= best_est:
+            continue
+        for j in range(nl):
             x = light[j]
             if hc[x, e] > 0:
                 continue
             for t in range(s):
                 q = j * s + t
-                est = max(max(h_new, base[q] + share), f_peak[q])
                 if not use_pref:
+                    if f_peak[q] >= best_est:
+                        continue
+                    est = max(max(h_new, base[q] + share), f_peak[q])
                     if est < best_est:
                         best_est, bi, bq = est, i, q
-                elif est < peak * (1 - 1e-12):
-                    f = se[x, t]
-                    pen = (1.0 if ce >= pref[e] else 0.0) + (1.0 if cnt[f] <= pref[f] else 0.0)
-                    adj = est + prefer_share * peak * pen
-                    if adj < best_adj:
-                        best_adj, chosen, bi, bq = adj, est, i, q
+                else:
+                    if f_peak[q] >= thr:
+                        continue
+                    est = max(max(h_new, base[q] + share), f_peak[q])
+                    if est < thr:
+                        f = se[x, t]
+                        pen = pen_e + (1.0 if cnt[f] <= pref[f] else 0.0)
+                        adj = est + c * pen
+                        if adj < best_adj:
+                            best_adj, chosen, bi, bq = adj, est, i, q
     return (chosen if use_pref else best_est), bi, bq
 
 
 @numba.njit(cache=True)
-def _best_swap(w, cnt, hc, se, gl, h, light):  # pragma: no cover - compiled
+def _best_swap(pl, hc, se, gl, h, light):  # pragma: no cover - compiled
     """:func:`improve`'s best swap of one step: ``(estimate, slot on h, candidate)``."""
     s = se.shape[1]
     peak = gl[h]
     best, bi, bq = np.inf, -1, -1
+    # skipped: a slot i with peak - le >= best (d <= le), a GPU x with (peak + gl[x]) / 2 >= best
+    # (less a margin for rounding): neither can beat the best so far, so the choice is unchanged
     for i in range(s):
         e = se[h, i]
-        le = w[e] / cnt[e]
+        le = pl[e]
+        if peak - le >= best:
+            continue
         for j in range(light.shape[0]):
             x = light[j]
+            if hc[x, e] > 0:
+                continue
+            glx = gl[x]
+            if 0.5 * (peak + glx) * (1.0 - 1e-12) >= best:
+                continue
             for t in range(s):
                 f = se[x, t]
-                if hc[x, e] > 0 or hc[h, f] > 0:
+                if hc[h, f] > 0:
                     continue
-                d = le - w[f] / cnt[f]
-                est = max(peak - d, gl[x] + d)
+                d = le - pl[f]
+                est = max(peak - d, glx + d)
                 if est < best:
                     best, bi, bq = est, i, j * s + t
     return best, bi, bq
@@ -757,63 +1108,127 @@ def improve(slot_expert, load, target_peak, budget, max_steps, width, prefer, pr
     made = np.zeros(rows, np.int64)
     gl = np.empty(g)
     gl_new = np.empty(g)
-    m1 = np.empty(n)
-    m2 = np.empty(n)
-    i1 = np.empty(n, np.int64)
+    base = np.empty(k * s)
+    f_peak = np.empty(k * s)
+    light = np.empty(k, np.int64)
+    cnt = np.zeros(n, np.int64)
+    hc = np.zeros((g, n), np.int64)
+    pl = np.empty(n)
+    hold = np.empty((n, max(1, g * s - n + 1)), np.int64)  # an expert has at most P - L + 1 replicas
     for r in range(rows):
         w = load[r]
         se = slot_expert[r]
         pref = prefer[r]
-        cnt, hc = _holdings(se, n)
         left = budget[r]
         if not np.isfinite(target_peak[r]) or left < 1:
             continue
+        _fill_holdings(se, cnt, hc)
+        for e in range(n):
+            if cnt[e] > 0:
+                pl[e] = w[e] / cnt[e]
+            cnt[e] = 0
+        for y in range(g):  # the holder lists, cnt counted again
+            for t in range(s):
+                e = se[y, t]
+                hold[e, cnt[e]] = y
+                cnt[e] += 1
+        _layer_loads(pl, se, gl)
         for _ in range(max_steps):
-            _layer_loads(w, cnt, se, gl)
             h = np.argmax(gl)
             peak = gl[h]
             if peak <= target_peak[r] * (1 + 1e-12):
                 break
-            light = np.argsort(gl, kind="mergesort")[:k].copy()
-            for j in range(k):
-                if light[j] == h:
-                    light[j] = light[0]
-            est_r, ri, rq = _best_replace(w, cnt, hc, se, gl, h, light, pref, prefer_share, m1, i1, m2)
+            _lightest(gl, k, light, h)
+            est_r, ri, rq = _best_replace(w, cnt, pl, hc, hold, se, gl, h, light, pref, prefer_share, base, f_peak)
             gain_r = peak - est_r if ri >= 0 else -np.inf
             gain_s = -np.inf
             si, sq = -1, -1
             if left >= 2:
-                est_s, si, sq = _best_swap(w, cnt, hc, se, gl, h, light)
+                est_s, si, sq = _best_swap(pl, hc, se, gl, h, light)
                 gain_s = peak - est_s if si >= 0 else -np.inf
             swap = gain_s / 2 > gain_r
             if (gain_s if swap else gain_r) <= 1e-12 * max(peak, 1.0):
                 break
             i, q = (si, sq) if swap else (ri, rq)
             x, t = light[q // s], q % s
-            if not _apply_move(w, cnt, hc, se, gl, gl_new, h, i, x, t, swap, peak):
+            if not _apply_move(w, cnt, pl, hc, hold, se, gl, gl_new, h, i, x, t, swap, peak):
                 break  # undone, and this layer stops
+            gl[:] = gl_new  # the GPU loads after the move, as _layer_loads computes them
             cost = 2 if swap else 1
             left -= cost
             made[r] += cost
             if left < 1:
                 break
+        _clear_holdings(se, cnt, hc)
     return made
 
 
 @numba.njit(cache=True)
-def _apply_move(w, cnt, hc, se, gl, gl_new, h, i, x, t, swap, peak):  # pragma: no cover - compiled
+def _hold_swap(hold, cnt, e, a, b):  # pragma: no cover - compiled
+    """One replica of ``e`` in ``hold`` moves from GPU ``a`` to GPU ``b``."""
+    for k in range(cnt[e]):
+        if hold[e, k] == a:
+            hold[e, k] = b
+            return
+
+
+@numba.njit(cache=True)
+def _hold_drop(hold, cnt, e, a):  # pragma: no cover - compiled
+    """One replica of ``e`` on GPU ``a`` leaves ``hold`` (the last entry takes its place; ``cnt``
+    is decreased by the caller)."""
+    last = cnt[e] - 1
+    for k in range(cnt[e]):
+        if hold[e, k] == a:
+            hold[e, k] = hold[e, last]
+            return
+
+
+@numba.njit(cache=True)
+def _gpu_load(pl, se, y):  # pragma: no cover - compiled
+    """GPU ``y``'s load, summed as :func:`_layer_loads` sums it."""
+    acc = 0.0
+    for k in range(se.shape[1]):
+        acc += pl[se[y, k]]
+    return acc
+
+
+@numba.njit(cache=True)
+def _moved_loads(pl, se, hold, cnt, gl, gl_new, h, x, e, f, swap):  # pragma: no cover - compiled
+    """``gl_new``: ``gl`` with the GPUs a move changed summed again (``h``, ``x`` and, for a
+    replace, every holder of ``e`` and ``f``); the others' loads are unchanged, bit for bit."""
+    gl_new[:] = gl
+    gl_new[h] = _gpu_load(pl, se, h)
+    gl_new[x] = _gpu_load(pl, se, x)
+    if not swap:
+        for k in range(cnt[e]):
+            y = hold[e, k]
+            gl_new[y] = _gpu_load(pl, se, y)
+        for k in range(cnt[f]):
+            y = hold[f, k]
+            gl_new[y] = _gpu_load(pl, se, y)
+
+
+@numba.njit(cache=True)
+def _apply_move(w, cnt, pl, hc, hold, se, gl, gl_new, h, i, x, t, swap, peak):  # pragma: no cover - compiled
     """For :func:`improve`: slot ``t`` of GPU ``x`` takes the expert in slot ``i`` of ``h`` (and gives
     its own back, a ``swap``); kept (True) only if every GPU it changed ends below the old ``peak``,
-    recomputed exactly, else undone (False)."""
+    recomputed exactly, else undone (False). ``pl`` (load per replica, ``w / cnt``) and ``hold``
+    (each expert's holders) are kept up to date."""
     g = gl.shape[0]
     e, f = se[h, i], se[x, t]
     se[x, t] = e
     if swap:
         se[h, i] = f
+        _hold_swap(hold, cnt, e, h, x)
+        _hold_swap(hold, cnt, f, x, h)
     else:
+        hold[e, cnt[e]] = x
+        _hold_drop(hold, cnt, f, x)
         cnt[e] += 1
         cnt[f] -= 1
-    _layer_loads(w, cnt, se, gl_new)
+        pl[e] = w[e] / cnt[e]
+        pl[f] = w[f] / cnt[f]
+    _moved_loads(pl, se, hold, cnt, gl, gl_new, h, x, e, f, swap)
     ok = abs(gl_new[h] - gl[h]) > 1e-9 * max(peak, 1.0)
     for y in range(g):
         if abs(gl_new[y] - gl[y]) > 1e-9 * max(peak, 1.0) and gl_new[y] >= peak * (1 - 1e-12):
@@ -822,9 +1237,15 @@ def _apply_move(w, cnt, hc, se, gl, gl_new, h, i, x, t, swap, peak):  # pragma: 
         se[x, t] = f
         if swap:
             se[h, i] = e
+            _hold_swap(hold, cnt, e, x, h)
+            _hold_swap(hold, cnt, f, h, x)
         else:
+            _hold_drop(hold, cnt, e, x)
+            hold[f, cnt[f]] = x
             cnt[e] -= 1
             cnt[f] += 1
+            pl[e] = w[e] / cnt[e]
+            pl[f] = w[f] / cnt[f]
         return False
     hc[x, e] += 1
     hc[x, f] -= 1

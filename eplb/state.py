@@ -21,6 +21,7 @@ the placement, fills the staging buffer for one layer over the dedicated EPLB gr
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import queue
 import threading
@@ -46,8 +47,8 @@ log = logging.getLogger("eplb")
 __all__ = [
     "AsyncEPLBWorker", "AsyncRun", "EPLBHealth", "EPLBState", "EPLBStats", "EPLBUnavailable", "Finish",
     "HandshakeMismatch", "LayerReady", "LoadWindow", "Proceed", "RebalanceFinished", "RebalanceJob",
-    "StagedWeightsCorrupt", "TransferHooks", "WorkerFailed", "balancedness_of", "balancedness_summary",
-    "layer_balancedness",
+    "StagedBatchesDiffer", "StagedWeightsCorrupt", "TransferHooks", "WorkerFailed", "balancedness_of", "balancedness_summary",
+    "batch_fingerprint", "layer_balancedness",
 ]
 
 
@@ -469,7 +470,24 @@ class EPLBStats:
 NOT_READY = 0  # 1 when this rank has no staged layer waiting (or none in flight)
 FAILED = 1  # 1 when this rank's worker reported a failure
 BUSY = 2  # 1 while this rank has a rebalance in flight
-CONTROL_WORDS = 3
+STAGED = 3  # the fingerprint of the staged batch (its layers and new rows; 0: none): MAX is the highest
+STAGED_NEG = 4  # minus that fingerprint: MAX is minus the lowest, so the ranks agree iff both say one value
+CONTROL_WORDS = 5
+
+
+def batch_fingerprint(staged: Sequence[LayerReady]) -> int:
+    """What a staged batch commits (each layer and its new row), as a positive int64 that every
+    rank staging the same batch computes alike."""
+    digest = hashlib.blake2b(digest_size=7)
+    for ready in staged:
+        digest.update(ready.layer.to_bytes(4, "little"))
+        digest.update(ready.new_row.to(torch.int64).contiguous().numpy().tobytes())
+    return int.from_bytes(digest.digest(), "little") + 1
+
+
+class StagedBatchesDiffer(RuntimeError):
+    """Every rank staged a batch, but not the same one: committing would leave the ranks on
+    different maps and make their transfers read and write the wrong experts."""
 
 
 class EPLBUnavailable(RuntimeError):
@@ -488,6 +506,7 @@ class AsyncRun:
     staging: list[torch.Tensor]
     in_flight: int | None = None  # rebalance id being transferred, if any
     ready: LayerReady | None = None  # the last layer of a complete batch: the batch can commit
+    fingerprint: int = 0  # batch_fingerprint of the complete batch (0: none staged)
     staged: list[LayerReady] = field(default_factory=list)  # the batch's layers staged so far
     slots: list[list[torch.Tensor]] = field(default_factory=list)  # staging buffer per batch position
     in_flight_layer: int | None = None
@@ -656,6 +675,7 @@ class EPLBState:
                 run.staged.append(event)
                 if event.batch_end:
                     run.ready = event  # every layer of the batch is staged here
+                    run.fingerprint = batch_fingerprint(run.staged)
             elif isinstance(event, PlacementComputed):
                 self.stats.placement_seconds = event.seconds
                 if event.layers:
@@ -684,6 +704,8 @@ class EPLBState:
         words[NOT_READY] = 0 if run.ready is not None else 1
         words[FAILED] = 1 if run.failure is not None else 0
         words[BUSY] = 1 if run.in_flight is not None else 0
+        if run.ready is not None:
+            words[STAGED], words[STAGED_NEG] = run.fingerprint, -run.fingerprint
         if run.in_flight is not None and run.ready is None:
             if time.monotonic() - run.worker.last_progress > self.config.watchdog_s:
                 self.stats.watchdog_stalls += 1
@@ -709,6 +731,18 @@ class EPLBState:
             self._restart_after_failure()
         elif run is not None and run.release_in > 0:
             self._release_worker(run)  # pacing: the last commit's worker is still held back
+        elif self._all_staged(reduced) and not self._staged_alike(reduced):
+            # the ranks' rebalances diverged (they must never: every decision is made from agreed
+            # words and identical state): refuse the batch everywhere, loudly, rather than commit
+            # other layers or rows on each rank
+            assert run is not None and run.ready is not None
+            exc = StagedBatchesDiffer(f"rebalance {run.in_flight}: the ranks staged different batches (this rank: "
+                                      f"layers {[r.layer for r in run.staged]}); none is committed")
+            log.error("%s", exc)
+            run.failure = WorkerFailed(run.in_flight or 0, run.ready.layer, type(exc).__name__, str(exc), "")
+            self.stats.last_failure = run.failure
+            self._abort_rebalance()
+            self._restart_after_failure()
         elif self.commits_now(reduced):
             assert run is not None and run.ready is not None
             self._commit(run)
@@ -717,10 +751,18 @@ class EPLBState:
             self.rebalance_now(scheduled=True)
 
     def commits_now(self, reduced: list[int]) -> bool:
-        """Whether :meth:`after_sync` with these reduced words commits the in-flight layer."""
+        """Whether :meth:`after_sync` with these reduced words commits the in-flight layer: every
+        rank has staged its batch, and the same one (:func:`batch_fingerprint`)."""
+        return self._all_staged(reduced) and self._staged_alike(reduced)
+
+    def _all_staged(self, reduced: list[int]) -> bool:
         run = self.run
         return (self.config.enabled and run is not None and not reduced[FAILED] and run.release_in <= 0
                 and run.in_flight is not None and not reduced[NOT_READY])
+
+    @staticmethod
+    def _staged_alike(reduced: list[int]) -> bool:
+        return reduced[STAGED] == -reduced[STAGED_NEG]
 
     @property
     def drained(self) -> bool:
@@ -741,6 +783,7 @@ class EPLBState:
                                               "bytes": ready.stats.bytes_received})
         run.staged = []
         run.ready = None
+        run.fingerprint = 0
         run.in_flight_layer = None
         # the next layer starts only `async_layer_interval` steps after this commit (1: at once):
         # spreading a rebalance over more steps leaves more of the machine to the decode loop.
@@ -772,6 +815,7 @@ class EPLBState:
                 run.worker.finish(run.in_flight)
             run.in_flight = run.ready = run.in_flight_layer = run.failure = None
             run.staged = []
+            run.fingerprint = 0
             run.release_in = 0
         self.on_event("rebalance_failed", {
             "error": "another rank's layer failed" if failure is None else f"{failure.error_type}: {failure.message}",

@@ -49,6 +49,10 @@ _compiled.bfd_pack(load, 2, 4, np.ones(1), 1, 1.0)
 _compiled.replica_counts(load, 8, 2)
 _compiled.repair_counts(load, counts.copy(), np.ones(1), 2, 1)
 _compiled.add_replicas(load, counts, np.ones(1, dtype=np.int64), load > 0, 2)
+p2l = np.array([[0, 1, 2, 0, 3, 4, 5, 1]])
+_compiled.logical_to_physical(p2l, counts, 3)
+_compiled.balancedness(p2l, load, 2)
+_compiled.on_draws(p2l, load[None], 2)
 """
 
 

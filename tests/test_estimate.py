@@ -138,6 +138,82 @@ def test_the_compiled_moves_never_raise_the_peak_stay_in_budget_and_keep_every_e
     assert (peak_after <= peak_before * (1 + 1e-12)).all()
 
 
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), gpus=st.integers(1, 8), per_gpu=st.integers(1, 5))
+def test_the_compiled_copy_count_is_the_new_gpu_expert_pairs(seed, gpus, per_gpu):
+    rng = np.random.default_rng(seed)
+    slots = gpus * per_gpu
+    n = int(rng.integers(1, slots + 1))
+    carried = rng.integers(-1, n, (3, slots))  # -1: an empty slot (after a scale)
+    p2l = rng.integers(0, n, (3, slots))
+    old = np.zeros((3, gpus, n), bool)
+    new = np.zeros((3, gpus, n), bool)
+    for r in range(3):
+        for t in range(slots):
+            new[r, t // per_gpu, p2l[r, t]] = True
+            if carried[r, t] >= 0:
+                old[r, t // per_gpu, carried[r, t]] = True
+    assert np.array_equal(_compiled.copies_vs(carried, p2l, gpus, n), (new & ~old).sum(axis=(1, 2)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), gpus=st.integers(1, 8), per_gpu=st.integers(1, 5))
+def test_keep_idle_reseats_idle_experts_without_changing_balance_or_counts_and_never_adds_copies(seed, gpus, per_gpu):
+    from eplb.algorithm import _copies_vs, _keep_idle
+
+    rng = np.random.default_rng(seed)
+    slots = gpus * per_gpu
+    n = int(rng.integers(1, slots + 1))
+    load = rng.pareto(1.3, (3, n)) * (rng.random((3, n)) < 0.5)  # about half the experts idle
+    p2l = rebalance_experts(torch.from_numpy(load), slots, 1, 1, gpus)[0].numpy()
+    carried = rebalance_experts(torch.from_numpy(rng.pareto(1.3, (3, n))), slots, 1, 1, gpus)[0].numpy()
+    carried = np.where(rng.random(carried.shape) < 0.1, -1, carried)  # some slots empty (after a scale)
+    out = _keep_idle(p2l.copy(), carried, load, gpus)
+    assert np.array_equal(_counts_of(out, n), _counts_of(p2l, n))
+    assert np.array_equal(np.where(load[np.arange(3)[:, None], out] > 0, out, -1), np.where(load[np.arange(3)[:, None], p2l] > 0, p2l, -1))
+    assert np.allclose(_balancedness(out, load, gpus), _balancedness(p2l, load, gpus))
+    assert (_copies_vs(carried, out, gpus, n) <= _copies_vs(carried, p2l, gpus, n)).all()
+
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), gpus=st.sampled_from([1, 2, 3, 8, 32, 64, 128]), per_gpu=st.integers(1, 20),
+       integer=st.booleans())
+def test_the_compiled_balancedness_is_numpys_to_the_bit(seed, gpus, per_gpu, integer):
+    from eplb.algorithm import _gpu_loads
+
+    rng = np.random.default_rng(seed)
+    slots = gpus * per_gpu
+    n = int(rng.integers(1, slots + 1))
+    load = rng.pareto(1.2, (3, n)) * 100 * (rng.random((3, n)) < 0.8)
+    load = np.round(load) if integer else load
+    p2l = np.stack([np.concatenate([rng.permutation(n), rng.integers(0, n, slots - n)]) for _ in range(3)])
+    loads = _gpu_loads(p2l, load, gpus)  # numpy: sums over a GPU's slots, the mean over GPUs
+    peak = loads.max(axis=1)
+    want = np.where(peak > 0, loads.mean(axis=1) / np.maximum(peak, 1e-300), 1.0)
+    assert np.array_equal(_compiled.balancedness(p2l, load, gpus), want)
+
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), gpus=st.sampled_from([1, 2, 3, 8, 32, 64]), per_gpu=st.integers(1, 12),
+       draws=st.sampled_from([1, 2, 4, 9]))
+def test_the_compiled_balance_on_drawn_windows_is_numpys(seed, gpus, per_gpu, draws):
+    rng = np.random.default_rng(seed)
+    slots = gpus * per_gpu
+    n = int(rng.integers(1, slots + 1))
+    load = rng.pareto(1.2, (3, n)) * 100 * (rng.random((3, n)) < 0.8)
+    drawn = np.maximum(load[None] + rng.standard_normal((draws, 3, n)) * np.sqrt(1.18 * load)[None], 0.0)
+    p2l = np.stack([np.concatenate([rng.permutation(n), rng.integers(0, n, slots - n)]) for _ in range(3)])
+    rows = np.arange(3)[:, None]
+    per_slot = drawn[:, rows, p2l] / np.maximum(_counts_of(p2l, n), 1)[rows, p2l][None]
+    loads = per_slot.reshape(draws, 3, gpus, -1).sum(axis=3)
+    peak = loads.max(axis=2)
+    want = np.where(peak > 0, loads.mean(axis=2) / np.maximum(peak, 1e-300), 1.0).mean(axis=0)
+    np.testing.assert_allclose(_compiled.on_draws(p2l, drawn, gpus), want, rtol=1e-12, atol=0)
+
+
 # --- the deployment knob: eplb.load_smoothing -------------------------------------------------
 
 

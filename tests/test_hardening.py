@@ -11,6 +11,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from elastic.control.coordinator import Coordinator, OperationFailed, OperationStatus
 from elastic.core import protocol as p
@@ -20,7 +21,22 @@ from elastic.launch.channel import StoreQueue
 from elastic.launch.launchers import LocalLauncher
 from elastic.worker.groups import open_store
 from eplb.config import EPLBConfig
-from eplb.state import AsyncEPLBWorker, Finish, HandshakeMismatch, Proceed, WorkerFailed
+from eplb.model import ModelShape, ReferenceMoE
+from eplb.placement import Placement
+from eplb.plan import plan_layer
+from eplb.state import (
+    STAGED,
+    STAGED_NEG,
+    AsyncEPLBWorker,
+    EPLBState,
+    Finish,
+    HandshakeMismatch,
+    LayerReady,
+    Proceed,
+    WorkerFailed,
+    batch_fingerprint,
+)
+from eplb.transfer import TransferStats
 from tests.conftest import running, small_config
 from tests.helpers import assert_consistent, wait_for_state
 
@@ -63,6 +79,44 @@ def test_an_answer_for_another_rebalance_or_generation_is_a_loud_error_not_a_ste
         assert worker.stop(5)
 
 
+@pytest.mark.timeout(20)
+def test_ranks_that_staged_different_batches_refuse_them_everywhere_instead_of_committing():
+    # two ranks whose rebalances diverged (they once did, after a torn commit's recovery) used to
+    # commit each its own layer and row at the same agreed step: wrong weights, silently
+    shape = ModelShape(num_layers=2, num_experts=4, hidden_size=4, intermediate_size=4)
+    placement = Placement.static(2, 4, 6)  # rank 0 holds slots 0-2: experts 0, 1, 2 in every layer
+    model = ReferenceMoE(shape, placement, 0, 2)
+    state = EPLBState(EPLBConfig(use_async=True, step_interval=1000), model, placement, 0, 2)
+    state.start_worker(None, 0)
+    assert state.run is not None
+    mine = torch.tensor([0, 1, 3, 2, 0, 1])  # slot 2 takes expert 3
+    rank_plan = plan_layer(placement.physical_to_logical[1], mine, 3, 3, [0, 1], [0, 1]).for_rank(0)
+    for staged, want in zip(state.run.slots[0], model.canonical_expert(1, 3)):
+        staged[2].copy_(want)  # what the transfer received
+    peer = batch_fingerprint([LayerReady(1, 1, torch.tensor([0, 1, 2, 3, 1, 0]), None, TransferStats())])
+
+    def stage(rebalance_id: int) -> list[int]:
+        assert state.run is not None
+        state.run.in_flight = rebalance_id
+        state.run.worker.events.put(LayerReady(rebalance_id, 1, mine, rank_plan, TransferStats()))
+        return state.control()
+
+    try:
+        words = stage(1)
+        assert words[STAGED] == batch_fingerprint([LayerReady(1, 1, mine.clone(), rank_plan, TransferStats())])
+        reduced = [0, 0, 1, max(words[STAGED], peer), max(words[STAGED_NEG], -peer)]  # the peer staged another row
+        assert not state.commits_now(reduced)
+        state.after_sync(reduced)
+        assert state.placement.equals(placement) and model.verify() == []  # nothing committed
+        assert state.stats.rebalances_failed == 1 and "StagedBatchesDiffer" in (state.stats.last_error or "")
+        assert state.in_flight is None
+        state.after_sync(stage(2))  # every rank staged this batch: it commits
+        assert state.placement.physical_to_logical[1].tolist() == mine.tolist() and model.verify() == []
+        assert state.stats.layers_committed == 1
+    finally:
+        assert state.stop_worker(5)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
 def test_paced_async_eplb_after_a_torn_commit_and_recovery_keeps_every_rank_on_the_same_weights():
@@ -78,6 +132,40 @@ def test_paced_async_eplb_after_a_torn_commit_and_recovery_keeps_every_rank_on_t
         committed = max(_eplb(c, "layers_committed"))
         _until(lambda: min(_eplb(c, "layers_committed")) >= committed + 4, 60, "4 more paced layer commits")
         assert c.machine.state.value == "running"
+        assert_consistent(c, 2)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(150)
+def test_after_a_torn_commit_every_rank_starts_the_next_scheduled_rebalance_at_the_same_step():
+    # the rank that broke skipped the torn step's EPLB decision, so its countdown to the next scheduled
+    # rebalance was one step behind; the recovery shared the window but not the countdown, and rank 0
+    # started the next rebalance alone (its transfer waited on a peer that never came), folded one window
+    # more into its load estimate, and from the restart on the ranks committed other layers at the same
+    # steps: wrong weights in a "running" deployment. The flaky case needed the torn commit to come so
+    # soon after its rebalance's start that the countdowns had not run out by the recovery's Resume;
+    # slow steps (the first layer stages at once) and a long interval make it so every time.
+    config = small_config(eplb=dict(async_layer_interval=3, step_interval=24, window_size=6, transfer_timeout_s=10),
+                          timeouts=dict(collective=2, heartbeat=3), step_delay_s=0.1)
+    with running(config, faults=[TornCommit(rank=1, at_commit=1, generation=0)]) as c:
+        wait_for_state(c, "failed", timeout=60)
+        op = c.recover(timeout=60)
+        assert op.status == OperationStatus.SUCCEEDED, op.error
+
+        def started() -> dict[int, list[int]]:  # rank -> steps of its rebalance starts in generation 1
+            steps: dict[int, list[int]] = {0: [], 1: []}
+            for e in list(c.events):
+                if e.generation == 1 and e.kind == "rebalance_started":
+                    steps[e.rank].append(e.step)
+            return steps
+
+        _until(lambda: all(started().values()), 30, "a rebalance started on every rank after the recovery")
+        steps = started()
+        assert steps[0][0] == steps[1][0], f"the first rebalance after the recovery started at steps {steps} by rank"
+        committed = max(_eplb(c, "layers_committed"))
+        _until(lambda: min(_eplb(c, "layers_committed")) >= committed + 4, 60, "4 more paced layer commits")
+        failed = [(e.rank, e.data) for e in list(c.events) if e.generation == 1 and e.kind == "rebalance_failed"]
+        assert not failed, failed
         assert_consistent(c, 2)
 
 

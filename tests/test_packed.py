@@ -163,6 +163,44 @@ def test_the_start_up_check_trips_on_an_op_that_depends_on_the_batch(qwen):
         del norm.forward
 
 
+# -- a hot expert's pairs cut over replicas on both ranks --------------------------------------
+
+def body_split_replicas(rank: int, world_size: int) -> dict:
+    from eplb.models.hf import HFMoE, describe, unsharded
+
+    torch.set_num_threads(1)
+    spec = HFModelConfig(architecture="qwen3_moe", seed=3)
+    layers = describe(spec).num_moe_layers
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 128, (48,), generator=g) for _ in range(world_size)]
+    reference = unsharded(spec)
+    expected = [reference.forward_batch([(p, None)])[0][0] for p in prompts]
+    del reference
+    # 12 slots over 2 ranks: slots 8-11 (rank 1) are replicas of experts 0-3 (slots 0-3, rank 0)
+    model = HFMoE(spec, Placement.static(layers, 8, 12), rank, world_size, timeout=30)
+    logits, _ = model.forward_batch([(prompts[rank], None)])
+    _, physical = model.take_load()
+    return {"equal": torch.equal(logits[0], expected[rank]), "physical": physical.tolist()}
+
+
+@pytest.mark.multiprocess
+def test_a_hot_expert_s_pairs_are_cut_over_replicas_on_both_ranks_with_the_same_bits():
+    """Two ranks prefill 48 tokens each (192 pairs over 8 experts): an expert with at least
+    2 x SPLIT_ROWS pairs has its pairs computed on both ranks (its two replicas), and every
+    request's logits are bitwise the unsharded model's."""
+    from eplb.models.dispatch import SPLIT_ROWS
+
+    r0, r1 = run_distributed(body_split_replicas, 2, timeout=120, pg_timeout=60)
+    assert r0["equal"] and r1["equal"]
+    assert r0["physical"] == r1["physical"]  # the group's load, the same on every rank
+    split = [(layer, e) for layer, row in enumerate(r0["physical"]) for e in range(4)
+             if row[e] > 0 and row[8 + e] > 0]
+    assert split, r0["physical"]
+    for layer, e in split:  # cut into chunks of at least SPLIT_ROWS, equal within one
+        row = r0["physical"][layer]
+        assert min(row[e], row[8 + e]) >= SPLIT_ROWS and abs(row[e] - row[8 + e]) <= 1
+
+
 # -- a dead peer ---------------------------------------------------------------------------------
 
 DEADLINE = 3.0

@@ -353,7 +353,7 @@ class RescaleExecutor:
 
     def _take_state(self, cmd: p.Rescale, role: RankRole, base: Placement, state: dict[str, Any],
                     prepared: bool) -> None:
-        """Every rank of the new group takes the lowest survivor's window and decode state (each
+        """Every rank of the new group takes the lowest survivor's window, rebalance countdown and decode state (each
         keeps its own requests; a joining rank starts with none);
         a joining rank builds its model and EPLB state here (unless it prepared)."""
         ctx, spec = self.ctx, cmd.spec
@@ -369,7 +369,12 @@ class RescaleExecutor:
             ctx.eplb = ctx.new_eplb(base, role.new_rank, spec.new_size)
             ctx.eplb.carry_over(LoadWindow.from_state(state["window"]), state["stats"], state["steps_since_rebalance"])
         else:
-            ctx.eplb.carry_over(LoadWindow.from_state(state["window"]))
+            # the countdown to the next scheduled rebalance too: a survivor's own may be a step off
+            # (a torn commit: the rank that broke skipped the step's EPLB decision the others made),
+            # and then one rank would start the next rebalance alone, fold one window more into its
+            # load estimate and from then on commit other layers than its peers (wrong weights)
+            ctx.eplb.carry_over(LoadWindow.from_state(state["window"]),
+                                steps_since_rebalance=state["steps_since_rebalance"])
         if ctx.decoder is not None:
             ctx.decoder.batch_index = state["batch_index"]  # every rank goes on with the same batches
             if spec.joining and not prepared:  # fresh ranks: the replicated weights from a survivor

@@ -226,33 +226,34 @@ def _remote(ctx: ExpertsContext, module: torch.nn.Module, weights: dict[str, tor
     """Gather every rank's pairs, compute those this rank's slots take, send each owner its outputs.
     Returns this rank's pairs' outputs ``[n * k, H]`` in pair order."""
     rows, expert_ids = _gather_pairs(ctx, hidden, top_k_index)
-    num_logical, k = ctx.logical_to_physical.shape[0], ctx.peer_top_k
-    flat = [e.reshape(-1) for e in expert_ids]
-    counts = torch.stack([torch.bincount(f, minlength=num_logical) for f in flat])  # [R, L]
-    sent = assign(counts, ctx.logical_to_physical, ctx.replica_count, ctx.slots_per_rank * ctx.num_ranks)
-    per_slot = sent.sum(0)  # the group's pairs per physical slot
+    num_logical, k, size = ctx.logical_to_physical.shape[0], ctx.peer_top_k, ctx.slots_per_rank
+    # the group's pairs rank-major (each rank's in token, then k order): an expert's pairs in
+    # this order are the order assign() cuts into chunks, so one pair_slots call places them all
+    flat = torch.cat([e.reshape(-1) for e in expert_ids])
+    pairs = [e.numel() for e in expert_ids]
+    physical = pair_slots(flat, 0, torch.bincount(flat, minlength=num_logical)[None], ctx.logical_to_physical,
+                          ctx.replica_count)
+    holder = torch.div(physical, size, rounding_mode="floor")
+    owner = torch.repeat_interleave(torch.arange(ctx.num_ranks), torch.tensor(pairs))
+    counts = torch.bincount(owner * num_logical + flat, minlength=ctx.num_ranks * num_logical).view(ctx.num_ranks, -1)
+    per_slot = torch.bincount(physical, minlength=size * ctx.num_ranks)  # the group's pairs per physical slot
     per_rank = per_slot.view(ctx.num_ranks, -1).sum(1)  # and per holding rank
     _record(ctx, counts, per_slot, per_rank)
     ctx.stats["pairs"] += int(per_rank[ctx.rank])
-    # this rank's slots' pairs from every owner, each owner's in pair order
-    first, holders, taken, local = ctx.rank * ctx.slots_per_rank, [], [], []
-    for r in range(ctx.num_ranks):
-        physical = pair_slots(flat[r], r, counts, ctx.logical_to_physical, ctx.replica_count)
-        holder = torch.div(physical, ctx.slots_per_rank, rounding_mode="floor")
-        holders.append(holder)
-        mine = (holder == ctx.rank).nonzero().flatten()
-        taken.append(rows[r][torch.div(mine, k, rounding_mode="floor")])
-        local.append(physical[mine] - first)
-    x, slots = torch.cat(taken), torch.cat(local)
+    # this rank's slots' pairs from every owner, owner by owner, each owner's in pair order
+    taken = (holder == ctx.rank).nonzero().flatten()
+    x = torch.cat(rows)[torch.div(taken, k, rounding_mode="floor")]  # pair j is row j // k of the group's rows
     if x.shape[0]:
         started = _clock(ctx)
-        result = pair_forward(module, weights, x, slots, min_rows=ctx.min_rows).to(hidden.dtype)
+        result = pair_forward(module, weights, x, physical[taken] - ctx.rank * size, min_rows=ctx.min_rows)
+        result = result.to(hidden.dtype)
         _charge(ctx, "expert_cpu_s", started)
     else:
         result = x
-    # combine: owner r gets its pairs' outputs from each holder in rank order, each in pair order
-    send = [int(t.shape[0]) for t in taken]
-    mine = holders[ctx.rank]
+    # combine: each owner gets its pairs' outputs from every holder, in rank order, each in pair order
+    first = sum(pairs[: ctx.rank])
+    mine = holder[first : first + pairs[ctx.rank]]
+    send = torch.bincount(owner[taken], minlength=ctx.num_ranks).tolist()
     receive = torch.bincount(mine, minlength=ctx.num_ranks).tolist()
     back = _all_to_all(ctx, result, send, receive, "the expert combine all_to_all")
     out = torch.empty(mine.numel(), hidden.shape[1], dtype=hidden.dtype)
