@@ -2,6 +2,7 @@
 
     python -m bench.bench_capacity [--ep 2,4] [--concurrency 1,16] [--quick] [--json FILE]
                                    [--hidden 512 --layers 4 --experts 32 --top-k 2 --moe-intermediate 512]
+    python -m bench.bench_capacity --skew 1 [--ep 2,4] [--redundant 4] [--skew-window 64] [--skew-interval 192]
 
 1. Writes a random qwen3_moe checkpoint (seeded, ``save_pretrained``, no download) into a
    temporary directory; its size is set by the flags (by default 108 M parameters, where the
@@ -23,6 +24,25 @@
    one table with every figure and the issue's targets (PASS/FAIL). A figure that cannot be
    measured (a failed request, a missing process) ends the bench with an error, never a blank.
 
+With ``--skew S`` (> 0) the bench measures skewed routing with the EPLB on and off instead of steps
+3's runs: each layer's router rows (``model.layers.N.mlp.gate.weight``) are scaled by Zipf-like
+factors (:func:`skew_factors`) in the written checkpoint, so the reference and the deployment route
+the same skewed way (how skewed is measured: the hottest expert's pairs over the mean's, from the
+reference's routers and from the deployment's load window). At each EP size, a deployment with the
+EPLB on (rebalancing every ``--skew-interval`` steps over a window of ``--skew-window`` steps) serves
+rounds of the requests at the largest concurrency until a rebalance has finished and a whole window
+and ``--skew-after-rounds`` rounds have passed after it; then one with the EPLB off
+(``eplb.enabled: false``) serves as many rounds. Each round is before, during or after the first
+rebalance (the on run's phases, by round, for both). Per phase: CPU/token, tokens/s, the tokens
+checked, the dispatch's balancedness per step (``GET /state``'s, sampled every 0.1 s: mean over
+layers of mean / max pairs per rank of the rank's last step) and over the load window at the phase's
+end (``GET /placement``: the window's pairs per expert under the placement, split evenly over an
+expert's replicas: the EPLB's model, which the dispatch's chunks of at least ``SPLIT_ROWS`` pairs
+reach only over many steps), with an estimate of a decode step's (:func:`step_ceiling`: pairs drawn
+from the window, cut as the dispatch cuts them). Targets: balancedness after the first rebalance with
+the EPLB on at least 0.9 (window and per step), the tokens/s after it on over off (reported), no
+token unlike the reference's.
+
 The exit status is 0 when every target measured passes.
 """
 
@@ -35,6 +55,7 @@ import math
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -72,16 +93,74 @@ def checkpoint_config(args: argparse.Namespace) -> dict[str, Any]:
             "tie_word_embeddings": False, "eos_token_id": None, "bos_token_id": None, "pad_token_id": None}
 
 
-def write_checkpoint(directory: Path, config: dict[str, Any], seed: int) -> int:
-    """A random (seeded) qwen3_moe checkpoint in ``directory``; returns its parameter count."""
+def write_checkpoint(directory: Path, config: dict[str, Any], seed: int, skew: float = 0.0) -> int:
+    """A random (seeded) qwen3_moe checkpoint in ``directory``; returns its parameter count.
+    ``skew`` > 0: each layer's router rows scaled by :func:`skew_factors` (the reference and the
+    deployment load the same files, so both route the same skewed way)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", **config))
     model.generation_config.eos_token_id = None
+    if skew:
+        with torch.no_grad():
+            for layer in range(config["num_hidden_layers"]):
+                gate = model.get_parameter(f"model.layers.{layer}.mlp.gate.weight")  # [experts, hidden]
+                factors = skew_factors(config["num_experts"], skew, f"{seed}-{layer}")
+                gate.mul_(torch.tensor(factors, dtype=gate.dtype)[:, None])
     model.save_pretrained(directory)
     return sum(p.numel() for p in model.parameters())
+
+
+def skew_factors(num_experts: int, skew: float, seed: str) -> list[float]:
+    """Zipf-like scales of a layer's router rows: the expert of popularity rank ``r`` (0: the hottest)
+    gets ``(r + 1) ** -skew``, and which expert has which rank is a seeded permutation (so the hot
+    experts are not all on one rank of the static placement). A row scaled up has logits of a larger
+    spread, so its expert wins the top-k more often: at ``skew`` 1 on the default model the hottest
+    expert gets about 7x the mean share of pairs. ``skew`` 0: every factor 1.0 (the checkpoint as without)."""
+    import random
+
+    if skew < 0 or not math.isfinite(skew):
+        raise BenchError(f"--skew must be a finite number >= 0, got {skew}")
+    ranks = list(range(num_experts))
+    random.Random(f"skew-{seed}").shuffle(ranks)
+    return [(rank + 1) ** -skew for rank in ranks]
+
+
+def hot_over_mean(load: Any) -> list[float]:
+    """Per layer of ``load [layers, experts]`` (pairs per expert): the hottest expert's pairs over the
+    mean expert's (1.0 when even; the number of experts when one expert gets every pair)."""
+    out = []
+    for row in load.tolist():
+        total = sum(row)
+        if total <= 0:
+            raise BenchError("a layer with no routed pairs: its skew cannot be measured")
+        out.append(max(row) * len(row) / total)
+    return out
+
+
+def reference_routing(model_dir: Path, prompts: list[list[int]]) -> Any:
+    """``[layers, experts]``: the pairs the reference's routers send to each expert over the prompts'
+    prefill (a forward hook on every ``mlp.gate``, which returns ``(logits, scores, indices)``)."""
+    import torch
+
+    torch.set_num_threads(1)
+    model = _load_reference(model_dir)
+    config = model.config
+    counts = torch.zeros(config.num_hidden_layers, config.num_experts, dtype=torch.int64)
+    hooks = []
+    for layer in range(config.num_hidden_layers):
+        def count(_module: Any, _inputs: Any, output: Any, layer: int = layer) -> None:
+            counts[layer] += torch.bincount(output[2].flatten(), minlength=config.num_experts)
+        hooks.append(model.get_submodule(f"model.layers.{layer}.mlp.gate").register_forward_hook(count))
+    try:
+        with torch.inference_mode():
+            model(torch.tensor(prompts), attention_mask=torch.ones(len(prompts), len(prompts[0]), dtype=torch.int64))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return counts
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -219,9 +298,16 @@ def matmul_share(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> 
 
 # -- the deployment: elastic-ep serve, as a user runs it ----------------------------------------------
 
-def deployment_yaml(model_dir: Path, ep: int, args: argparse.Namespace) -> dict[str, Any]:
+def deployment_yaml(model_dir: Path, ep: int, args: argparse.Namespace, eplb_on: bool | None = None
+                    ) -> dict[str, Any]:
+    """The deployment's config. ``eplb_on`` (the skewed runs): the EPLB on or off (``eplb.enabled``),
+    rebalancing every ``--skew-interval`` steps over a window of ``--skew-window`` steps; None: the
+    EPLB's defaults (a rebalance every 3000 steps: none in the runs)."""
+    eplb: dict[str, Any] = {"num_redundant_experts": args.redundant, "use_async": True}
+    if eplb_on is not None:
+        eplb |= {"enabled": eplb_on, "step_interval": args.skew_interval, "window_size": args.skew_window}
     return {"ep_size": ep, "max_ep_size": ep, "model": {"kind": "hf", "path": str(model_dir)},
-            "eplb": {"num_redundant_experts": args.redundant, "use_async": True},
+            "eplb": eplb,
             "serving": {"max_batch": max(args.concurrency), "max_queue": 4 * len(args.prompts_all),
                         "background_load": False, "max_tokens_limit": max(1024, args.new_tokens)},
             "timeouts": {"worker_start": 600}}
@@ -255,15 +341,17 @@ class Deployment:
 
 @contextmanager
 def serve(model_dir: Path, ep: int, args: argparse.Namespace, workdir: Path,
-          samples: Path | None = None) -> Iterator[Deployment]:
+          samples: Path | None = None, eplb_on: bool | None = None) -> Iterator[Deployment]:
     """``elastic-ep serve`` on a free port until the block ends; every process of it is gone afterwards.
-    With ``samples``, every process of it runs the stack sampler (``bench/capacity_sampler``) into it."""
+    With ``samples``, every process of it runs the stack sampler (``bench/capacity_sampler``) into it.
+    ``eplb_on``: see :func:`deployment_yaml`."""
     import yaml
 
-    config = workdir / f"ep{ep}.yaml"
-    config.write_text(yaml.safe_dump(deployment_yaml(model_dir, ep, args)))
+    name = f"ep{ep}" if eplb_on is None else f"ep{ep}-eplb-{'on' if eplb_on else 'off'}"
+    config = workdir / f"{name}.yaml"
+    config.write_text(yaml.safe_dump(deployment_yaml(model_dir, ep, args, eplb_on)))
     port = _free_port()
-    log = open(workdir / f"serve-ep{ep}.log", "wb")
+    log = open(workdir / f"serve-{name}.log", "wb")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
     if samples is not None:
         samples.mkdir(parents=True, exist_ok=True)
@@ -275,7 +363,7 @@ def serve(model_dir: Path, ep: int, args: argparse.Namespace, workdir: Path,
                                start_new_session=True)
     deployment = Deployment(f"http://127.0.0.1:{port}", process)
     try:
-        _wait_ready(deployment, ep, args.start_timeout, workdir / f"serve-ep{ep}.log")
+        _wait_ready(deployment, ep, args.start_timeout, workdir / f"serve-{name}.log")
         yield deployment
     finally:
         _stop(process)
@@ -413,6 +501,223 @@ def measure_ep(model_dir: Path, ep: int, args: argparse.Namespace, expected: lis
     return out
 
 
+# -- skewed routing, EPLB on and off (--skew) ----------------------------------------------------------
+
+class StatePoller:
+    """``GET /state`` every ``period`` seconds on a thread: one sample per decode step seen (the step of
+    the slowest rank, the balancedness of the last step each rank recorded (the lowest), the finished
+    rebalances, the layers committed and the layer in flight)."""
+
+    def __init__(self, url: str, period: float = 0.1) -> None:
+        import threading
+
+        self.url, self.period = url, period
+        self.samples: dict[int, dict[str, Any]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="state-poller", daemon=True)
+        self.errors = 0
+
+    def __enter__(self) -> StatePoller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        import httpx
+
+        with httpx.Client(timeout=10) as client:
+            while not self._stop.wait(self.period):
+                try:
+                    state = client.get(f"{self.url}/state").json()
+                except (httpx.HTTPError, ValueError):
+                    self.errors += 1
+                    continue
+                if state.get("balancedness") is None:
+                    continue
+                step = int(state["step"])
+                self.samples.setdefault(step, {"step": step, "balancedness": float(state["balancedness"]),
+                                               "rebalances": int(state.get("rebalances") or 0),
+                                               "layers_committed": int(state.get("layers_committed") or 0),
+                                               "in_flight_layer": state.get("in_flight_layer")})
+
+    def done_step(self, rebalances: int) -> int | None:
+        """The first step seen with ``rebalances`` finished (the rebalance ended at or before it)."""
+        steps = [s["step"] for s in self.samples.values() if s["rebalances"] >= rebalances]
+        return min(steps) if steps else None
+
+
+def window_figures(document: dict[str, Any]) -> dict[str, Any]:
+    """From a placement file (``GET /placement``): the balancedness of its load window under its placement
+    (mean over layers of mean rank load / max rank load, an expert's pairs split evenly over its replicas:
+    the EPLB's model. The dispatch cuts a step's pairs of an expert in chunks of at least ``SPLIT_ROWS``,
+    a lone chunk's replica rotating with the step's count, which only many steps even out; the window
+    keeps pairs per logical expert, not per slot), the window's steps, and its skew (the hottest
+    expert's pairs over the mean's, per layer)."""
+    from eplb.placement import Placement
+    from eplb.placement_file import parse_placement
+
+    parsed = parse_placement(document)
+    if parsed.window_steps < 1 or float(parsed.logical_load.sum()) <= 0:
+        raise BenchError("the deployment's load window is empty: no balancedness to read")
+    placement = Placement.from_physical_to_logical(parsed.physical_to_logical, parsed.num_logical_experts)
+    per_layer = placement.balancedness(parsed.logical_load, parsed.ep_size)
+    return {"balancedness": float(per_layer.mean()), "layers": [float(b) for b in per_layer],
+            "steps": parsed.window_steps, "step": int(document.get("step", -1)),
+            "hot_over_mean": hot_over_mean(parsed.logical_load), "replicas": parsed.num_physical}
+
+
+def step_ceiling(document: dict[str, Any], tokens: int, top_k: int, draws: int = 200, seed: int = 0) -> float:
+    """The per-step balancedness a placement file's placement can reach on its window's load: steps of
+    ``tokens * top_k`` pairs, each drawn on its own in proportion to the window's pairs per expert (the
+    window's shares exactly; a token's k experts are distinct in the model, which this leaves out),
+    every expert's pairs cut over its replicas as the dispatch does (:func:`eplb.models.dispatch.assign`);
+    mean over ``draws`` steps and the layers. Below 1.0 from sampling alone: a decode step of 16 tokens
+    at top-2 is 32 pairs for all the ranks."""
+    import torch
+
+    from eplb.models.dispatch import assign
+    from eplb.placement import Placement
+    from eplb.placement_file import parse_placement
+
+    parsed = parse_placement(document)
+    placement = Placement.from_physical_to_logical(parsed.physical_to_logical, parsed.num_logical_experts)
+    generator = torch.Generator().manual_seed(seed)
+    total = 0.0
+    for layer in range(parsed.num_moe_layers):
+        load = parsed.logical_load[layer].double()
+        if float(load.sum()) <= 0:
+            raise BenchError(f"layer {layer}'s window has no pairs: no step to draw")
+        picks = torch.multinomial(load.expand(draws, -1), tokens * top_k, replacement=True, generator=generator)
+        counts = torch.zeros(draws, parsed.num_logical_experts, dtype=torch.int64).scatter_add_(
+            1, picks, torch.ones(draws, tokens * top_k, dtype=torch.int64))
+        for row in counts:
+            per_slot = assign(row[None], placement.logical_to_physical[layer], placement.replica_count[layer],
+                              placement.num_physical)[0]
+            per_rank = per_slot.view(parsed.ep_size, -1).sum(1).double()
+            total += float(per_rank.mean() / per_rank.max())
+    return total / (draws * parsed.num_moe_layers)
+
+
+def phase_of_rounds(rounds: list[dict[str, Any]]) -> list[str]:
+    """Each round's phase: ``before`` (the placement at its end still the start's: no rebalance
+    finished, no layer committed, none in flight), ``after`` (it started with a rebalance finished),
+    ``during`` (the others: a rebalance committed or in flight in it)."""
+    out = []
+    for r in rounds:
+        if r["rebalances_start"] >= 1:
+            out.append("after")
+        elif r["rebalances_end"] == 0 and r["layers_committed_end"] == 0 and r["in_flight_end"] is None:
+            out.append("before")
+        else:
+            out.append("during")
+    return out
+
+
+def phase_figures(rounds: list[dict[str, Any]], phases: list[str], phase: str,
+                  samples: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The rounds of ``phase`` together: CPU, wall and tokens summed; the sampled steps' mean
+    balancedness (steps inside those rounds); the window balancedness at the phase's last round's end."""
+    chosen = [r for r, ph in zip(rounds, phases) if ph == phase]
+    if not chosen:
+        raise BenchError(f"no round {phase} the first rebalance: run more rounds (--skew-max-rounds) or rebalance "
+                         "sooner (--skew-interval)")
+    figures = RunFigures(sum(r["cpu_s"] for r in chosen), sum(r["wall_s"] for r in chosen),
+                         sum(r["tokens"] for r in chosen))
+    steps = [s["balancedness"] for s in samples.values()
+             if any(r["step_start"] < s["step"] <= r["step_end"] for r in chosen)]
+    if not steps:
+        raise BenchError(f"no /state sample of a step {phase} the first rebalance")
+    rates = sorted(r["tokens"] / r["wall_s"] for r in chosen)
+    return figures.as_dict() | {
+        "rounds": len(chosen), "requests": sum(r["requests"] for r in chosen),
+        "round_tokens_per_s": {"min": rates[0], "median": statistics.median(rates), "max": rates[-1]},
+        "mismatched": [i for r in chosen for i in r["mismatched"]],
+        "step_balancedness": sum(steps) / len(steps), "sampled_steps": len(steps),
+        "window": chosen[-1]["window"]}
+
+
+def _get_json(d: Deployment, path: str, timeout: float = 60.0) -> dict[str, Any]:
+    import httpx
+
+    response = httpx.get(f"{d.url}{path}", timeout=timeout)
+    if response.status_code != 200:
+        raise BenchError(f"GET {path}: HTTP {response.status_code}: {response.text[:300]}")
+    return dict(response.json())
+
+
+def measure_skew(model_dir: Path, ep: int, eplb_on: bool, args: argparse.Namespace, expected: list[list[int]],
+                 workdir: Path, phases: list[str] | None = None) -> dict[str, Any]:
+    """Rounds of the requests at the largest concurrency on a deployment with the EPLB on (until a
+    rebalance has finished, and a whole load window and ``--skew-after-rounds`` rounds have passed
+    after it) or off (``phases``: as many
+    rounds as the EPLB-on run, each with its phase). Per round: its figures, the tokens checked, and
+    the window balancedness at its end (``GET /placement``); every step's balancedness sampled from
+    ``GET /state`` meanwhile."""
+    concurrency = max(args.concurrency)
+    rounds: list[dict[str, Any]] = []
+    with serve(model_dir, ep, args, workdir, eplb_on=eplb_on) as d, StatePoller(d.url) as poller:
+        asyncio.run(_send_all(d, args.prompts_all[:2], 4, 2))  # warm-up
+        while True:
+            start = _get_json(d, "/state")
+            figures, outputs, _ = served_run(d, args.prompts_all, args.new_tokens, concurrency)
+            document = _get_json(d, "/placement")
+            window = window_figures(document) | {"step_ceiling": step_ceiling(document, concurrency, args.top_k)}
+            end = _get_json(d, "/state")
+            rounds.append(figures.as_dict() | {
+                "requests": len(outputs), "mismatched": mismatches(outputs, expected),
+                "step_start": int(start["step"]), "step_end": int(end["step"]),
+                "rebalances_start": int(start.get("rebalances") or 0), "rebalances_end": int(end.get("rebalances") or 0),
+                "layers_committed_end": int(end.get("layers_committed") or 0),
+                "in_flight_end": end.get("in_flight_layer"), "window": window})
+            print(f"EP {ep}, skew {args.skew}, EPLB {'on' if eplb_on else 'off'}, round {len(rounds)}: steps "
+                  f"{rounds[-1]['step_start']}-{rounds[-1]['step_end']}, {figures.tokens_per_s:.1f} tokens/s, "
+                  f"window balancedness {window['balancedness']:.3f}, rebalances {rounds[-1]['rebalances_end']}",
+                  file=sys.stderr)
+            if phases is not None:
+                if len(rounds) == len(phases):
+                    break
+                continue
+            done = poller.done_step(rounds[-1]["rebalances_end"]) if rounds[-1]["rebalances_end"] else None
+            if done is not None and rounds[-1]["in_flight_end"] is None and \
+                    rounds[-1]["step_end"] - done >= args.skew_window and "before" in phase_of_rounds(rounds) and \
+                    phase_of_rounds(rounds).count("after") >= args.skew_after_rounds:
+                break
+            if len(rounds) >= args.skew_max_rounds:
+                raise BenchError(f"EP {ep}, EPLB on: no rebalance with a whole window after it in {len(rounds)} "
+                                 f"rounds (steps up to {rounds[-1]['step_end']}, rebalances {rounds[-1]['rebalances_end']}"
+                                 f"): raise --skew-max-rounds or lower --skew-interval")
+        samples = dict(poller.samples)
+    if phases is None:
+        phases = phase_of_rounds(rounds)
+    out: dict[str, Any] = {"eplb": eplb_on, "rounds": rounds, "phases": phases, "samples": len(samples),
+                           "rebalances": rounds[-1]["rebalances_end"], "requests": sum(r["requests"] for r in rounds),
+                           "mismatched": [i for r in rounds for i in r["mismatched"]]}  # every round, during too
+    for phase in ("before", "after"):
+        out[phase] = phase_figures(rounds, phases, phase, samples)
+    return out
+
+
+def run_skew(model_dir: Path, args: argparse.Namespace, expected: list[list[int]], workdir: Path
+             ) -> dict[int, dict[str, Any]]:
+    """EPLB on, then off with the on run's rounds and phases, at each EP size."""
+    out: dict[int, dict[str, Any]] = {}
+    for ep in args.ep:
+        on = measure_skew(model_dir, ep, True, args, expected, workdir)
+        off = measure_skew(model_dir, ep, False, args, expected, workdir, phases=on["phases"])
+        out[ep] = {"on": on, "off": off}
+        for name, data in (("on", on), ("off", off)):
+            b, a = data["before"], data["after"]
+            print(f"EP {ep}, EPLB {name}: balancedness window {b['window']['balancedness']:.3f} -> "
+                  f"{a['window']['balancedness']:.3f}, per step {b['step_balancedness']:.3f} -> "
+                  f"{a['step_balancedness']:.3f} (est. {a['window']['step_ceiling']:.3f}); tokens/s "
+                  f"{b['tokens_per_s']:.1f} -> {a['tokens_per_s']:.1f} (rounds' median "
+                  f"{b['round_tokens_per_s']['median']:.1f} -> {a['round_tokens_per_s']['median']:.1f})", file=sys.stderr)
+    return out
+
+
 def _cores(by_process: dict[str, float]) -> str:
     return ", ".join(f"{name} {cores:.2f} cores" for name, cores in sorted(by_process.items()))
 
@@ -481,11 +786,13 @@ def format_profile(role: str, summary: dict[str, Any]) -> str:
 class Target:
     name: str
     value: float
-    limit: float
+    limit: float | None  # None: a figure the issue asks for without a limit (always ok)
     at_most: bool  # value <= limit (else value >= limit)
 
     @property
     def ok(self) -> bool:
+        if self.limit is None:
+            return True
         return self.value <= self.limit if self.at_most else self.value >= self.limit
 
 
@@ -534,6 +841,41 @@ def targets(figures: dict[str, Any], eps: Sequence[int], concurrencies: Sequence
     return out
 
 
+def skew_targets(figures: dict[str, Any], eps: Sequence[int]) -> list[Target]:
+    """The skewed-routing target at each EP size (a missing figure raises): the dispatch's balancedness
+    after the first rebalance with the EPLB on, over the load window and per step (>= 0.9); the tokens/s
+    after it, EPLB on over off (no limit in the issue), and before it (both runs on the static placement:
+    how far apart two runs are by noise alone); and no request with tokens unlike the reference.
+
+    ``figures``: ``{"skew": {ep: {"on"|"off": {"before"|"after": {tokens_per_s, step_balancedness,
+    sampled_steps, mismatched, window: {balancedness, steps}}}}}}``."""
+    out: list[Target] = []
+    for size in eps:
+        steps = int(_figure(figures, "skew", size, "on", "after", "window", "steps"))
+        sampled = int(_figure(figures, "skew", size, "on", "after", "sampled_steps"))
+        ceiling = _figure(figures, "skew", size, "on", "after", "window", "step_ceiling")
+        out.append(Target(f"dispatch balancedness, skewed, EPLB on, EP {size}: window of {steps} steps after the "
+                          "1st rebalance", _figure(figures, "skew", size, "on", "after", "window", "balancedness"),
+                          0.9, False))
+        out.append(Target(f"dispatch balancedness, skewed, EPLB on, EP {size}: per step after the 1st rebalance "
+                          f"(mean of {sampled} sampled steps; est. of a decode step drawn from the window {ceiling:.3f})",
+                          _figure(figures, "skew", size, "on", "after", "step_balancedness"), 0.9, False))
+        for phase, what in (("after", "after the 1st rebalance"),
+                            ("before", "before it (the same placement: the runs' noise)")):
+            out.append(Target(f"tokens/s {what}, skewed, EPLB on / off, EP {size} (x, medians of the rounds)",
+                              _figure(figures, "skew", size, "on", phase, "round_tokens_per_s", "median")
+                              / _figure(figures, "skew", size, "off", phase, "round_tokens_per_s", "median"),
+                              None, False))
+        wrong = 0
+        for mode in ("on", "off"):  # every round's requests, the rounds during the rebalance too
+            try:
+                wrong += len(figures["skew"][size][mode]["mismatched"])
+            except (KeyError, TypeError) as exc:
+                raise BenchError(f"the output check of EP {size}, EPLB {mode} was not made") from exc
+        out.append(Target(f"requests with tokens unlike the reference, skewed, EP {size}", wrong, 0, True))
+    return out
+
+
 def _mismatched(figures: dict[str, Any], size: int, concurrency: int) -> list[int]:
     try:
         return list(figures["ep"][size]["runs"][concurrency]["mismatched"])
@@ -551,32 +893,52 @@ def _fmt(value: float, digits: int = 2) -> str:
 
 def print_table(figures: dict[str, Any], checks: list[Target], eps: Sequence[int], concurrencies: Sequence[int],
                 caption: str = "") -> None:
-    """Every figure, then the targets (a second header row names their columns), in one table."""
+    """Every figure, then the targets (a second header row names their columns), in one table.
+    With ``figures["skew"]`` (``--skew``): the skewed runs' rows (EPLB on and off, before and after
+    the first rebalance) with their balancedness in place of the idle column."""
     from rich.console import Console
     from rich.table import Table
 
+    skewed = "skew" in figures
     table = Table(title=f"capacity: {figures['model']['summary']}", caption=caption)
-    for column in ("", "CPU/token (ms)", "tokens/s", "x reference CPU/token", "idle (cores/rank)", "tokens unlike ref."):
+    middle = ("balancedness, window", "balancedness, per step") if skewed else ("idle (cores/rank)",)
+    columns = ("", "CPU/token (ms)", "tokens/s", "x reference CPU/token", *middle, "tokens unlike ref.")
+    for column in columns:
         table.add_column(column, justify="left" if not column else "right")
     ref = figures["reference"]
+    ref_cpu = ref["batched"]["cpu_per_token_ms"]
     for key in ("batched", "single"):
         row = ref[key]
         table.add_row(f"transformers, 1 process, 1 thread, batch {row['batch']}", _fmt(row["cpu_per_token_ms"]),
-                      _fmt(row["tokens_per_s"], 1), _fmt(row["cpu_per_token_ms"] / ref["batched"]["cpu_per_token_ms"]),
-                      "-", "-")
-    for size in eps:
+                      _fmt(row["tokens_per_s"], 1), _fmt(row["cpu_per_token_ms"] / ref_cpu), *["-"] * len(middle), "-")
+    for size in eps if not skewed else ():
         data = figures["ep"][size]
         for c in concurrencies:
             run = data["runs"][c]
             table.add_row(f"elastic-ep EP {size}, {c} concurrent", _fmt(run["cpu_per_token_ms"]),
-                          _fmt(run["tokens_per_s"], 1), _fmt(run["cpu_per_token_ms"] / ref["batched"]["cpu_per_token_ms"]),
+                          _fmt(run["tokens_per_s"], 1), _fmt(run["cpu_per_token_ms"] / ref_cpu),
                           _fmt(data["idle_cores_per_rank"], 3), f"{len(run['mismatched'])} of {run['requests']}")
+    for size in eps if skewed else ():
+        for mode in ("on", "off"):
+            for phase in ("before", "after"):
+                run = figures["skew"][size][mode][phase]
+                table.add_row(f"elastic-ep EP {size}, {max(concurrencies)} concurrent, skew {figures['skew_s']:g}, "
+                              f"EPLB {mode}: {phase} the 1st rebalance, {run['rounds']} rounds",
+                              _fmt(run["cpu_per_token_ms"]),
+                              f"{_fmt(run['tokens_per_s'], 1)} (median {_fmt(run['round_tokens_per_s']['median'], 1)})",
+                              _fmt(run["cpu_per_token_ms"] / ref_cpu),
+                              f"{_fmt(run['window']['balancedness'], 3)} ({run['window']['steps']} steps)",
+                              f"{_fmt(run['step_balancedness'], 3)} ({run['sampled_steps']}; est. "
+                              f"{_fmt(run['window']['step_ceiling'], 3)})",
+                              f"{len(run['mismatched'])} of {run['requests']}")
     table.add_section()
-    table.add_row("[bold]target[/bold]", "[bold]measured[/bold]", "[bold]limit[/bold]", "", "", "[bold]verdict[/bold]")
+    blank = [""] * (len(columns) - 4)
+    table.add_row("[bold]target[/bold]", "[bold]measured[/bold]", "[bold]limit[/bold]", *blank, "[bold]verdict[/bold]")
     for t in checks:
-        table.add_row(t.name, _fmt(t.value, 3), f"{'<=' if t.at_most else '>='} {t.limit:g}", "", "",
-                      "[green]PASS[/green]" if t.ok else "[red]FAIL[/red]")
-    Console(width=150).print(table)
+        limit = "-" if t.limit is None else f"{'<=' if t.at_most else '>='} {t.limit:g}"
+        verdict = "(reported)" if t.limit is None else "[green]PASS[/green]" if t.ok else "[red]FAIL[/red]"
+        table.add_row(t.name, _fmt(t.value, 3), limit, *blank, verdict)
+    Console(width=200 if skewed else 150).print(table)
 
 
 # -- main ---------------------------------------------------------------------------------------------
@@ -606,12 +968,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--profile", action="store_true",
                     help="sample every process's Python stacks during the largest concurrency's run and print "
                          "where each rank's decode thread and the server spend their time")
+    ap.add_argument("--skew", type=float, default=0.0,
+                    help="skewed routing: scale each layer's router rows by Zipf-like factors (rank r: (r+1)^-SKEW) and "
+                         "measure EPLB on against off instead of the runs above (0: the checkpoint as without)")
+    ap.add_argument("--skew-window", type=int, default=None, help="--skew: eplb.window_size (default 64, --quick 32)")
+    ap.add_argument("--skew-interval", type=int, default=None,
+                    help="--skew: eplb.step_interval (default 3 windows: one rebalance in the run)")
+    ap.add_argument("--skew-after-rounds", type=int, default=4, help="--skew: fewest rounds after the first "
+                    "rebalance (its tokens/s)")
+    ap.add_argument("--skew-max-rounds", type=int, default=40, help="--skew: most rounds of the requests to wait "
+                    "for a rebalance and a whole window after it")
     ap.add_argument("--keep", type=Path, default=None, help="write the checkpoint, configs and server logs here")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.quick:
         args.hidden, args.layers, args.experts, args.moe_intermediate, args.vocab = 128, 2, 16, 128, 512
         args.requests, args.single_requests, args.new_tokens, args.idle_s = 16, 2, 16, 4.0
+    if args.skew_window is None:
+        args.skew_window = 32 if args.quick else 64
+    if args.skew_interval is None:
+        args.skew_interval = 3 * args.skew_window
+    if args.skew and args.skew_interval <= args.skew_window:
+        raise SystemExit(f"--skew-interval {args.skew_interval} must exceed --skew-window {args.skew_window}: the "
+                         "window before the first rebalance would not be whole")
     args.ep = [int(x) for x in args.ep.split(",")]
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
     bad = [e for e in args.ep if e < 1 or (args.experts + args.redundant) % e]
@@ -625,10 +1004,13 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Every measure of the bench; returns the figures."""
     model_dir = workdir / "checkpoint"
     config = checkpoint_config(args)
-    params = write_checkpoint(model_dir, config, args.seed)
+    params = write_checkpoint(model_dir, config, args.seed, args.skew)
     summary = (f"qwen3_moe {params / 1e6:.0f} M params, hidden {args.hidden}, {args.layers} layers, {args.experts} "
                f"experts top-{args.top_k}, moe_intermediate {args.moe_intermediate}; {args.requests} requests of "
                f"{args.prompt_len} + {args.new_tokens} tokens")
+    if args.skew:
+        summary += (f"; skewed routing {args.skew:g}, {args.redundant} redundant slots, EPLB every "
+                    f"{args.skew_interval} steps over {args.skew_window}")
     figures: dict[str, Any] = {"model": {"summary": summary, "parameters": params, "config": config},
                                "reference": {}, "ep": {}, "machine": machine_info()}
     batch_figures, expected = reference(model_dir, args.prompts_all, args.new_tokens, 1)
@@ -640,9 +1022,37 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     print(f"reference: batch {args.ref_batch} {batched.tokens_per_s:.1f} tokens/s, "
           f"{batched.cpu_per_token_ms:.2f} ms CPU/token; batch 1 {batch_figures.tokens_per_s:.1f} tokens/s; "
           f"matmul share {figures['reference_matmul_share']:.2f}", file=sys.stderr)
+    if args.skew:
+        counts = reference_routing(model_dir, args.prompts_all)
+        figures["skew_s"] = args.skew
+        figures["reference_hot_over_mean"] = hot_over_mean(counts)
+        print(f"skew {args.skew}: the reference's routers over the prompts' prefill: hottest expert / mean "
+              f"{', '.join(f'{x:.2f}' for x in figures['reference_hot_over_mean'])} (per layer)", file=sys.stderr)
+        figures["skew"] = run_skew(model_dir, args, expected, workdir)
+        return figures
     for ep in args.ep:
         figures["ep"][ep] = measure_ep(model_dir, ep, args, expected, workdir)
     return figures
+
+
+def skew_caption(figures: dict[str, Any], eps: Sequence[int]) -> str:
+    """How skewed the routing was (the hottest expert's pairs over the mean's, mean over layers): the
+    reference's routers over the prompts' prefill and each deployment's last load window."""
+    def mean(xs: Sequence[float]) -> float:
+        return sum(xs) / len(xs)
+
+    parts = [f"Skew (hottest expert's pairs / mean, mean over layers): reference routers "
+             f"{_fmt(mean(figures['reference_hot_over_mean']))}"]
+    for size in eps:
+        for mode in ("on", "off"):
+            parts.append(f"EP {size} EPLB {mode} window {_fmt(mean(figures['skew'][size][mode]['after']['window']['hot_over_mean']))}")
+    return "; ".join(parts) + (". Balancedness: mean over layers of mean/max pairs per rank; window: the EPLB's "
+                               "load window (GET /placement) under the placement, an expert's pairs split evenly over its replicas "
+                               "(the EPLB's model); per step: GET /state's, sampled (how many steps, "
+                               "prefill steps among them); est.: a decode step of as many tokens as requests in "
+                               "flight, its pairs drawn from that window's load, split over the placement's replicas "
+                               "as the dispatch does (what sampling alone leaves). tokens/s: the phase's total, and "
+                               "the median of its rounds (other jobs share the cores).")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -653,11 +1063,13 @@ def main(argv: list[str] | None = None) -> int:
         workdir = args.keep or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         figures = run(args, workdir)
-    checks = targets(figures, args.ep, args.concurrency)
+    checks = skew_targets(figures, args.ep) if args.skew else targets(figures, args.ep, args.concurrency)
     caption = (f"CPU: every process of the deployment (server, coordinator, ranks). Reference: "
                f"{100 * figures['reference_matmul_share']:.0f}% of its operator time in matrix multiplications; "
                f"batch {args.ref_batch} and 1 differ on {len(figures['reference_batched_unlike_single'])} requests. "
                f"Load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after.")
+    if args.skew:
+        caption += " " + skew_caption(figures, args.ep)
     print_table(figures, checks, args.ep, args.concurrency, caption)
     write_json(args.json, {"args": {k: v for k, v in vars(args).items() if k != "prompts_all"} | {"keep": str(args.keep)},
                            "figures": json.loads(json.dumps(figures, default=str)),

@@ -1,5 +1,6 @@
 """The pure parts of bench/bench_capacity.py: the targets from given figures, the process-tree CPU
-accounting (on real processes, a forkserver's worker included), the output comparison."""
+accounting (on real processes, a forkserver's worker included), the output comparison, and the
+skewed-routing helpers (router factors, skew, window balancedness, phases of the rounds)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,18 @@ from bench.bench_capacity import (
     BenchError,
     cpu_between,
     descendants,
+    hot_over_mean,
     make_prompts,
     mismatches,
+    phase_figures,
+    phase_of_rounds,
+    skew_factors,
+    skew_targets,
+    step_ceiling,
     summarize_samples,
     targets,
     tree_cpu,
+    window_figures,
 )
 
 
@@ -174,3 +182,147 @@ def test_the_sampler_records_a_forkserver_worker_while_switched_on(tmp_path) -> 
     assert summary["samples"] >= 20
     assert dict(summary["inclusive"]).get("sampled.py:spin_in_the_worker", 0) > 0.5 or \
         dict(summary["self"]).get("sampled.py:spin_in_the_worker", 0) > 0.5
+
+
+# -- skewed routing (--skew) ----------------------------------------------------------------------------
+
+def test_skew_factors_are_a_seeded_zipf_permutation() -> None:
+    assert skew_factors(8, 0.0, "0-0") == [1.0] * 8  # skew 0: the checkpoint unchanged
+    factors = skew_factors(8, 1.0, "0-0")
+    assert sorted(factors, reverse=True) == [1 / (r + 1) for r in range(8)]  # each Zipf rank once
+    assert factors == skew_factors(8, 1.0, "0-0")  # seeded
+    assert factors != skew_factors(8, 1.0, "0-1")  # another layer: other hot experts
+    assert factors.index(1.0) == skew_factors(8, 2.0, "0-0").index(1.0)  # the same hottest expert at any skew
+    steeper = sorted(skew_factors(8, 2.0, "0-0"))
+    assert steeper[0] == pytest.approx(1 / 64) and steeper[0] < sorted(factors)[0]
+    with pytest.raises(BenchError):
+        skew_factors(8, -1.0, "0-0")
+    with pytest.raises(BenchError):
+        skew_factors(8, math.nan, "0-0")
+
+
+def test_scaled_router_rows_skew_the_top_k() -> None:
+    """The factors do what the bench relies on: a random router whose rows are scaled sends the hottest
+    expert several times the mean share of pairs (unscaled: near even)."""
+    import torch
+
+    torch.manual_seed(0)
+    hidden, gate = torch.randn(4096, 64), torch.randn(16, 64)
+
+    def skew(weight: torch.Tensor) -> float:
+        chosen = (hidden @ weight.T).topk(2, dim=1).indices
+        return hot_over_mean(torch.bincount(chosen.flatten(), minlength=16)[None])[0]
+
+    scaled = gate * torch.tensor(skew_factors(16, 1.0, "0-0"))[:, None]
+    assert skew(gate) < 1.5 and skew(scaled) > 3.0
+
+
+def test_hot_over_mean() -> None:
+    import torch
+
+    assert hot_over_mean(torch.tensor([[1, 1, 1, 1], [4, 0, 0, 0], [3, 1, 0, 0]])) == [1.0, 4.0, 3.0]
+    with pytest.raises(BenchError, match="no routed pairs"):
+        hot_over_mean(torch.tensor([[0, 0]]))
+
+
+def _placement_doc(p2l: list[list[int]], load: list[list[float]], ep: int, steps: int = 8) -> dict:
+    from eplb.placement_file import placement_document
+
+    return placement_document(p2l, load, ep_size=ep, window_steps=steps, step=40)
+
+
+def test_window_figures_split_a_replicated_expert_evenly() -> None:
+    load = [[6.0, 2.0, 2.0, 2.0]]  # expert 0 hot: 12 pairs, 6 on expert 0
+    # 4 experts + 2 redundant slots on 2 ranks; expert 0 only on rank 0: rank loads 6+2+2=10 vs 2 -> 6/10
+    alone = window_figures(_placement_doc([[0, 1, 2, 3, 1, 2]], load, 2))
+    assert alone["balancedness"] == pytest.approx(((6 + 1 + 1) + (2 + 1 + 1)) / 2 / 8)
+    # expert 0 on both ranks: 3 + 2 + 1 = 6 and 3 + 2 + 1 = 6: even
+    spread = window_figures(_placement_doc([[0, 1, 2, 0, 3, 2]], load, 2))
+    assert spread["balancedness"] == pytest.approx(1.0)
+    assert spread["steps"] == 8 and spread["step"] == 40 and spread["hot_over_mean"] == [2.0]
+    with pytest.raises(BenchError, match="window is empty"):
+        window_figures(_placement_doc([[0, 1, 2, 3, 1, 2]], [[0.0] * 4], 2, steps=0))
+
+
+def _round(start: int, end: int, rb0: int, rb1: int, layers: int = 0, in_flight: int | None = None,
+           wall: float = 1.0, bal: float = 0.5, wrong: tuple[int, ...] = ()) -> dict:
+    return {"step_start": start, "step_end": end, "rebalances_start": rb0, "rebalances_end": rb1,
+            "layers_committed_end": layers, "in_flight_end": in_flight, "cpu_s": 2.0 * wall, "wall_s": wall,
+            "tokens": 100, "requests": 4, "mismatched": list(wrong), "window": {"balancedness": bal, "steps": 8}}
+
+
+def test_rounds_split_before_during_after_the_first_rebalance() -> None:
+    rounds = [_round(0, 10, 0, 0), _round(10, 20, 0, 0, in_flight=1), _round(20, 30, 0, 0, layers=1),
+              _round(30, 40, 0, 1, layers=2, bal=0.7), _round(40, 50, 1, 1, wall=0.5, bal=0.95),
+              _round(50, 60, 1, 1, wall=0.5, bal=0.97, wrong=(2,))]
+    phases = phase_of_rounds(rounds)
+    assert phases == ["before", "during", "during", "during", "after", "after"]
+    samples = {s: {"step": s, "balancedness": 0.5 if s <= 40 else 0.9} for s in (5, 15, 25, 35, 40, 45, 55, 60)}
+    after = phase_figures(rounds, phases, "after", samples)
+    assert after["rounds"] == 2 and after["tokens_per_s"] == pytest.approx(200.0)
+    assert after["cpu_per_token_ms"] == pytest.approx(1e3 * 2.0 / 200)
+    assert after["sampled_steps"] == 3 and after["step_balancedness"] == pytest.approx(0.9)  # 45, 55, 60; not 40
+    assert after["window"]["balancedness"] == 0.97 and after["mismatched"] == [2]
+    assert after["round_tokens_per_s"] == {"min": 200.0, "median": 200.0, "max": 200.0}
+    assert phase_figures(rounds, phases, "during", samples)["round_tokens_per_s"]["median"] == 100.0
+    before = phase_figures(rounds, phases, "before", samples)
+    assert before["sampled_steps"] == 1 and before["window"]["balancedness"] == 0.5
+    with pytest.raises(BenchError, match="no round before"):
+        phase_figures(rounds[1:], phase_of_rounds(rounds[1:]), "before", samples)
+    with pytest.raises(BenchError, match="no /state sample"):
+        phase_figures(rounds, phases, "after", {5: {"step": 5, "balancedness": 0.5}})
+
+
+def _skew_figures(window_on: float = 0.95, step_on: float = 0.92, tps_on: float = 300.0, tps_off: float = 200.0,
+                  wrong: tuple[int, ...] = ()) -> dict:
+    def phase(window: float, step: float, tps: float) -> dict:
+        return {"tokens_per_s": tps + 100, "round_tokens_per_s": {"median": tps}, "step_balancedness": step,
+                "sampled_steps": 12, "mismatched": list(wrong),
+                "window": {"balancedness": window, "steps": 64, "step_ceiling": 0.95}}
+    run = {"on": {"before": phase(0.7, 0.6, 250.0), "after": phase(window_on, step_on, tps_on),
+                  "mismatched": list(wrong) + [9] if wrong else []},  # a round during the rebalance too
+           "off": {"before": phase(0.7, 0.6, 250.0), "after": phase(0.7, 0.6, tps_off), "mismatched": list(wrong)}}
+    return {"skew": {2: run}}
+
+
+def test_skew_targets() -> None:
+    ok = _by_name(skew_targets(_skew_figures(), [2]))
+    assert all(t.ok for t in ok.values()) and len(ok) == 5
+    control = ok["tokens/s before it (the same placement: the runs' noise), skewed, EPLB on / off, EP 2 (x, medians "
+                 "of the rounds)"]
+    assert control.value == pytest.approx(1.0) and control.limit is None
+    ratio = ok["tokens/s after the 1st rebalance, skewed, EPLB on / off, EP 2 (x, medians of the rounds)"]
+    assert ratio.value == pytest.approx(1.5) and ratio.limit is None
+    bad = _by_name(skew_targets(_skew_figures(window_on=0.89, step_on=0.85, tps_on=100.0, wrong=(1,)), [2]))
+    assert {n for n, t in bad.items() if not t.ok} == {
+        "dispatch balancedness, skewed, EPLB on, EP 2: window of 64 steps after the 1st rebalance",
+        "dispatch balancedness, skewed, EPLB on, EP 2: per step after the 1st rebalance (mean of 12 sampled steps; "
+        "est. of a decode step drawn from the window 0.950)",
+        "requests with tokens unlike the reference, skewed, EP 2"}
+    assert bad["requests with tokens unlike the reference, skewed, EP 2"].value == 3  # every round of on and off
+    figures = _skew_figures()
+    figures["skew"][2]["on"]["after"]["window"]["balancedness"] = math.nan
+    with pytest.raises(BenchError, match="is nan"):
+        skew_targets(figures, [2])
+    with pytest.raises(BenchError, match="skew/4/on/after/window/steps was not measured"):
+        skew_targets(_skew_figures(), [2, 4])
+    figures = _skew_figures()
+    del figures["skew"][2]["off"]["mismatched"]
+    with pytest.raises(BenchError, match="output check of EP 2, EPLB off was not made"):
+        skew_targets(figures, [2])
+
+
+def test_step_ceiling_is_the_sampling_limit_of_a_placement() -> None:
+    load = [[6.0, 2.0, 2.0, 2.0]]
+    spread = _placement_doc([[0, 1, 2, 0, 3, 2]], load, 2)  # even over the window (test above)
+    small, large = step_ceiling(spread, 2, 2, draws=300), step_ceiling(spread, 256, 2, draws=100)
+    assert small < 0.9 < 0.97 < large <= 1.0  # few pairs per step: uneven by chance alone; many: even
+    assert step_ceiling(spread, 2, 2, draws=300) == small  # seeded
+    alone = step_ceiling(_placement_doc([[0, 1, 2, 3, 1, 2]], load, 2), 256, 2, draws=100)
+    assert alone == pytest.approx(0.75, abs=0.03)  # the window's 0.75: a placement's imbalance stays
+    from eplb.models.dispatch import SPLIT_ROWS
+
+    one = _placement_doc([[0, 1, 2, 3, 0, 0]], [[5.0, 0.0, 0.0, 0.0]], 2)  # one expert, in slots 0 | 4, 5
+    # the dispatch's cut: as many replicas as give each SPLIT_ROWS pairs; 3 chunks: one rank 1, the other 2
+    assert step_ceiling(one, 3 * SPLIT_ROWS // 2, 2, draws=5) == pytest.approx(0.75)
+    assert step_ceiling(one, 1, 2, draws=5) == pytest.approx(0.5)  # 2 pairs: one replica, one rank
