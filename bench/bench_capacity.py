@@ -37,8 +37,9 @@ rebalance (the on run's phases, by round, for both). Per phase: CPU/token, token
 checked, the dispatch's balancedness per step (``GET /state``'s, sampled every 0.1 s: mean over
 layers of mean / max pairs per rank of the rank's last step) and over the load window at the phase's
 end (``GET /placement``: the window's pairs per expert under the placement, split evenly over an
-expert's replicas: the EPLB's model, which the dispatch's chunks of at least ``SPLIT_ROWS`` pairs
-reach only over many steps), with an estimate of a decode step's (:func:`step_ceiling`: pairs drawn
+expert's replicas: the EPLB's model; the dispatch sends an expert's pairs whole to one replica
+unless spreading them lowers the busiest rank, so a step reaches it only as far as its few pairs
+allow), with an estimate of a decode step's (:func:`step_ceiling`: pairs drawn
 from the window, cut as the dispatch cuts them). Targets: balancedness after the first rebalance with
 the EPLB on at least 0.9 (window and per step), the tokens/s after it on over off (reported), no
 token unlike the reference's.
@@ -552,9 +553,9 @@ class StatePoller:
 def window_figures(document: dict[str, Any]) -> dict[str, Any]:
     """From a placement file (``GET /placement``): the balancedness of its load window under its placement
     (mean over layers of mean rank load / max rank load, an expert's pairs split evenly over its replicas:
-    the EPLB's model. The dispatch cuts a step's pairs of an expert in chunks of at least ``SPLIT_ROWS``,
-    a lone chunk's replica rotating with the step's count, which only many steps even out; the window
-    keeps pairs per logical expert, not per slot), the window's steps, and its skew (the hottest
+    the EPLB's model. The dispatch sends a step's pairs of an expert whole to the replica on the least
+    loaded rank, or spreads them where that lowers the busiest rank; the window keeps pairs per
+    logical expert, not per slot), the window's steps, and its skew (the hottest
     expert's pairs over the mean's, per layer)."""
     from eplb.placement import Placement
     from eplb.placement_file import parse_placement
@@ -595,7 +596,7 @@ def step_ceiling(document: dict[str, Any], tokens: int, top_k: int, draws: int =
             1, picks, torch.ones(draws, tokens * top_k, dtype=torch.int64))
         for row in counts:
             per_slot = assign(row[None], placement.logical_to_physical[layer], placement.replica_count[layer],
-                              placement.num_physical)[0]
+                              placement.num_physical, parsed.ep_size)[0]
             per_rank = per_slot.view(parsed.ep_size, -1).sum(1).double()
             total += float(per_rank.mean() / per_rank.max())
     return total / (draws * parsed.num_moe_layers)

@@ -14,6 +14,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from eplb.models.config import ARCHITECTURES, HFModelConfig
 from eplb.placement import Placement
@@ -117,37 +119,62 @@ def test_the_replica_assignment_spreads_a_hot_expert():
     placement = Placement.from_physical_to_logical(torch.tensor([[0, 1, 2, 0, 3, 4]]), 5)  # 3 slots per rank
     l2p, rc = placement.logical_to_physical[0], placement.replica_count[0]
     counts = torch.tensor([[40, 2, 2, 0, 0], [0, 0, 0, 2, 2]])  # [R, L]
-    sent = assign(counts, l2p, rc, 6)
+    sent = assign(counts, l2p, rc, 6, 2)
     assert sent.sum(0).tolist() == [20, 2, 2, 20, 2, 2]  # slot 0 and slot 3 hold expert 0's replicas
     assert sent.sum(0).view(2, 3).sum(1).tolist() == [24, 24]
     assert torch.equal(sent.sum(1), counts.sum(1))
     ids = torch.tensor([0] * 40 + [1, 1, 2, 2])[torch.randperm(44, generator=torch.Generator().manual_seed(0))]
-    slots = pair_slots(ids, 0, counts, l2p, rc)
+    slots = pair_slots(ids, 0, counts, l2p, rc, 3)
     # every pair goes to a replica of its own expert, in the numbers assign counted
     assert torch.equal(placement.physical_to_logical[0][slots], ids)
     assert torch.bincount(slots, minlength=6).tolist() == sent[0].tolist()
 
 
-def test_a_lightly_used_expert_keeps_its_pairs_on_one_replica_which_rotates():
-    """Expert 0 has a replica on each of 2 ranks. With fewer than 2 x SPLIT_ROWS pairs its pairs
-    are not cut (two half-empty GEMMs would read both replicas' weights for the work of one):
-    they all go to one replica, which one turning with the pair count; with enough pairs for two
-    chunks of SPLIT_ROWS they are halved."""
-    from eplb.models.dispatch import SPLIT_ROWS, assign, pair_slots
+def test_a_replicated_expert_is_cut_only_where_that_lowers_the_busiest_rank():
+    """Expert 0 has a replica on each of 2 ranks (slots 0 and 3). Its pairs go whole to the less
+    loaded rank when that is as good as spreading them (a cut reads both replicas' weights), and
+    are spread, evening the ranks, when the busiest rank gains."""
+    from eplb.models.dispatch import assign, pair_slots
 
     placement = Placement.from_physical_to_logical(torch.tensor([[0, 1, 2, 0, 3, 4]]), 5)
     l2p, rc = placement.logical_to_physical[0], placement.replica_count[0]
-    chosen = set()
-    for n in (3, 4, 2 * SPLIT_ROWS - 1):
-        counts = torch.tensor([[n - 1, 1, 0, 0, 0], [1, 0, 0, 1, 0]])
-        per_slot = assign(counts, l2p, rc, 6).sum(0)
-        assert sorted([int(per_slot[0]), int(per_slot[3])]) == [0, n]  # one replica takes all n
-        chosen.add(0 if per_slot[0] else 3)
-        ids = torch.tensor([0] * (n - 1) + [1])
-        assert (pair_slots(ids, 0, counts, l2p, rc)[:-1] == (0 if per_slot[0] else 3)).all()
-    assert chosen == {0, 3}  # both replicas take turns
-    counts = torch.tensor([[2 * SPLIT_ROWS, 0, 0, 0, 0], [0, 0, 0, 0, 0]])
-    assert assign(counts, l2p, rc, 6).sum(0)[[0, 3]].tolist() == [SPLIT_ROWS, SPLIT_ROWS]
+
+    def per_slot(counts: list[list[int]]) -> list[int]:
+        return assign(torch.tensor(counts), l2p, rc, 6, 2).sum(0).tolist()
+
+    # rank 0's other experts hold 3 pairs, rank 1's 1: expert 0's 2 pairs go whole to rank 1
+    assert per_slot([[1, 2, 1, 0, 0], [1, 0, 0, 1, 0]]) == [0, 2, 1, 2, 1, 0]
+    # 1 pair and even ranks: whole (a cut cannot lower the busiest rank)
+    assert per_slot([[1, 1, 0, 0, 0], [0, 0, 0, 1, 0]]) == [1, 1, 0, 0, 1, 0]
+    # 9 pairs, rank 0 at 3 and rank 1 at 1: spread 3 / 6 -> the ranks at 6 / 7 (whole: 3 / 10);
+    # the odd pair goes to the rank that was less loaded
+    assert per_slot([[5, 2, 1, 0, 0], [4, 0, 0, 1, 0]]) == [3, 2, 1, 6, 1, 0]
+    # pair_slots agrees with assign for each rank's own pairs, which keep their order
+    counts = torch.tensor([[5, 2, 1, 0, 0], [4, 0, 0, 1, 0]])
+    for rank, ids in ((0, torch.tensor([0, 1, 0, 2, 0, 1, 0, 0])), (1, torch.tensor([0, 3, 0, 0, 0]))):
+        slots = pair_slots(ids, rank, counts, l2p, rc, 3)
+        assert torch.bincount(slots, minlength=6).tolist() == assign(counts, l2p, rc, 6, 2)[rank].tolist()
+        assert torch.equal(placement.physical_to_logical[0][slots], ids)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 12), min_size=5, max_size=5), min_size=2, max_size=2))
+def test_spreading_never_leaves_a_rank_busier_than_sending_each_expert_whole(rows):
+    """Property: whatever the counts, the busiest rank holds no more pairs than with every
+    replicated expert sent whole to its first replica, and every pair lands on a replica of its
+    own expert."""
+    from eplb.models.dispatch import assign
+
+    placement = Placement.from_physical_to_logical(torch.tensor([[0, 1, 2, 0, 3, 4]]), 5)
+    l2p, rc = placement.logical_to_physical[0], placement.replica_count[0]
+    counts = torch.tensor(rows)
+    sent = assign(counts, l2p, rc, 6, 2)
+    assert torch.equal(sent.sum(1), counts.sum(1))
+    per_logical = torch.zeros(5, dtype=torch.int64).scatter_add_(0, placement.physical_to_logical[0], sent.sum(0))
+    assert torch.equal(per_logical, counts.sum(0))
+    whole = counts.sum(0)
+    first_only = torch.tensor([whole[0] + whole[1] + whole[2], whole[3] + whole[4]])
+    assert int(sent.sum(0).view(2, 3).sum(1).max()) <= int(first_only.max())
 
 
 def test_the_start_up_check_trips_on_an_op_that_depends_on_the_batch(qwen):
@@ -185,20 +212,18 @@ def body_split_replicas(rank: int, world_size: int) -> dict:
 
 @pytest.mark.multiprocess
 def test_a_hot_expert_s_pairs_are_cut_over_replicas_on_both_ranks_with_the_same_bits():
-    """Two ranks prefill 48 tokens each (192 pairs over 8 experts): an expert with at least
-    2 x SPLIT_ROWS pairs has its pairs computed on both ranks (its two replicas), and every
+    """Two ranks prefill 48 tokens each (192 pairs over 8 experts): some replicated expert has
+    its pairs computed on both ranks (its two replicas) to even the ranks out, and every
     request's logits are bitwise the unsharded model's."""
-    from eplb.models.dispatch import SPLIT_ROWS
-
     r0, r1 = run_distributed(body_split_replicas, 2, timeout=120, pg_timeout=60)
     assert r0["equal"] and r1["equal"]
     assert r0["physical"] == r1["physical"]  # the group's load, the same on every rank
     split = [(layer, e) for layer, row in enumerate(r0["physical"]) for e in range(4)
              if row[e] > 0 and row[8 + e] > 0]
     assert split, r0["physical"]
-    for layer, e in split:  # cut into chunks of at least SPLIT_ROWS, equal within one
-        row = r0["physical"][layer]
-        assert min(row[e], row[8 + e]) >= SPLIT_ROWS and abs(row[e] - row[8 + e]) <= 1
+    for row in r0["physical"]:  # the ranks' pairs even out: within a pair of each other where an expert was cut
+        if any(row[e] > 0 and row[8 + e] > 0 for e in range(4)):
+            assert abs(sum(row[:6]) - sum(row[6:])) <= 1, row
 
 
 # -- a dead peer ---------------------------------------------------------------------------------

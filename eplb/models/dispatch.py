@@ -10,14 +10,11 @@ layer, in layer order, also with no tokens: vLLM's dummy batches):
 1. *dispatch*: one ``all_gather`` of every rank's rows and their expert ids (as bytes, padded
    to the step's largest row count), so every rank sees every pair;
 2. *assignment* (:func:`assign`, pure, the same on every rank): an expert's pairs, rank 0's
-   first, then rank 1's, ..., are cut into contiguous, equal chunks, one per replica it uses;
-   so every replica gets its expert's share, and every rank knows which pairs every slot takes
-   (the combine's split sizes, and the load). An expert uses only as many replicas as give
-   each at least :data:`SPLIT_ROWS` pairs (at least one): on a CPU a GEMM of a few rows costs
-   about the read of its expert's weights, so cutting a decode step's 2 pairs over 2 replicas
-   reads both replicas' weights for the work of one. Which of its replicas a lightly used
-   expert takes rotates with the expert and its pair count, so the lone chunks spread over the
-   ranks;
+   first, then rank 1's, ..., are cut into contiguous chunks, one per replica: experts with
+   one replica first, then the replicated ones, most pairs first, each whole to the replica on
+   the least loaded rank, or spread over its replicas' ranks where that lowers the busiest one
+   (:func:`_chunks`); so the ranks' pairs even out, and every rank knows which pairs every slot
+   takes (the combine's split sizes, and the load);
 3. the holding rank runs the pairs its slots take, from every rank, through
    :func:`~eplb.models.kernel.pair_forward` (each pair its own row-independent product);
 4. *combine*: ``all_to_all_single`` returns each owner its pairs' outputs (in pair order per
@@ -41,42 +38,70 @@ import torch.distributed as dist
 
 from eplb.models.kernel import KERNEL_NAME, ExpertsContext, ReplicaDivergence, pair_forward
 
-__all__ = ["SPLIT_ROWS", "assign", "ep_experts_forward", "exchange", "pair_slots", "register", "step_header"]
+__all__ = ["assign", "ep_experts_forward", "exchange", "pair_slots", "register", "step_header"]
 
-#: An expert's pairs are cut over more than one replica only in chunks of at least this many.
-SPLIT_ROWS = 16
+def _water_fill(loads: list[int], n: int) -> list[int]:
+    """``n`` pairs over ranks with these ``loads`` (ascending), lowest first: how many each gets
+    so that the loads after are as even as whole pairs allow (the remainder to the lowest)."""
+    level, used = 0.0, len(loads)
+    for i in range(len(loads)):
+        level = (sum(loads[: i + 1]) + n) / (i + 1)
+        if i + 1 == len(loads) or level <= loads[i + 1]:
+            used = i + 1
+            break
+    give = [max(0, int(level) - load) if i < used else 0 for i, load in enumerate(loads)]
+    for i in range(n - sum(give)):
+        give[i % used] += 1
+    return give
 
 
-def _starts(total: torch.Tensor, replicas: torch.Tensor, width: int) -> torch.Tensor:
-    """``[L, width + 1]``: where chunk ``c`` of each expert starts in its expert's pair order
-    (equal chunks; the first ``total % replicas`` one longer); ``total`` past the last chunk."""
-    j = torch.arange(width + 1)
-    base, extra = total // replicas, total % replicas
-    starts = j[None, :] * base[:, None] + torch.minimum(j[None, :], extra[:, None])
-    return torch.minimum(starts, total[:, None])
+def _chunks(total: torch.Tensor, logical_to_physical: torch.Tensor, replica_count: torch.Tensor,
+            slots_per_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert's chunk starts ``[L, W + 1]`` (chunk ``j``, replica ``j``'s pairs, is
+    ``[starts[j], starts[j + 1])`` of the expert's pairs in order) and the physical slot of each
+    chunk ``[L, W]``, for the group's pairs per expert ``total [L]``.
 
-
-def _chunks(total: torch.Tensor, logical_to_physical: torch.Tensor, replica_count: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each expert's chunk starts ``[L, W + 1]`` (as :func:`_starts`, over the replicas it uses:
-    at most one per :data:`SPLIT_ROWS` pairs, at least one) and the physical slot of each chunk
-    ``[L, W]``: chunk ``c`` goes to replica ``(c + expert + total) % replicas``."""
+    1. An expert with one replica: all its pairs to it.
+    2. The replicated experts, most pairs first: the pairs go whole to the replica on the least
+       loaded rank (pairs so far), unless spreading them over the replicas' ranks (water-filling
+       them up to an even level) leaves their busiest rank with fewer pairs; then spread.
+    So the ranks' pairs even out, and an expert's pairs are cut only where that lowers the
+    busiest rank: on a CPU a GEMM of a few rows costs about the read of its expert's weights,
+    and cutting 2 pairs over 2 replicas would read both replicas' weights for no gain.
+    """
     num_logical, width = logical_to_physical.shape
-    used = torch.minimum((total // SPLIT_ROWS).clamp(min=1), replica_count)
-    starts = _starts(total, used, width)
-    c = torch.arange(width)[None, :]
-    rotation = (torch.arange(num_logical) + total) % replica_count.clamp(min=1)
-    replica = torch.where(c < replica_count[:, None], (c + rotation[:, None]) % replica_count.clamp(min=1)[:, None], c)
-    return starts, logical_to_physical.gather(1, replica)
+    holder = (logical_to_physical.clamp(min=0) // slots_per_rank).tolist()
+    tot, replicas = total.tolist(), replica_count.tolist()
+    amounts = [[0] * width for _ in range(num_logical)]
+    load = [0] * (max((max(row) for row in holder), default=0) + 1)
+    for e in range(num_logical):
+        if replicas[e] == 1:
+            amounts[e][0] = tot[e]
+            load[holder[e][0]] += tot[e]
+    for e in sorted((e for e in range(num_logical) if replicas[e] > 1 and tot[e] > 0), key=lambda e: (-tot[e], e)):
+        first_of: dict[int, int] = {}
+        for j in range(replicas[e]):
+            first_of.setdefault(holder[e][j], j)
+        ranks = sorted(first_of, key=lambda r: (load[r], r))
+        give = _water_fill([load[r] for r in ranks], tot[e])
+        if max(load[r] + g for r, g in zip(ranks, give)) >= load[ranks[0]] + tot[e]:
+            give = [tot[e]] + [0] * (len(ranks) - 1)  # spreading gains nothing: whole, to the least loaded
+        for r, g in zip(ranks, give):
+            amounts[e][first_of[r]] += g
+            load[r] += g
+    sizes = torch.tensor(amounts, dtype=torch.int64).reshape(num_logical, width)
+    starts = torch.cat([torch.zeros(num_logical, 1, dtype=torch.int64), torch.cumsum(sizes, 1)], dim=1)
+    return starts, logical_to_physical
 
 
 def assign(counts: torch.Tensor, logical_to_physical: torch.Tensor, replica_count: torch.Tensor,
-           num_physical: int) -> torch.Tensor:
+           num_physical: int, num_ranks: int) -> torch.Tensor:
     """``[R, P]``: how many pairs rank ``r`` sends to physical slot ``p``, given ``counts [R, L]``
-    (each rank's pairs per logical expert). Pure; every rank computes the same from the same counts."""
+    (each rank's pairs per logical expert) and a placement of ``num_physical`` slots over
+    ``num_ranks`` ranks. Pure; every rank computes the same from the same counts."""
     width = logical_to_physical.shape[1]
     total = counts.sum(0)
-    starts, chunk_slots = _chunks(total, logical_to_physical, replica_count)  # [L, W + 1], [L, W]
+    starts, chunk_slots = _chunks(total, logical_to_physical, replica_count, num_physical // num_ranks)
     first = torch.cumsum(counts, 0) - counts  # [R, L]: where rank r's pairs start in expert order
     lo = torch.maximum(first[:, :, None], starts[None, :, :-1])
     hi = torch.minimum((first + counts)[:, :, None], starts[None, :, 1:])
@@ -89,7 +114,7 @@ def assign(counts: torch.Tensor, logical_to_physical: torch.Tensor, replica_coun
 
 
 def pair_slots(ids: torch.Tensor, rank: int, counts: torch.Tensor, logical_to_physical: torch.Tensor,
-               replica_count: torch.Tensor) -> torch.Tensor:
+               replica_count: torch.Tensor, slots_per_rank: int) -> torch.Tensor:
     """The physical slot of each of this rank's pairs ``ids [n]`` under :func:`assign`'s chunks:
     a rank's pairs of one expert keep their order (token, then k)."""
     num_logical = counts.shape[1]
@@ -99,7 +124,7 @@ def pair_slots(ids: torch.Tensor, rank: int, counts: torch.Tensor, logical_to_ph
     within = torch.arange(ids.numel()) - (torch.cumsum(mine, 0) - mine)[sorted_ids]
     first = (torch.cumsum(counts, 0) - counts)[rank]
     position = first[sorted_ids] + within  # in the expert's pair order over all ranks
-    starts, chunk_slots = _chunks(counts.sum(0), logical_to_physical, replica_count)
+    starts, chunk_slots = _chunks(counts.sum(0), logical_to_physical, replica_count, slots_per_rank)
     chunk = (position[:, None] >= starts[sorted_ids, 1:]).sum(1)
     physical = torch.empty_like(ids)
     physical[order] = chunk_slots[sorted_ids, chunk]
@@ -204,9 +229,9 @@ def exchange(ctx: ExpertsContext, module: torch.nn.Module, hidden: torch.Tensor,
     if ctx.num_ranks == 1:
         ids = top_k_index.reshape(-1).to(torch.int64)
         counts = torch.bincount(ids, minlength=ctx.logical_to_physical.shape[0])[None]
-        sent = assign(counts, ctx.logical_to_physical, ctx.replica_count, ctx.slots_per_rank)
+        sent = assign(counts, ctx.logical_to_physical, ctx.replica_count, ctx.slots_per_rank, 1)
         _record(ctx, counts, sent.sum(0), sent.sum(0).sum().reshape(1))
-        physical = pair_slots(ids, 0, counts, ctx.logical_to_physical, ctx.replica_count)
+        physical = pair_slots(ids, 0, counts, ctx.logical_to_physical, ctx.replica_count, ctx.slots_per_rank)
         x = hidden.repeat_interleave(top_k, dim=0)
         started = _clock(ctx)
         out = pair_forward(module, weights, x, physical, min_rows=ctx.min_rows) if ids.numel() else x
@@ -232,7 +257,7 @@ def _remote(ctx: ExpertsContext, module: torch.nn.Module, weights: dict[str, tor
     flat = torch.cat([e.reshape(-1) for e in expert_ids])
     pairs = [e.numel() for e in expert_ids]
     physical = pair_slots(flat, 0, torch.bincount(flat, minlength=num_logical)[None], ctx.logical_to_physical,
-                          ctx.replica_count)
+                          ctx.replica_count, size)
     holder = torch.div(physical, size, rounding_mode="floor")
     owner = torch.repeat_interleave(torch.arange(ctx.num_ranks), torch.tensor(pairs))
     counts = torch.bincount(owner * num_logical + flat, minlength=ctx.num_ranks * num_logical).view(ctx.num_ranks, -1)

@@ -67,7 +67,12 @@ class _Step:
     layer_types: Callable[[int], str]
     attention: str  # the model's own attention implementation
     tile: int
+    #: per attention layer: True when the model hands the keys and values the cache returned to the
+    #: attention function unchanged (learned on the layer's first step; the model's, across steps)
+    passthrough: dict[int, bool] = field(default_factory=dict)
     kv: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    parts: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
+    returned: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 _ACTIVE: list[_Step] = []
@@ -96,7 +101,15 @@ class RoutingCache:
             spans.append((offset, offset + k.shape[2]))
             offset += _padded(k.shape[2], self.step.tile)
         self.step.kv[layer_idx] = spans
-        return _side_by_side(keys, spans, offset), _side_by_side(values, spans, offset)
+        self.step.parts[layer_idx] = (keys, values)
+        if self.step.passthrough.get(layer_idx):
+            # the attention function reads each request's own keys and values (step.parts): hand
+            # the model a stand-in of the side-by-side shape, no copy (an in-place write to it fails)
+            shape = (keys[0].shape[0], keys[0].shape[1], offset, keys[0].shape[3])
+            return keys[0].new_zeros(()).expand(shape), values[0].new_zeros(()).expand(*shape[:3], values[0].shape[3])
+        whole = _side_by_side(keys, spans, offset), _side_by_side(values, spans, offset)
+        self.step.returned[layer_idx] = whole
+        return whole
 
 
 def _side_by_side(parts: list[torch.Tensor], spans: list[tuple[int, int]], total: int) -> torch.Tensor:
@@ -124,10 +137,16 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     function = _model_attention(module, step.attention)
     kind = step.layer_types(layer)
     kwargs.pop("position_ids", None)  # the packed positions; sdpa and eager do not read them
+    direct = step.passthrough.get(layer)
+    if direct is None:  # the layer's first step: did the keys and values come through unchanged?
+        returned = step.returned.get(layer)
+        step.passthrough[layer] = returned is not None and key is returned[0] and value is returned[1]
+    keys, values = step.parts[layer]
     out = None
     for i, ((start, end), (k0, k1)) in enumerate(zip(step.segments, step.kv[layer])):
-        o, _ = function(module, query[:, :, start:end].contiguous(), key[:, :, k0:k1].contiguous(),
-                        value[:, :, k0:k1].contiguous(), step.masks[i][kind], **kwargs)
+        k_i, v_i = ((keys[i], values[i]) if direct else
+                    (key[:, :, k0:k1].contiguous(), value[:, :, k0:k1].contiguous()))
+        o, _ = function(module, query[:, :, start:end].contiguous(), k_i, v_i, step.masks[i][kind], **kwargs)
         if out is None:
             out = o.new_empty(o.shape[0], query.shape[2], *o.shape[2:])
             out[:, step.segments[-1][1]:] = 0  # the padding rows; every request's rows are written below
@@ -248,7 +267,10 @@ def forward_packed(model: Any, inputs: Sequence[tuple[torch.Tensor, SeqState | N
     dtype = model.get_input_embeddings().weight.dtype
     masks = [request_masks(config, kinds, cache, positions[start:end], dtype)
              for cache, (start, end) in zip(caches, segments)]
-    step = _Step(segments, caches, masks, types, config._attn_implementation, tile)
+    learned = getattr(model, "_eplb_passthrough", None)
+    if learned is None:
+        learned = model._eplb_passthrough = {}
+    step = _Step(segments, caches, masks, types, config._attn_implementation, tile, learned)
     on_rows(segments[-1][1])
     _ACTIVE.append(step)
     config._attn_implementation = ATTENTION_NAME
