@@ -589,6 +589,19 @@ def _pairwise(a, lo, n):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True)
+def _mean_over_peak(per, gl, g, s):  # pragma: no cover - compiled
+    """Mean GPU load over the peak, the GPUs' loads ``gl [g]`` summed from ``per`` (each slot's
+    load, ``s`` slots a GPU) as numpy sums them (:func:`_pairwise`); 1 where the peak is 0."""
+    peak = -np.inf
+    for x in range(g):
+        gl[x] = _pairwise(per, x * s, s)
+        if gl[x] > peak:
+            peak = gl[x]
+    mean = _pairwise(gl, 0, g) / g
+    return mean / max(peak, 1e-300) if peak > 0 else 1.0
+
+
+@numba.njit(cache=True)
 def balancedness(p2l, load, g):  # pragma: no cover - compiled
     """``[B]`` mean GPU load over the peak of ``p2l [B, P]`` on ``load [B, L]`` (float64; 1 where the
     peak is 0), as numpy computes it (``eplb.algorithm._balancedness``), bit for bit; at most 128
@@ -605,13 +618,7 @@ def balancedness(p2l, load, g):  # pragma: no cover - compiled
             cnt[p2l[r, t]] += 1
         for t in range(p):
             per[t] = load[r, p2l[r, t]] / max(cnt[p2l[r, t]], 1)
-        peak = -np.inf
-        for x in range(g):
-            gl[x] = _pairwise(per, x * s, s)
-            if gl[x] > peak:
-                peak = gl[x]
-        mean = _pairwise(gl, 0, g) / g
-        out[r] = mean / max(peak, 1e-300) if peak > 0 else 1.0
+        out[r] = _mean_over_peak(per, gl, g, s)
         for t in range(p):
             cnt[p2l[r, t]] = 0
     return out
@@ -639,13 +646,7 @@ def on_draws(p2l, draws, g):  # pragma: no cover - compiled
             for t in range(p):
                 e = p2l[r, t]
                 per[t] = draws[d, r, e] * (1.0 / max(cnt[e], 1))
-            peak = -np.inf
-            for x in range(g):
-                gl[x] = _pairwise(per, x * s, s)
-                if gl[x] > peak:
-                    peak = gl[x]
-            mean = _pairwise(gl, 0, g) / g
-            bal[d] = mean / max(peak, 1e-300) if peak > 0 else 1.0
+            bal[d] = _mean_over_peak(per, gl, g, s)
         out[r] = _pairwise(bal, 0, k) / k
         for t in range(p):
             cnt[p2l[r, t]] = 0
