@@ -56,10 +56,10 @@ def _water_fill(loads: list[int], n: int) -> list[int]:
 
 
 def _chunks(total: torch.Tensor, logical_to_physical: torch.Tensor, replica_count: torch.Tensor,
-            slots_per_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each expert's chunk starts ``[L, W + 1]`` (chunk ``j``, replica ``j``'s pairs, is
-    ``[starts[j], starts[j + 1])`` of the expert's pairs in order) and the physical slot of each
-    chunk ``[L, W]``, for the group's pairs per expert ``total [L]``.
+            slots_per_rank: int) -> torch.Tensor:
+    """Each expert's chunk starts ``[L, W + 1]`` for the group's pairs per expert ``total [L]``:
+    chunk ``j``, the pairs of replica ``j`` (slot ``logical_to_physical[e, j]``), is
+    ``[starts[j], starts[j + 1])`` of the expert's pairs in order.
 
     1. An expert with one replica: all its pairs to it.
     2. The replicated experts, most pairs first: the pairs go whole to the replica on the least
@@ -90,8 +90,7 @@ def _chunks(total: torch.Tensor, logical_to_physical: torch.Tensor, replica_coun
             amounts[e][first_of[r]] += g
             load[r] += g
     sizes = torch.tensor(amounts, dtype=torch.int64).reshape(num_logical, width)
-    starts = torch.cat([torch.zeros(num_logical, 1, dtype=torch.int64), torch.cumsum(sizes, 1)], dim=1)
-    return starts, logical_to_physical
+    return torch.cat([torch.zeros(num_logical, 1, dtype=torch.int64), torch.cumsum(sizes, 1)], dim=1)
 
 
 def assign(counts: torch.Tensor, logical_to_physical: torch.Tensor, replica_count: torch.Tensor,
@@ -101,14 +100,14 @@ def assign(counts: torch.Tensor, logical_to_physical: torch.Tensor, replica_coun
     ``num_ranks`` ranks. Pure; every rank computes the same from the same counts."""
     width = logical_to_physical.shape[1]
     total = counts.sum(0)
-    starts, chunk_slots = _chunks(total, logical_to_physical, replica_count, num_physical // num_ranks)
+    starts = _chunks(total, logical_to_physical, replica_count, num_physical // num_ranks)
     first = torch.cumsum(counts, 0) - counts  # [R, L]: where rank r's pairs start in expert order
     lo = torch.maximum(first[:, :, None], starts[None, :, :-1])
     hi = torch.minimum((first + counts)[:, :, None], starts[None, :, 1:])
     overlap = (hi - lo).clamp(min=0)  # [R, L, W]
     valid = torch.arange(width)[None, :] < replica_count[:, None]
     overlap = overlap * valid[None]
-    slots = chunk_slots.clamp(min=0).reshape(1, -1).expand(counts.shape[0], -1)
+    slots = logical_to_physical.clamp(min=0).reshape(1, -1).expand(counts.shape[0], -1)
     return torch.zeros(counts.shape[0], num_physical, dtype=torch.int64).scatter_add_(
         1, slots, overlap.reshape(counts.shape[0], -1))
 
@@ -124,10 +123,10 @@ def pair_slots(ids: torch.Tensor, rank: int, counts: torch.Tensor, logical_to_ph
     within = torch.arange(ids.numel()) - (torch.cumsum(mine, 0) - mine)[sorted_ids]
     first = (torch.cumsum(counts, 0) - counts)[rank]
     position = first[sorted_ids] + within  # in the expert's pair order over all ranks
-    starts, chunk_slots = _chunks(counts.sum(0), logical_to_physical, replica_count, slots_per_rank)
+    starts = _chunks(counts.sum(0), logical_to_physical, replica_count, slots_per_rank)
     chunk = (position[:, None] >= starts[sorted_ids, 1:]).sum(1)
     physical = torch.empty_like(ids)
-    physical[order] = chunk_slots[sorted_ids, chunk]
+    physical[order] = logical_to_physical[sorted_ids, chunk]
     return physical
 
 
@@ -221,6 +220,23 @@ def _record(ctx: ExpertsContext, counts: torch.Tensor, per_slot: torch.Tensor, p
     ctx.rank_pairs += per_rank
 
 
+def _place(ctx: ExpertsContext, flat: torch.Tensor, pairs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every pair's physical slot and owning rank, for the group's expert ids ``flat`` rank-major
+    (``pairs[r]`` of rank ``r``, each rank's in token, then k order: an expert's pairs in this
+    order are the order :func:`assign` cuts into chunks, so one :func:`pair_slots` places them
+    all); what the slots and ranks take is recorded as the load."""
+    num_logical, size, ranks = ctx.logical_to_physical.shape[0], ctx.slots_per_rank, ctx.num_ranks
+    physical = pair_slots(flat, 0, torch.bincount(flat, minlength=num_logical)[None], ctx.logical_to_physical,
+                          ctx.replica_count, size)
+    owner = torch.repeat_interleave(torch.arange(ranks), torch.tensor(pairs))
+    counts = torch.bincount(owner * num_logical + flat, minlength=ranks * num_logical).view(ranks, -1)
+    per_slot = torch.bincount(physical, minlength=size * ranks)  # the group's pairs per physical slot
+    per_rank = per_slot.view(ranks, -1).sum(1)  # and per holding rank
+    _record(ctx, counts, per_slot, per_rank)
+    ctx.stats["pairs"] += int(per_rank[ctx.rank])
+    return physical, owner
+
+
 def exchange(ctx: ExpertsContext, module: torch.nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
              top_k_weights: torch.Tensor) -> torch.Tensor:
     """One MoE layer's experts for this rank's tokens ``hidden [n, H]`` (``n`` may be 0): ``[n, H]``."""
@@ -228,15 +244,11 @@ def exchange(ctx: ExpertsContext, module: torch.nn.Module, hidden: torch.Tensor,
     weights = dict(zip(ctx.names, ctx.weights))
     if ctx.num_ranks == 1:
         ids = top_k_index.reshape(-1).to(torch.int64)
-        counts = torch.bincount(ids, minlength=ctx.logical_to_physical.shape[0])[None]
-        sent = assign(counts, ctx.logical_to_physical, ctx.replica_count, ctx.slots_per_rank, 1)
-        _record(ctx, counts, sent.sum(0), sent.sum(0).sum().reshape(1))
-        physical = pair_slots(ids, 0, counts, ctx.logical_to_physical, ctx.replica_count, ctx.slots_per_rank)
+        physical, _ = _place(ctx, ids, [ids.numel()])
         x = hidden.repeat_interleave(top_k, dim=0)
         started = _clock(ctx)
         out = pair_forward(module, weights, x, physical, min_rows=ctx.min_rows) if ids.numel() else x
         _charge(ctx, "expert_cpu_s", started)
-        ctx.stats["pairs"] += int(ids.numel())
     else:
         if max(ctx.peer_rows) == 0:  # no rank has a token this step (all know it from the header)
             return hidden.new_zeros(0, hidden.shape[1])
@@ -251,20 +263,10 @@ def _remote(ctx: ExpertsContext, module: torch.nn.Module, weights: dict[str, tor
     """Gather every rank's pairs, compute those this rank's slots take, send each owner its outputs.
     Returns this rank's pairs' outputs ``[n * k, H]`` in pair order."""
     rows, expert_ids = _gather_pairs(ctx, hidden, top_k_index)
-    num_logical, k, size = ctx.logical_to_physical.shape[0], ctx.peer_top_k, ctx.slots_per_rank
-    # the group's pairs rank-major (each rank's in token, then k order): an expert's pairs in
-    # this order are the order assign() cuts into chunks, so one pair_slots call places them all
-    flat = torch.cat([e.reshape(-1) for e in expert_ids])
+    k, size = ctx.peer_top_k, ctx.slots_per_rank
     pairs = [e.numel() for e in expert_ids]
-    physical = pair_slots(flat, 0, torch.bincount(flat, minlength=num_logical)[None], ctx.logical_to_physical,
-                          ctx.replica_count, size)
+    physical, owner = _place(ctx, torch.cat([e.reshape(-1) for e in expert_ids]), pairs)
     holder = torch.div(physical, size, rounding_mode="floor")
-    owner = torch.repeat_interleave(torch.arange(ctx.num_ranks), torch.tensor(pairs))
-    counts = torch.bincount(owner * num_logical + flat, minlength=ctx.num_ranks * num_logical).view(ctx.num_ranks, -1)
-    per_slot = torch.bincount(physical, minlength=size * ctx.num_ranks)  # the group's pairs per physical slot
-    per_rank = per_slot.view(ctx.num_ranks, -1).sum(1)  # and per holding rank
-    _record(ctx, counts, per_slot, per_rank)
-    ctx.stats["pairs"] += int(per_rank[ctx.rank])
     # this rank's slots' pairs from every owner, owner by owner, each owner's in pair order
     taken = (holder == ctx.rank).nonzero().flatten()
     x = torch.cat(rows)[torch.div(taken, k, rounding_mode="floor")]  # pair j is row j // k of the group's rows
