@@ -64,7 +64,16 @@ class HttpLimits:
             request_timeout_s = limits.request_timeout_s
             max_connections = limits.max_connections
 
-        return {"http": Protocol, "timeout_keep_alive": self.keep_alive_s}
+        # the listen backlog is also how many connections asyncio accepts per wake-up of the
+        # listening socket, each holding a descriptor until its connection_made closes it: at
+        # uvicorn's 2048 a reconnecting crowd kept a process at its descriptor limit (EMFILE on
+        # accept for 19 s of 30 at `ulimit -n 256`, the control API unanswered), the cap above
+        # notwithstanding. A quarter of the cap (at least 64) bounds those to about the cap
+        return {"http": Protocol, "timeout_keep_alive": self.keep_alive_s, "backlog": self.backlog}
+
+    @property
+    def backlog(self) -> int:
+        return max(64, self.max_connections // 4)
 
 
 class GuardedH11Protocol(H11Protocol):
