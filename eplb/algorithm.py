@@ -120,9 +120,9 @@ Measured by ``python -m bench.bench_algorithm`` on eleven load families and held
 and 0.991-0.999 (64 GPUs) by family, worst layer 0.957 (EP32 ``zipf``), in 2.6-7.3 ms for 58
 layers on one core (the slowest family up to 9.5 ms in other runs: the machine's speed varies),
 whatever the input dtype; ``migration_aware``
-copies 0.7-5.1% of the slots per rebalance on stationary loads fitted to the smoothed estimate
-(:mod:`eplb.estimate`) and 0.15x / 0.25x ``default``'s copies on drifting ones; its next-window
-balance is 0.003-0.011 below ``default``'s on stationary loads and within 0.004 on drift.
+copies 0.95-2.84% of the slots per rebalance on stationary loads fitted to the smoothed estimate
+(:mod:`eplb.estimate`) and 0.15x / 0.24x ``default``'s copies on drifting ones; its next-window
+balance is -0.0065 to +0.0005 against ``default``'s on stationary loads and within 0.005 on drift.
 
 Errors are :class:`AlgorithmError` (a ``ValueError``) subclasses with messages naming what is
 wrong. Groups and nodes that do not nest (a group count that does not divide the experts, a node
