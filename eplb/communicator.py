@@ -548,11 +548,13 @@ class NixlCommunicator(Communicator):
         self._exchanged = False
         self._peers: dict[int, _Peer] = {}
         self._loaded: set[str] = set()  # remote agents loaded into our agent (kept across generations)
+        self._metadata: dict[str, bytes] = {}  # the last metadata each loaded remote agent published
         self._leaked: list[Any] = []  # transfer handles that could not be released (kept alive)
         # counters (exposed by stats())
         self.exchanges_by_generation: dict[int, int] = {}
         self.peers_learned = 0
         self.peers_forgotten = 0
+        self.remote_reloads = 0  # known peers' agents loaded again because our view of them was stale
         self.layers = 0
         self.reads = 0
         self.read_requests = 0  # posted read requests (one per peer per layer, or per peer per round)
@@ -608,6 +610,7 @@ class NixlCommunicator(Communicator):
             except Exception as exc:  # noqa: BLE001 - a peer already gone is forgotten anyway
                 log.debug("unloading NIXL peer %s: %s", name, exc)
             self._loaded.discard(name)
+            self._metadata.pop(name, None)
 
     @property
     def _agent(self) -> Any:
@@ -682,6 +685,7 @@ class NixlCommunicator(Communicator):
             for r, peer_info in infos.items():
                 agent.add_remote_agent(peer_info["md"])  # a known agent: its metadata updated, same connection
                 self._loaded.add(peer_info["agent"])
+                self._metadata[peer_info["agent"]] = peer_info["md"]
                 learned[r] = _Peer(peer_info["agent"], peer_info["weights"], peer_info["incoming"])
         except BaseException:
             with self._view:
@@ -749,6 +753,34 @@ class NixlCommunicator(Communicator):
             entry[2].append((addr + op.transfer.src_slot * slot_bytes, slot_bytes, dev))
         return out
 
+    def _initialize_read(self, local: list[tuple], remote: list[tuple], mem: str, name: str) -> Any:
+        """A read request from agent ``name``; its agent is loaded again once if NIXL does not find the
+        remote descriptors in our view of it.
+
+        Loading the metadata of an agent already loaded adds its new registrations to our view
+        but keeps the ones it dropped, and NIXL then fails to find a descriptor that lies in a
+        new registration when a dropped one starts inside it before the descriptor
+        (``createXferReq``: ``NIXL_ERR_NOT_FOUND``): a peer whose weights a switch moved over
+        memory where it had registered something else (a scale cycle in 4-12 of a served
+        model's). Loaded again from the metadata it published for this generation, the view
+        holds only its current registrations. Only then: a reload costs the connection's socket
+        (see :meth:`_release_departed`)."""
+        agent = self._agent
+
+        def initialize() -> Any:
+            return agent.initialize_xfer("READ", agent.get_xfer_descs(local, mem), agent.get_xfer_descs(remote, mem), name)
+
+        try:
+            return initialize()
+        except Exception as exc:  # noqa: BLE001 - NIXL's own error types
+            if "NOT_FOUND" not in f"{type(exc).__name__} {exc}" or name not in self._metadata:
+                raise
+        log.info("NIXL: reloading peer agent %s (its registrations moved over ones it dropped)", name)
+        agent.remove_remote_agent(name)
+        agent.add_remote_agent(self._metadata[name])
+        self.remote_reloads += 1
+        return initialize()
+
     def _read(self, x: LayerExchange) -> str:
         """Post and wait for every read of the layer; '' on success, else the reason (or raise a timeout).
 
@@ -775,24 +807,34 @@ class NixlCommunicator(Communicator):
             except (TransferError, ValueError) as exc:  # told to every rank by the all-reduce
                 return str(exc)
             for peer, (ops, local, remote, mem) in sorted(requests.items()):
-                handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local, mem),
-                                               agent.get_xfer_descs(remote, mem), self._peers[peer].agent)
+                try:  # NIXL raises its own errors (nixlNotFoundError...): the layer fails, told to every rank
+                    handle = self._initialize_read(local, remote, mem, self._peers[peer].agent)
+                except Exception as exc:  # noqa: BLE001
+                    failed = f"posting the NIXL read from rank {peer} failed: {type(exc).__name__}: {exc}"
+                    break
                 handles[peer] = (handle, ops)
                 self.read_requests += 1
-                if agent.transfer(handle) == "ERR":
-                    failed = f"posting the NIXL read from rank {peer} failed"
+                try:
+                    posted = agent.transfer(handle)
+                except Exception as exc:  # noqa: BLE001
+                    posted, failed = "ERR", f": {type(exc).__name__}: {exc}"
+                if posted == "ERR":
+                    failed = f"posting the NIXL read from rank {peer} failed{failed}"
                     break
             pause = 0.0
             while handles and not failed:
                 for peer in list(handles):
-                    state = agent.check_xfer_state(handles[peer][0])
+                    try:
+                        state = agent.check_xfer_state(handles[peer][0])
+                    except Exception as exc:  # noqa: BLE001
+                        state, failed = "ERR", f": {type(exc).__name__}: {exc}"
                     if state == "DONE":
                         handle, ops = handles.pop(peer)
                         self.reads += len(ops)
                         self.bytes_read += sum(_nbytes(op.tensor) for op in ops)
                         agent.release_xfer_handle(handle)
                     elif state == "ERR":
-                        failed = f"the NIXL read from rank {peer} failed ({describe_ops(handles[peer][1])})"
+                        failed = f"the NIXL read from rank {peer} failed ({describe_ops(handles[peer][1])}){failed}"
                         break
                 if handles and not failed:
                     self._check_aborted(x, sorted(handles), "NIXL reads")
@@ -924,7 +966,8 @@ class NixlCommunicator(Communicator):
             view = {"generation": self._generation, "exchanges": sum(self.exchanges_by_generation.values()),
                     "exchanges_by_generation": dict(self.exchanges_by_generation),
                     "peers": sorted(self._peers), "peers_learned": self.peers_learned,
-                    "peers_forgotten": self.peers_forgotten, "remote_agents": len(self._loaded)}
+                    "peers_forgotten": self.peers_forgotten, "remote_agents": len(self._loaded),
+                    "remote_reloads": self.remote_reloads}
         return {
             "name": self.name, "agent": self.agent_name, **view,
             "registered_regions": len(regions), "registered_bytes": sum(r.nbytes for r in regions),

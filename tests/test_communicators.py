@@ -434,3 +434,98 @@ def test_nixl_rank_that_refuses_its_part_fails_the_layer_everywhere():
         assert 3 in r["error"].peers or rank == 3
     assert "not inside the registered weights" in str(results[3]["error"])
     assert "ranks [3] failed" in str(results[0]["error"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-process: a peer's registrations moved (found by an outside soak of a served model)
+# ---------------------------------------------------------------------------------------------
+
+VIEW_OLD = [0, 1, 2, 3]
+VIEW_NEW = [0, 3, 2, 1]  # each rank reads its peer's slot 1
+
+
+def body_nixl_stale_view(rank: int, world_size: int, tag: str) -> dict:
+    """Generation 0: the weights sit in slots 2-3 of a buffer, and a small region inside its slot 0
+    is registered too; generation 1: the small region is dropped and the weights move to slots
+    0-1 of the buffer (as a switch swaps staged layers in over freed memory). A reader's view of
+    its peer, updated by loading the peer's new metadata, still lists the dropped region, which
+    starts inside the new weights' first slot: NIXL finds no registration for slot 1 there."""
+    comm = NixlCommunicator()
+    plan = plan_layer(VIEW_OLD, VIEW_NEW, 2)
+    mine = VIEW_OLD[2 * rank:2 * rank + 2]
+    base = [torch.zeros((4, *shape), dtype=dtype) for shape, dtype in SHAPES]
+    small = [b[0].reshape(-1)[1:2] for b in base]  # inside slot 0, not at its start
+    staging = garbage(2)
+    comm.add_buffer(staging)
+    for generation, offset in enumerate((2, 0)):
+        weights = []
+        for b, content in zip(base, slot_weights(0, mine)):
+            weights.append(b[offset:offset + 2])
+            weights[-1].copy_(content)
+        comm.bind(generation, _test_store(f"stale-view-{tag}-{generation}"))
+        comm.set_weights([weights])
+        if generation == 0:
+            comm.add_buffer(small)
+        else:
+            comm.remove_buffer(small)
+        for t in staging:
+            t.fill_(GARBAGE)
+        execute_layer(plan, rank, weights, staging, timeout=10.0, layer=0, communicator=comm)
+        assert_slots(staging, 0, VIEW_NEW[2 * rank:2 * rank + 2], plan.for_rank(rank).changed_slots,
+                     f"generation {generation}")
+    stats = comm.stats()
+    comm.close()
+    return stats
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+@needs_nixl
+def test_nixl_reads_a_peer_whose_weights_moved_over_a_region_it_dropped():
+    results = run_distributed(body_nixl_stale_view, 2, args=("a",), timeout=50)
+    for stats in results:
+        assert stats["layers"] == 2 and stats["reads"] == 2 * len(SHAPES), stats  # a slot of each tensor, twice
+        assert stats["remote_reloads"] == 1, stats  # the stale view, loaded again once
+
+
+def body_nixl_post_raises(rank: int, world_size: int, timeout: float) -> dict:
+    """Rank 1's NIXL raises while it posts its read (as nixlNotFoundError did): every rank must
+    fail the layer together, at once, and the group must stay usable (no collective skipped)."""
+    import torch.distributed as dist
+
+    comm = NixlCommunicator()
+    comm.bind(0, _test_store("post-raises"))
+    plan = plan_layer(VIEW_OLD, VIEW_NEW, 2)
+    weights = slot_weights(0, VIEW_OLD[2 * rank:2 * rank + 2])
+    staging = garbage(2)
+    comm.set_weights([weights])
+    comm.add_buffer(staging)
+    if rank == 1:
+        agent = comm._mem.get_agent()
+
+        def refuse(*args, **kwargs):
+            raise RuntimeError("NIXL_ERR_BACKEND: injected")
+
+        agent.initialize_xfer = refuse
+    started = time.monotonic()
+    try:
+        execute_layer(plan, rank, weights, staging, timeout=timeout, layer=0, communicator=comm)
+        out = {"type": None}
+    except TransferError as exc:
+        out = {"type": type(exc).__name__, "error": str(exc)}
+    out["elapsed"] = time.monotonic() - started
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the group still lines up: nobody skipped the end-of-layer all-reduce
+    out["after"] = t.item()
+    comm.close()
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+@needs_nixl
+def test_nixl_error_while_posting_a_read_fails_the_layer_on_every_rank_at_once():
+    results = run_distributed(body_nixl_post_raises, 2, args=(10.0,), timeout=50)
+    for r in results:
+        assert r["type"] == "TransferError" and r["elapsed"] < 5.0 and r["after"] == 2.0, r
+    assert "injected" in results[1]["error"] and "ranks [1] failed" in results[0]["error"]
