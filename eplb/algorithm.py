@@ -1325,9 +1325,16 @@ def _match_gpus(fresh: np.ndarray, carried: np.ndarray, num_gpus: int, n: int) -
 
 def _keep_idle(p2l: np.ndarray, carried: np.ndarray, load: np.ndarray, num_gpus: int) -> np.ndarray:
     """``p2l`` with its idle (zero-load) experts re-seated where ``carried`` holds them
-    (:func:`eplb._compiled.keep_idle`): the same balance, fewer copies."""
-    return _compiled.keep_idle(np.ascontiguousarray(p2l, dtype=np.int64), np.ascontiguousarray(carried, dtype=np.int64),
-                               np.ascontiguousarray(load == 0), int(num_gpus))
+    (:func:`eplb._compiled.keep_idle`): the same balance, fewer copies. A layer where ``p2l`` put
+    several replicas of an idle expert on one GPU can come out with more copies (the re-seat
+    spreads them over GPUs): it keeps ``p2l``'s seats."""
+    before = np.ascontiguousarray(p2l, dtype=np.int64)
+    carried = np.ascontiguousarray(carried, dtype=np.int64)
+    out = _compiled.keep_idle(before.copy(), carried, np.ascontiguousarray(load == 0), int(num_gpus))
+    n = load.shape[1]
+    more = _copies_vs(carried, out, num_gpus, n) > _copies_vs(carried, before, num_gpus, n)
+    out[more] = before[more]
+    return out
 
 
 def _copies_vs(carried: np.ndarray, p2l: np.ndarray, num_gpus: int, n: int) -> np.ndarray:
