@@ -34,7 +34,7 @@ import copy
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -383,7 +383,7 @@ def _check_moe_blocks(model: nn.Module, g: torch.Generator, tile: int) -> None:
             for p in probe.parameters():
                 p.copy_((torch.randn(p.shape, generator=g) * 0.2).to(p.dtype))
         dtype = next(model.parameters()).dtype
-        width = int(model.config.hidden_size)
+        width = int(cast(Any, model).config.hidden_size)
         x = torch.randn(1, 3 * tile, width, generator=g).to(dtype)
 
         def run(rows: torch.Tensor, probe: nn.Module = probe) -> torch.Tensor:
