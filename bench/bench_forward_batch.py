@@ -75,6 +75,14 @@ def timed(fn) -> tuple[Any, float, float]:
 
 
 def _rank(rank: int, world: int, args: argparse.Namespace, store: str, queue: Any) -> None:
+    try:
+        _run_rank(rank, world, args, store, queue)
+    except BaseException as exc:  # the parent waits on the queue: tell it, or it waits for nothing
+        queue.put((rank, f"rank {rank} failed: {type(exc).__name__}: {exc}"))
+        raise
+
+
+def _run_rank(rank: int, world: int, args: argparse.Namespace, store: str, queue: Any) -> None:
     from eplb.models.hf import HFMoE, describe
     from eplb.placement import Placement
 
@@ -103,6 +111,11 @@ def run_ep(args: argparse.Namespace, world: int) -> dict[str, Any]:
         for p in procs:
             p.start()
         results = sorted(queue.get(timeout=1800) for _ in range(world))
+        failed = [r[1] for r in results if isinstance(r[1], str)]
+        if failed:
+            for p in procs:
+                p.kill()
+            raise RuntimeError("; ".join(failed))
         for p in procs:
             p.join(60)
     tokens = torch.empty(args.requests, args.new_tokens, dtype=torch.long)

@@ -298,11 +298,19 @@ def test_migration_aware_refits_a_layer_still_on_the_static_placement():
     # the static placement (what an engine starts from) is fitted to no load: a layer on it that
     # has to move takes default's placement, its GPUs matched (so its balance is default's);
     # a layer already fitted keeps its experts where they are
+    # (with a noise model, default's placement of the hedged load: alg._hedged)
     load = _zipf_load(4, 32, seed=5)
     static = Placement.static(4, 32, 40).physical_to_logical
     fresh = rebalance_experts(load, 40, 1, 1, 8)[0]
-    new = rebalance_experts(load, 40, 1, 1, 8, policy="migration_aware", previous=static)[0]
+    new = rebalance_experts(load, 40, 1, 1, 8, policy="migration_aware", previous=static, noise="none")[0]
     assert torch.allclose(_balance(new, load, 8), _balance(fresh, load, 8))
+    assert (cross_gpu_copies(static, new, 8) <= cross_gpu_copies(static, fresh, 8)).all()
+    again = rebalance_experts(load, 40, 1, 1, 8, policy="migration_aware", previous=new, noise="none")[0]
+    assert torch.equal(again, new)
+    hedged = torch.from_numpy(alg._hedged(load.double().numpy(), 40, 8, 2.0))  # integer counts: noise 2
+    fresh = rebalance_experts(hedged, 40, 1, 1, 8)[0]
+    new = rebalance_experts(load, 40, 1, 1, 8, policy="migration_aware", previous=static)[0]
+    assert torch.allclose(_balance(new, hedged, 8), _balance(fresh, hedged, 8))
     assert (cross_gpu_copies(static, new, 8) <= cross_gpu_copies(static, fresh, 8)).all()
     again = rebalance_experts(load, 40, 1, 1, 8, policy="migration_aware", previous=new)[0]
     assert torch.equal(again, new)

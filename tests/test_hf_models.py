@@ -475,6 +475,35 @@ def test_the_row_floor_is_measured_on_this_machine_and_padding_to_it_is_what_kee
                                   rows=3 * floor + 5)
 
 
+@pytest.mark.parametrize("hidden", [64, 512])
+def test_decode_rows_keep_the_bits_of_a_row_alone_and_one_more_breaks_them(hidden):
+    """A decode row (a request's one new token) is computed unpadded, in a group of at most
+    ``decode_rows`` rows of its slot: each such row has the bits of the row computed alone, so a
+    decode step costs its own rows, not the floor's. Grouping one more row than measured (where
+    the floor is above 1) changes bits, and the start-up check says so."""
+    from eplb.models.hf import unsharded
+    from eplb.models.kernel import check_row_independent, decode_rows, pair_forward
+
+    torch.set_num_threads(1)
+    model = unsharded({"architecture": "mixtral", "seed": 1, "config": {"hidden_size": hidden, "intermediate_size": hidden}})
+    experts = model.model.model.layers[0].mlp.experts
+    weights = model._probe_weights()
+    width = decode_rows(experts, weights, model.hidden_size, torch.float32, floor=model.min_rows)
+    assert model.decode_rows == width and all(c.decode_rows == width for c in model._contexts)
+    assert 1 <= width < max(model.min_rows, 2)
+    x = torch.randn(3 * width + 2, hidden, generator=torch.Generator().manual_seed(4))
+    slots = torch.zeros(x.shape[0], dtype=torch.long)
+    alone = torch.cat([pair_forward(experts, weights, x[i : i + 1], slots[:1], min_rows=1) for i in range(x.shape[0])])
+    grouped = pair_forward(experts, weights, x, slots, min_rows=model.min_rows,
+                           decode=torch.ones(x.shape[0], dtype=torch.bool), decode_rows=width)
+    assert torch.equal(grouped, alone)
+    check_row_independent(experts, weights, model.hidden_size, torch.float32, min_rows=model.min_rows, decode_rows=width)
+    if model.min_rows > 1:
+        with pytest.raises(RuntimeError, match="not row-independent"):
+            check_row_independent(experts, weights, model.hidden_size, torch.float32, min_rows=model.min_rows,
+                                  decode_rows=width + 1)
+
+
 def test_model_config_kinds():
     from pydantic import TypeAdapter, ValidationError
 

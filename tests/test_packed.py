@@ -190,6 +190,27 @@ def test_the_start_up_check_trips_on_an_op_that_depends_on_the_batch(qwen):
         del norm.forward
 
 
+def test_a_moe_block_s_narrow_gate_is_checked_and_its_tile_keeps_a_request_s_bits():
+    """qwen3_next gates its shared expert with a ``[T, 1]`` sigmoid inside the MoE block: at a tile
+    below twice the vector width, one request's 5 rows and a batch's 15 run that sigmoid in
+    different loops (scalar tail or vector) and the logits differ in the last bit. The start-up
+    check runs each MoE block around its experts, so that tile is refused and a request's bits are
+    the same alone and in a batch."""
+    from eplb.models.hf import unsharded
+    from eplb.models.packed import check_batch_invariant
+
+    torch.set_num_threads(1)
+    model = unsharded(HFModelConfig(architecture="qwen3_next", seed=7))
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):  # 8 or 16 float lanes: a tail below 16 rows
+        with pytest.raises(RuntimeError, match="mlp .* is not batch-invariant"):
+            check_batch_invariant(model.model, tile=8)
+        assert model.tile >= 16
+    ids = torch.randint(0, model.vocab_size, (3, 5), generator=torch.Generator().manual_seed(99))
+    _, together = model.generate(ids, 2)
+    _, alone = model.generate(ids[2:], 2)
+    assert torch.equal(alone[0], together[2])
+
+
 # -- a hot expert's pairs cut over replicas on both ranks --------------------------------------
 
 def body_split_replicas(rank: int, world_size: int) -> dict:

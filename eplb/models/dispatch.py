@@ -177,26 +177,31 @@ def step_header(contexts: list[ExpertsContext], rows: int, top_k: int) -> None:
         c.peer_rows, c.peer_top_k = peer_rows, peer_top_k
 
 
-def _gather_pairs(ctx: ExpertsContext, hidden: torch.Tensor, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Every rank's rows ``[n_r, H]`` and expert ids ``[n_r, k]``, in rank order (one all_gather of
-    bytes, each rank's padded to the step's largest row count)."""
+def _gather_pairs(ctx: ExpertsContext, hidden: torch.Tensor, ids: torch.Tensor
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Every rank's rows ``[n_r, H]``, expert ids ``[n_r, k]`` and decode flags ``[n_r]`` (the row is a
+    request's one new token: see :func:`~eplb.models.kernel.pair_forward`), in rank order (one
+    all_gather of bytes, each rank's padded to the step's largest row count)."""
     width = hidden.shape[1] * hidden.element_size()
     k = ctx.peer_top_k
     most = max(ctx.peer_rows)
-    payload = torch.zeros(most, width + 4 * k, dtype=torch.uint8)
+    payload = torch.zeros(most, width + 4 * k + 4, dtype=torch.uint8)  # the flag in 4 bytes: rows stay aligned
     n = hidden.shape[0]
     if n:
         payload[:n, :width] = hidden.contiguous().view(torch.uint8).reshape(n, width)
-        payload[:n, width:] = ids.to(torch.int32).contiguous().view(torch.uint8).reshape(n, 4 * k)
+        payload[:n, width : width + 4 * k] = ids.to(torch.int32).contiguous().view(torch.uint8).reshape(n, 4 * k)
+        if ctx.decode is not None:
+            payload[:n, -4] = ctx.decode[:n]
     recv = [torch.empty_like(payload) for _ in range(ctx.num_ranks)]
     started = _clock(ctx)
     _wait(dist.all_gather(recv, payload, group=ctx.group, async_op=True), ctx, "the expert dispatch all_gather", started)
-    rows, expert_ids = [], []
+    rows, expert_ids, decode = [], [], []
     for r, got in enumerate(recv):
         m = ctx.peer_rows[r]
         rows.append(got[:m, :width].contiguous().view(hidden.dtype).reshape(m, hidden.shape[1]))
-        expert_ids.append(got[:m, width:].contiguous().view(torch.int32).reshape(m, k).to(torch.int64))
-    return rows, expert_ids
+        expert_ids.append(got[:m, width : width + 4 * k].contiguous().view(torch.int32).reshape(m, k).to(torch.int64))
+        decode.append(got[:m, -4].bool())
+    return rows, expert_ids, decode
 
 
 def _all_to_all(ctx: ExpertsContext, rows: torch.Tensor, send: list[int], receive: list[int], what: str) -> torch.Tensor:
@@ -247,7 +252,9 @@ def exchange(ctx: ExpertsContext, module: torch.nn.Module, hidden: torch.Tensor,
         physical, _ = _place(ctx, ids, [ids.numel()])
         x = hidden.repeat_interleave(top_k, dim=0)
         started = _clock(ctx)
-        out = pair_forward(module, weights, x, physical, min_rows=ctx.min_rows) if ids.numel() else x
+        decode = None if ctx.decode is None else ctx.decode.repeat_interleave(top_k)
+        out = pair_forward(module, weights, x, physical, min_rows=ctx.min_rows, decode=decode,
+                           decode_rows=ctx.decode_rows) if ids.numel() else x
         _charge(ctx, "expert_cpu_s", started)
     else:
         if max(ctx.peer_rows) == 0:  # no rank has a token this step (all know it from the header)
@@ -262,17 +269,19 @@ def _remote(ctx: ExpertsContext, module: torch.nn.Module, weights: dict[str, tor
             top_k_index: torch.Tensor) -> torch.Tensor:
     """Gather every rank's pairs, compute those this rank's slots take, send each owner its outputs.
     Returns this rank's pairs' outputs ``[n * k, H]`` in pair order."""
-    rows, expert_ids = _gather_pairs(ctx, hidden, top_k_index)
+    rows, expert_ids, decode = _gather_pairs(ctx, hidden, top_k_index)
     k, size = ctx.peer_top_k, ctx.slots_per_rank
     pairs = [e.numel() for e in expert_ids]
     physical, owner = _place(ctx, torch.cat([e.reshape(-1) for e in expert_ids]), pairs)
     holder = torch.div(physical, size, rounding_mode="floor")
     # this rank's slots' pairs from every owner, owner by owner, each owner's in pair order
     taken = (holder == ctx.rank).nonzero().flatten()
-    x = torch.cat(rows)[torch.div(taken, k, rounding_mode="floor")]  # pair j is row j // k of the group's rows
+    row_of = torch.div(taken, k, rounding_mode="floor")  # pair j is row j // k of the group's rows
+    x = torch.cat(rows)[row_of]
     if x.shape[0]:
         started = _clock(ctx)
-        result = pair_forward(module, weights, x, physical[taken] - ctx.rank * size, min_rows=ctx.min_rows)
+        result = pair_forward(module, weights, x, physical[taken] - ctx.rank * size, min_rows=ctx.min_rows,
+                              decode=torch.cat(decode)[row_of], decode_rows=ctx.decode_rows)
         result = result.to(hidden.dtype)
         _charge(ctx, "expert_cpu_s", started)
     else:

@@ -37,6 +37,7 @@ from eplb.models.kernel import (
     KERNEL_NAME,
     ExpertsContext,
     check_row_independent,
+    decode_rows,
     placement_print,
     row_floor,
 )
@@ -370,6 +371,9 @@ class HFMoE:
         self.measure_cpu = False
         #: a slot's rows are padded to this many: the machine's floor for bits independent of the row count
         self.min_rows = row_floor(first, self._probe_weights(), self.hidden_size, self._tails[0][1])
+        #: a slot's decode rows go in groups of at most this many, unpadded: they keep a row's bits alone
+        self.decode_rows = decode_rows(first, self._probe_weights(), self.hidden_size, self._tails[0][1],
+                                       floor=self.min_rows)
         #: packed rows are padded to a multiple of this: the smallest tile proved batch-invariant here
         self.tile = choose_tile(self.model)
         self.install_placement(placement, rank, num_ranks)
@@ -428,8 +432,8 @@ class HFMoE:
                 logical_to_physical=self.placement.logical_to_physical[index],
                 replica_count=self.placement.replica_count[index], rank=self.rank, num_ranks=self.num_ranks,
                 slots_per_rank=self.num_local_physical_experts, group=self.group, timeout=self.timeout,
-                min_rows=self.min_rows, timed=self.measure_cpu, placement_print=placement_print(self.placement.logical_to_physical[index],
-                                                self.placement.replica_count[index]),
+                min_rows=self.min_rows, decode_rows=self.decode_rows, timed=self.measure_cpu,
+                placement_print=placement_print(self.placement.logical_to_physical[index], self.placement.replica_count[index]),
                 logical_counts=torch.zeros(self.num_logical_experts, dtype=torch.int64),
                 physical_counts=torch.zeros(self.num_physical_experts, dtype=torch.int64),
                 rank_pairs=torch.zeros(self.num_ranks, dtype=torch.int64),
@@ -481,7 +485,8 @@ class HFMoE:
     def self_check(self) -> None:
         """Start-up check that the experts kernel's bits do not depend on rows per call (see kernel)."""
         experts = _experts_of(self.model, self.moe_layer_ids[0])
-        check_row_independent(experts, self._probe_weights(), self.hidden_size, self._tails[0][1], min_rows=self.min_rows)
+        check_row_independent(experts, self._probe_weights(), self.hidden_size, self._tails[0][1], min_rows=self.min_rows,
+                              decode_rows=self.decode_rows)
 
     # -- non-expert weights for joining ranks ---------------------------------------------------
     def non_expert_tensors(self) -> list[tuple[str, torch.Tensor]]:
@@ -595,16 +600,21 @@ class HFMoE:
             self._idle_step()
             return torch.empty(0, self.vocab_size, dtype=self.dtype), []
 
-        def on_rows(rows: int) -> None:
+        def on_rows(segments: Sequence[tuple[int, int]]) -> None:
+            rows = segments[-1][1]
+            # a request's one new token is a decode row (see pair_forward): its kind, like its bits,
+            # is the request's own, whoever shares the step
+            decode = torch.repeat_interleave(torch.tensor([end - start == 1 for start, end in segments]),
+                                             torch.tensor([end - start for start, end in segments]))
             for c in self._contexts:
-                c.rows = rows
+                c.rows, c.decode = rows, decode
             step_header(self._contexts, rows, self.top_k)
 
         try:
             return forward_packed(self.model, checked, on_rows, tile=self.tile)
         finally:
             for c in self._contexts:
-                c.rows = None
+                c.rows, c.decode = None, None
 
     def _checked_input(self, index: int, tokens: Any, state: Any) -> tuple[torch.Tensor, SeqState | None]:
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.numel() == 0 or tokens.is_floating_point():

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 __all__ = ["KERNEL_NAME", "ExpertsContext", "ReplicaDivergence", "check_row_independent", "pair_forward",
-           "placement_print", "row_floor"]
+           "decode_rows", "placement_print", "row_floor"]
 
 KERNEL_NAME = "eplb_rowwise"
 
@@ -61,9 +61,11 @@ class ExpertsContext:
     slots_per_rank: int = 0
     group: Any = None
     timeout: float = 30.0
-    min_rows: int = 1  # a slot's rows are padded to at least this many (the machine's row_floor)
+    min_rows: int = 1  # a slot's prefill rows are padded to at least this many (the machine's row_floor)
+    decode_rows: int = 1  # a slot's decode rows go in groups of at most this many, unpadded (decode_rows)
     placement_print: int = 0  # a fingerprint of this layer's placement row: the ranks must agree on it
     rows: int | None = None  # real token rows of the packed step being run (None: outside forward_batch)
+    decode: torch.Tensor | None = None  # [rows] bool: the row is a request's one new token (None: all prefill)
     peer_rows: tuple[int, ...] = ()  # every rank's real rows this step (dispatch.step_header)
     peer_top_k: int = 0  # the group's top-k this step (0: no rank has tokens)
     record: bool = True
@@ -80,20 +82,59 @@ FLOOR_LIMIT = 64
 
 
 def pair_forward(module: torch.nn.Module, weights: dict[str, torch.Tensor], x: torch.Tensor,
-                 slots: torch.Tensor, *, min_rows: int) -> torch.Tensor:
+                 slots: torch.Tensor, *, min_rows: int, decode: torch.Tensor | None = None,
+                 decode_rows: int = 1) -> torch.Tensor:
     """One expert per row: ``x [n, H]`` through slot ``slots[i]`` of ``weights`` (every matrix
     ``[slots, in, out]``, the slots' layout, see :class:`~eplb.models.hf.HFMoE`); ``[n, H]``.
 
-    The rows of each slot form one group of a grouped GEMM (``torch._grouped_mm`` over the slot
-    tensors, no weight copy), every group padded with zero rows to at least ``min_rows`` rows:
-    with ``min_rows`` the machine's :func:`row_floor` a row's bits do not depend on the other
-    rows (checked by :func:`check_row_independent`). Gating and activation are the module's.
+    The rows of each slot form groups of a grouped GEMM (``torch._grouped_mm`` over the slot
+    tensors, no weight copy), so that a row's bits do not depend on the other rows:
+
+    - a row of a prefill (``decode[i]`` False, or ``decode`` None) is in its slot's prefill group,
+      padded with zero rows to at least ``min_rows`` (the machine's :func:`row_floor`);
+    - a decode row (a request's one new token) is in a group of at most ``decode_rows`` decode
+      rows of its slot, unpadded (:func:`decode_rows` measures how many rows share the bits of a
+      row alone): a decode step's few rows per expert then cost their own rows, not the floor's.
+
+    A row's bits depend only on its kind, its row and its slot (checked by
+    :func:`check_row_independent`). Gating and activation are the module's. One grouped GEMM
+    per round, a slot's groups in successive rounds (one round for a step of decode rows of at
+    most ``decode_rows`` per slot).
     """
+    num_slots = next(iter(weights.values())).shape[0]
+    if decode is None or min_rows == 1 or not bool(decode.any()):
+        return _grouped_forward(module, weights, x, slots, min_rows)
+    big = ~decode
+    has_big = torch.bincount(slots[big], minlength=num_slots) > 0
+    small = decode.nonzero().flatten()
+    small_slots = slots[small]
+    order = torch.argsort(small_slots, stable=True)
+    per_slot = torch.bincount(small_slots, minlength=num_slots)
+    within = torch.empty_like(small)
+    within[order] = torch.arange(small.numel()) - (torch.cumsum(per_slot, 0) - per_slot)[small_slots[order]]
+    unit = torch.zeros_like(slots)  # a row's group among its slot's: the prefill group first, then decode chunks
+    unit[small] = torch.div(within, decode_rows, rounding_mode="floor") + has_big[small_slots].long()
+    out = torch.empty(0)
+    for u in range(int(unit.max()) + 1):
+        rows = (unit == u).nonzero().flatten()
+        if not rows.numel():
+            continue
+        pad = torch.where(has_big, min_rows, 1) if u == 0 else 1
+        part = _grouped_forward(module, weights, x[rows], slots[rows], pad)
+        if not out.numel():
+            out = part.new_empty(x.shape[0], part.shape[1])
+        out[rows] = part
+    return out
+
+
+def _grouped_forward(module: torch.nn.Module, weights: dict[str, torch.Tensor], x: torch.Tensor,
+                     slots: torch.Tensor, min_rows: int | torch.Tensor) -> torch.Tensor:
+    """Each slot's rows as one group, padded with zero rows to ``min_rows`` (per slot, or one for all)."""
     has_gate = getattr(module, "has_gate", True)
     num_slots = next(iter(weights.values())).shape[0]
     order = torch.argsort(slots, stable=True)
     counts = torch.bincount(slots, minlength=num_slots)
-    padded = torch.where(counts > 0, counts.clamp(min=min_rows), 0)
+    padded = torch.where(counts > 0, torch.maximum(counts, torch.as_tensor(min_rows)), 0)
     ends = torch.cumsum(padded, 0)
     sorted_slots = slots[order]
     within = torch.arange(slots.numel()) - (torch.cumsum(counts, 0) - counts)[sorted_slots]
@@ -200,27 +241,62 @@ def row_floor(module: torch.nn.Module, weights: dict[str, torch.Tensor], hidden:
     return floor
 
 
+def decode_rows(module: torch.nn.Module, weights: dict[str, torch.Tensor], hidden: int, dtype: torch.dtype, *,
+                floor: int, seed: int = 0) -> int:
+    """The most rows of one slot that one call may hold below ``floor`` and still give every row
+    the bits of that row computed alone (at least 1), measured on this machine and cached like
+    :func:`row_floor`. Below the floor MKL runs a small-row path whose rows are often independent
+    of each other (1-3 rows on an AMD EPYC, where 4 and more take the blocked path): a decode
+    step's rows, computed in groups of at most this many, cost their own rows, not the floor's."""
+    if floor <= 2:
+        return 1
+    key = ("decode", type(module).__name__, getattr(module, "has_gate", True),
+           tuple((n, tuple(w.shape[1:]), w.dtype) for n, w in weights.items()), dtype, hidden, torch.get_num_threads(), floor)
+    if key in _FLOORS:
+        return _FLOORS[key]
+    g = torch.Generator().manual_seed(seed)
+    total = 4 * floor
+    x = torch.randn(total, hidden, generator=g).to(dtype)
+    slots = torch.zeros(total, dtype=torch.long)
+    with torch.no_grad():
+        alone = torch.cat([pair_forward(module, weights, x[i : i + 1], slots[:1], min_rows=1) for i in range(total)])
+        best = 1
+        for m in range(2, floor):
+            if not all(torch.equal(pair_forward(module, weights, x[s : s + m], slots[:m], min_rows=1), alone[s : s + m])
+                       for s in range(0, total - m + 1, m)):
+                break
+            best = m
+    _FLOORS[key] = best
+    return best
+
+
 def check_row_independent(module: torch.nn.Module, weights: dict[str, torch.Tensor], hidden: int,
-                          dtype: torch.dtype, *, min_rows: int, rows: int = 37, seed: int = 0) -> None:
+                          dtype: torch.dtype, *, min_rows: int, decode_rows: int = 1, rows: int = 37,
+                          seed: int = 0) -> None:
     """Raise if a pair's output bits depend on how many other pairs share the call, with every
-    slot's rows padded to ``min_rows``.
+    slot's prefill rows padded to ``min_rows`` and its decode rows in groups of ``decode_rows``.
 
     Runs ``rows`` (at least ``3 * min_rows + 5``) random pairs in one call, over random slots and
-    again all in one slot, then in uneven chunks (1, 2, ... ``min_rows + 2`` rows, around the
-    floor, and the rest in one), and compares bitwise.
+    again all in one slot, all prefill rows, then with a random half of them decode rows, then in
+    uneven chunks (1, 2, ... ``min_rows + 2`` rows, around the floor, and the rest in one), and
+    compares bitwise.
     """
     g = torch.Generator().manual_seed(seed)
     rows = max(rows, 3 * min_rows + 5)
     num_slots = next(iter(weights.values())).shape[0]
     x = torch.randn(rows, hidden, generator=g).to(dtype)
-    for slots in (torch.randint(0, num_slots, (rows,), generator=g), torch.zeros(rows, dtype=torch.long)):
+    mixed = torch.rand(rows, generator=g) < 0.5
+    cases = [(slots, decode) for slots in (torch.randint(0, num_slots, (rows,), generator=g), torch.zeros(rows, dtype=torch.long))
+             for decode in (None, mixed)]
+    for slots, decode in cases:
         with torch.no_grad():
-            whole = pair_forward(module, weights, x, slots, min_rows=min_rows)
+            whole = pair_forward(module, weights, x, slots, min_rows=min_rows, decode=decode, decode_rows=decode_rows)
             parts = []
             start, size = 0, 1
             while start < rows:
                 parts.append(pair_forward(module, weights, x[start : start + size], slots[start : start + size],
-                                          min_rows=min_rows))
+                                          min_rows=min_rows, decode=None if decode is None else decode[start : start + size],
+                                          decode_rows=decode_rows))
                 start += size
                 size = size % (min_rows + 2) + 1 if start < rows // 2 else rows
         pieces = torch.cat(parts)

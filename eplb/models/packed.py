@@ -34,7 +34,7 @@ import copy
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -252,11 +252,12 @@ def _pack(inputs: Sequence[tuple[torch.Tensor, SeqState | None]], tile: int
 
 
 def forward_packed(model: Any, inputs: Sequence[tuple[torch.Tensor, SeqState | None]],
-                   on_rows: Callable[[int], None], *, tile: int) -> tuple[torch.Tensor, list[SeqState]]:
+                   on_rows: Callable[[list[tuple[int, int]]], None], *, tile: int) -> tuple[torch.Tensor, list[SeqState]]:
     """Logits ``[len(inputs), V]`` of each request's last new token, and the requests' new states.
 
-    ``on_rows(n)`` is told how many packed rows are real before the model runs (the experts
-    dispatch only those); ``tile`` is the row tile :func:`choose_tile` proved on this model."""
+    ``on_rows(segments)`` is told each request's packed rows ``[start, end)`` before the model runs
+    (the experts dispatch only the real rows, and treat a one-row segment, a decode, as such);
+    ``tile`` is the row tile :func:`choose_tile` proved on this model."""
     from transformers import DynamicCache
 
     config = model.config
@@ -271,7 +272,7 @@ def forward_packed(model: Any, inputs: Sequence[tuple[torch.Tensor, SeqState | N
     if learned is None:
         learned = model._eplb_passthrough = {}
     step = _Step(segments, caches, masks, types, config._attn_implementation, tile, learned)
-    on_rows(segments[-1][1])
+    on_rows(segments)
     _ACTIVE.append(step)
     config._attn_implementation = ATTENTION_NAME
     try:
@@ -351,6 +352,51 @@ def check_batch_invariant(model: nn.Module, *, tile: int, seed: int = 0) -> None
             parts = [_flat(probe(x[i * tile:(i + 1) * tile])) for i in (2, 0, 1)]
         _compare(name, module, whole, torch.cat([parts[1], parts[2], parts[0]]), tile)
     _check_rotary(model, g, tile)
+    _check_moe_blocks(model, g, tile)
+
+
+class _RowExperts(nn.Module):
+    """Stands in for a MoE block's experts in :func:`_check_moe_blocks`: exact row-wise arithmetic
+    (a product and a sum: the same bits in a vectorized and a scalar loop), so that what the check
+    sees is the block's own code around the experts."""
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        return hidden * top_k_weights[:, :1].to(hidden.dtype) + top_k_index[:, :1].to(hidden.dtype)
+
+
+def _check_moe_blocks(model: nn.Module, g: torch.Generator, tile: int) -> None:
+    """Every distinct MoE block's own code around its experts (router, shared experts, the gate of
+    the shared experts and its sigmoid, the sums) on packed rows: the same bits in one call and tile
+    by tile. An elementwise op over a narrow tensor (qwen3_next's ``[T, 1]`` shared-expert gate)
+    runs its tail scalar below twice the vector width, which a row-wise module check cannot see."""
+    seen: set[tuple] = set()
+    for name, block in model.named_modules():
+        experts = getattr(block, "experts", None)
+        if not isinstance(experts, nn.Module):
+            continue
+        key = (type(block).__name__, tuple((n, tuple(p.shape)) for n, p in block.named_parameters() if ".experts" not in f".{n}"))
+        if key in seen:
+            continue
+        seen.add(key)
+        probe = copy.deepcopy(block, memo={id(experts): _RowExperts()})  # the experts' weights are not copied
+        with torch.no_grad():
+            for p in probe.parameters():
+                p.copy_((torch.randn(p.shape, generator=g) * 0.2).to(p.dtype))
+        dtype = next(model.parameters()).dtype
+        width = int(cast(Any, model).config.hidden_size)
+        x = torch.randn(1, 3 * tile, width, generator=g).to(dtype)
+
+        def run(rows: torch.Tensor, probe: nn.Module = probe) -> torch.Tensor:
+            out = probe(rows)
+            parts = out if isinstance(out, tuple) else (out,)
+            n = rows.shape[1]
+            return torch.cat([t.reshape(n, -1).to(torch.float64) for t in parts
+                              if isinstance(t, torch.Tensor) and t.numel() % n == 0 and t.numel()], dim=1)
+
+        with torch.no_grad():
+            whole = run(x)
+            parts = [run(x[:, i * tile:(i + 1) * tile]) for i in (2, 0, 1)]
+        _compare(name, block, whole, torch.cat([parts[1], parts[2], parts[0]]), tile)
 
 
 def _compare(name: str, module: nn.Module, whole: torch.Tensor, tiles: torch.Tensor, tile: int) -> None:
