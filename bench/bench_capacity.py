@@ -1031,8 +1031,17 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
               f"{', '.join(f'{x:.2f}' for x in figures['reference_hot_over_mean'])} (per layer)", file=sys.stderr)
         figures["skew"] = run_skew(model_dir, args, expected, workdir)
         return figures
+    runs = [batched]
     for ep in args.ep:
         figures["ep"][ep] = measure_ep(model_dir, ep, args, expected, workdir)
+        # the reference again after each EP size: this machine's speed drifts by 1.5x over minutes (other
+        # jobs, clocks), so every ratio is taken to the mean of the reference's runs around the served ones
+        again, _ = reference(model_dir, args.prompts_all, args.new_tokens, args.ref_batch)
+        runs.append(again)
+    figures["reference"]["batched_runs"] = [r.cpu_per_token_ms for r in runs]
+    figures["reference"]["batched"] |= {
+        "cpu_per_token_ms": statistics.fmean(r.cpu_per_token_ms for r in runs),
+        "tokens_per_s": statistics.fmean(r.tokens_per_s for r in runs)}
     return figures
 
 
@@ -1068,6 +1077,9 @@ def main(argv: list[str] | None = None) -> int:
     caption = (f"CPU: every process of the deployment (server, coordinator, ranks). Reference: "
                f"{100 * figures['reference_matmul_share']:.0f}% of its operator time in matrix multiplications; "
                f"batch {args.ref_batch} and 1 differ on {len(figures['reference_batched_unlike_single'])} requests. "
+               + (f"Batch {args.ref_batch}: the mean of {len(figures['reference']['batched_runs'])} runs, before and after "
+                  f"each EP size ({', '.join(_fmt(x) for x in figures['reference']['batched_runs'])} ms CPU/token). "
+                  if "batched_runs" in figures["reference"] else "") +
                f"Load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after.")
     if args.skew:
         caption += " " + skew_caption(figures, args.ep)

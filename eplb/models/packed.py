@@ -44,7 +44,7 @@ __all__ = ["ATTENTION_NAME", "TILES", "RoutingCache", "SeqState", "check_batch_i
 
 #: The row tiles tried, smallest first: packed rows (and each request's keys and values handed to
 #: attention) are padded to a multiple of the first one the start-up check passes (see choose_tile).
-TILES = (8, 16, 32, 64)
+TILES = (4, 8, 16, 32, 64)
 #: The attention function registered in transformers' AttentionInterface while a packed step runs.
 ATTENTION_NAME = "eplb_packed"
 
@@ -315,8 +315,8 @@ def relayout_linears(model: nn.Module) -> int:
 def choose_tile(model: nn.Module) -> int:
     """The smallest row tile of :data:`TILES` that :func:`check_batch_invariant` passes on this
     machine (GEMM kernels change a row's bits below a row count that depends on the CPU and the
-    weights' layout; 8 rows leave no scalar tail in an elementwise loop over rows of a width that
-    is a multiple of 8). Raises the largest tile's error if none passes."""
+    weights' layout; an elementwise loop runs a tail scalar, so a narrow tensor's rows may change
+    bits with the row count). Raises the largest tile's error if none passes."""
     for tile in TILES:
         try:
             check_batch_invariant(model, tile=tile)
@@ -332,9 +332,10 @@ def check_batch_invariant(model: nn.Module, *, tile: int, seed: int = 0) -> None
     """Raise if a packed op's rows change bits with the number of rows in the call.
 
     Runs a seeded copy of every distinct row-wise module outside the experts (``nn.Linear``,
-    norms, dense MLPs, routers; weights in the module's own memory layout) on random rows: once in
-    one call of three ``tile``-row tiles, and again one tile at a time in another order, and
-    compares bitwise (what :func:`forward_packed` relies on).
+    norms, dense MLPs, routers; weights in the module's own memory layout), the rotary embedding
+    and every distinct MoE block around its experts on random rows: once in one call of at least
+    three ``tile``-row tiles and :data:`CHECK_ROWS` rows, and again one tile at a time in another
+    order, and compares bitwise (what :func:`forward_packed` relies on).
     """
     g = torch.Generator().manual_seed(seed)
     seen: set[tuple] = set()
@@ -346,11 +347,12 @@ def check_batch_invariant(model: nn.Module, *, tile: int, seed: int = 0) -> None
         seen.add(key)
         probe = _seeded_copy(module, g)
         dtype = next(probe.parameters()).dtype
-        x = torch.randn(3 * tile, width, generator=g).to(dtype)
+        n = _tiles(tile)
+        x = torch.randn(n * tile, width, generator=g).to(dtype)
         with torch.no_grad():
             whole = _flat(probe(x))
-            parts = [_flat(probe(x[i * tile:(i + 1) * tile])) for i in (2, 0, 1)]
-        _compare(name, module, whole, torch.cat([parts[1], parts[2], parts[0]]), tile)
+            parts = [_flat(probe(x[i * tile:(i + 1) * tile])) for i in _shuffled(n)]
+        _compare(name, module, whole, _unshuffle(parts), tile)
     _check_rotary(model, g, tile)
     _check_moe_blocks(model, g, tile)
 
@@ -384,7 +386,8 @@ def _check_moe_blocks(model: nn.Module, g: torch.Generator, tile: int) -> None:
                 p.copy_((torch.randn(p.shape, generator=g) * 0.2).to(p.dtype))
         dtype = next(model.parameters()).dtype
         width = int(cast(Any, model).config.hidden_size)
-        x = torch.randn(1, 3 * tile, width, generator=g).to(dtype)
+        n = _tiles(tile)
+        x = torch.randn(1, n * tile, width, generator=g).to(dtype)
 
         def run(rows: torch.Tensor, probe: nn.Module = probe) -> torch.Tensor:
             out = probe(rows)
@@ -395,8 +398,29 @@ def _check_moe_blocks(model: nn.Module, g: torch.Generator, tile: int) -> None:
 
         with torch.no_grad():
             whole = run(x)
-            parts = [run(x[:, i * tile:(i + 1) * tile]) for i in (2, 0, 1)]
-        _compare(name, block, whole, torch.cat([parts[1], parts[2], parts[0]]), tile)
+            parts = [run(x[:, i * tile:(i + 1) * tile]) for i in _shuffled(n)]
+        _compare(name, block, whole, _unshuffle(parts), tile)
+
+
+#: The fewest rows the batch check runs in one call: enough for every vectorized loop's main body
+#: (PyTorch's take two vectors per iteration, 32 floats on AVX-512), so that a narrow tensor's
+#: tail-versus-vector difference shows between the whole call and a tile.
+CHECK_ROWS = 64
+
+
+def _tiles(tile: int) -> int:
+    """How many tiles the batch check runs in one call: at least 3, and at least CHECK_ROWS rows."""
+    return max(3, -(-CHECK_ROWS // tile))
+
+
+def _shuffled(n: int) -> list[int]:
+    """The order the check runs ``n`` tiles one at a time in: the last first, then the rest."""
+    return [n - 1, *range(n - 1)]
+
+
+def _unshuffle(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The tiles run in :func:`_shuffled` order, back in row order."""
+    return torch.cat([*parts[1:], parts[0]])
 
 
 def _compare(name: str, module: nn.Module, whole: torch.Tensor, tiles: torch.Tensor, tile: int) -> None:
@@ -413,12 +437,13 @@ def _check_rotary(model: nn.Module, g: torch.Generator, tile: int) -> None:
     if rotary is None:
         return
     dtype = next(model.parameters()).dtype
-    x = torch.zeros(1, 3 * tile, 8, dtype=dtype)
-    positions = torch.randint(0, 64, (1, 3 * tile), generator=g)
+    n = _tiles(tile)
+    x = torch.zeros(1, n * tile, 8, dtype=dtype)
+    positions = torch.randint(0, 64, (1, n * tile), generator=g)
     with torch.no_grad():
-        whole = torch.cat([t.reshape(3 * tile, -1) for t in rotary(x, positions)], dim=1)
+        whole = torch.cat([t.reshape(n * tile, -1) for t in rotary(x, positions)], dim=1)
         parts = [torch.cat([t.reshape(tile, -1) for t in rotary(x[:, :tile], positions[:, i * tile:(i + 1) * tile])], dim=1)
-                 for i in range(3)]
+                 for i in range(n)]
     _compare("model.rotary_emb", rotary, whole, torch.cat(parts), tile)
 
 
