@@ -209,6 +209,21 @@ class ReplicaDivergence(RuntimeError):
 _FLOORS: dict[tuple[Any, ...], int] = {}
 
 
+def _measure_key(what: str, module: torch.nn.Module, weights: dict[str, torch.Tensor], hidden: int,
+                 dtype: torch.dtype, *extra: Any) -> tuple[Any, ...]:
+    """What a measured row count depends on: the experts class and layout, the weights' shapes and
+    dtypes, the dtype, the width and torch's thread count (the cache key of :data:`_FLOORS`)."""
+    return (what, type(module).__name__, getattr(module, "is_transposed", False), getattr(module, "has_gate", True),
+            tuple((n, tuple(w.shape[1:]), w.dtype) for n, w in weights.items()), dtype, hidden, torch.get_num_threads(),
+            *extra)
+
+
+def _probe_rows(total: int, hidden: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``total`` seeded rows ``[total, hidden]`` and their slots (all slot 0), for a measurement."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(total, hidden, generator=g).to(dtype), torch.zeros(total, dtype=torch.long)
+
+
 def row_floor(module: torch.nn.Module, weights: dict[str, torch.Tensor], hidden: int, dtype: torch.dtype, *,
               seed: int = 0) -> int:
     """The fewest rows a slot's group must hold for its rows' bits not to change with the group's
@@ -219,14 +234,11 @@ def row_floor(module: torch.nn.Module, weights: dict[str, torch.Tensor], hidden:
     alone (each prefix's last rows fall in the GEMM's tail blocks), unpadded, and returns one more
     than the longest prefix whose bits differ. Raises if bits still change at :data:`FLOOR_LIMIT` rows.
     """
-    key = (type(module).__name__, getattr(module, "is_transposed", False), getattr(module, "has_gate", True),
-           tuple((n, tuple(w.shape[1:]), w.dtype) for n, w in weights.items()), dtype, hidden, torch.get_num_threads())
+    key = _measure_key("floor", module, weights, hidden, dtype)
     if key in _FLOORS:
         return _FLOORS[key]
-    g = torch.Generator().manual_seed(seed)
     total = 2 * FLOOR_LIMIT
-    x = torch.randn(total, hidden, generator=g).to(dtype)
-    slots = torch.zeros(total, dtype=torch.long)
+    x, slots = _probe_rows(total, hidden, dtype, seed)
     sizes = [*range(1, FLOOR_LIMIT + 1), FLOOR_LIMIT + 13, FLOOR_LIMIT + 31, total - 1]
     with torch.no_grad():
         whole = pair_forward(module, weights, x, slots, min_rows=1)
@@ -250,14 +262,11 @@ def decode_rows(module: torch.nn.Module, weights: dict[str, torch.Tensor], hidde
     step's rows, computed in groups of at most this many, cost their own rows, not the floor's."""
     if floor <= 2:
         return 1
-    key = ("decode", type(module).__name__, getattr(module, "has_gate", True),
-           tuple((n, tuple(w.shape[1:]), w.dtype) for n, w in weights.items()), dtype, hidden, torch.get_num_threads(), floor)
+    key = _measure_key("decode", module, weights, hidden, dtype, floor)
     if key in _FLOORS:
         return _FLOORS[key]
-    g = torch.Generator().manual_seed(seed)
     total = 4 * floor
-    x = torch.randn(total, hidden, generator=g).to(dtype)
-    slots = torch.zeros(total, dtype=torch.long)
+    x, slots = _probe_rows(total, hidden, dtype, seed)
     with torch.no_grad():
         alone = torch.cat([pair_forward(module, weights, x[i : i + 1], slots[:1], min_rows=1) for i in range(total)])
         best = 1
