@@ -65,7 +65,10 @@ class DelayTransfer(_Fault):
 
 
 class DropHeartbeats(_Fault):
-    """The worker keeps working but stops reporting from ``from_step`` on."""
+    """The worker keeps working (decoding, answering its group's collectives) but sends nothing at
+    all from ``from_step`` on: no heartbeat, no phase result, no tokens, no event. Under traffic its
+    replies to admissions used to keep it alive while its step froze (the group's step is the
+    slowest rank's)."""
 
     kind: Literal["drop_heartbeats"] = "drop_heartbeats"
     from_step: int = Field(0, ge=0)

@@ -387,3 +387,40 @@ def test_the_traffic_scenario_expects_every_request_served_and_identical():
     scenario = load_scenario(ROOT / "scenarios" / "hf_traffic.yaml")
     assert scenario.traffic is not None and scenario.expect.no_failed_requests and scenario.expect.identical_output
     assert {e.action for e in scenario.timeline} >= {"scale", "kill"}
+
+
+SILENCED_UNDER_TRAFFIC = """\
+name: silenced_under_traffic
+deployment:
+  model: {kind: hf, architecture: qwen3_moe, seed: 0}
+  eplb: {num_redundant_experts: 8, use_async: true, window_size: 8, step_interval: 8}
+  ep_size: 2
+  max_ep_size: 2
+  timeouts: {collective: 3, heartbeat: 5, worker_start: 120}
+  auto_recover: true
+  replace_lost: true
+  serving: {background_load: false, max_batch: 6, max_queue: 16}
+traffic: {rate: 3, concurrency: 4, prompt_len: [4, 10], max_tokens: [16, 32], seed: 0}
+steps: 160
+timeline:
+  - {at_step: 40, action: drop_heartbeats, rank: 1}
+run_timeout_s: 120
+expect: {final_state: running, final_ep_size: 2, min_failures: 1, identical_output: true, no_failed_requests: true}
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_rank_silenced_under_traffic_is_lost_at_its_heartbeat_deadline_and_no_request_fails(tmp_path):
+    # a silenced rank still decodes; it used to answer admissions, which kept it alive while its
+    # step (the group's: the slowest rank's) froze, and the replay waited out its run_timeout_s
+    from elastic.replay.runner import replay
+
+    path = tmp_path / "silenced.yaml"
+    path.write_text(SILENCED_UNDER_TRAFFIC)
+    result = replay(path, report_dir=tmp_path / "out")
+    failed = [f"{e['name']}: {e['measured']} ({e['detail']})" for e in result.failed]
+    assert result.passed, failed
+    data = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert "rank 1" in data["transitions"][0]["reason"] and "silent" in data["transitions"][0]["reason"]
+    assert data["duration_s"] < 60, data["duration_s"]  # well inside the run's deadline: nothing waited it out

@@ -89,6 +89,8 @@ class RankContext:
 
     # -- reporting ---------------------------------------------------------------------------
     def report(self, cls: type, **fields: Any) -> None:
+        if self.faults.drops_heartbeat(self.step):
+            return  # a silenced rank (faults.DropHeartbeats) sends nothing at all
         self.outbox.put(cls(rank=self.rank, generation=self.generation, pid=os.getpid(), at=time.time(), **fields))
 
     def done(self, command: p.Command, result: p.Result) -> None:

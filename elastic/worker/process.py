@@ -419,8 +419,6 @@ class Worker:
     def _maybe_heartbeat(self, step_seconds: float, physical: torch.Tensor | None, force: bool = False,
                          idle: bool = False) -> None:
         ctx = self.ctx
-        if ctx.faults.drops_heartbeat(ctx.step):
-            return
         now = time.monotonic()
         if not force and now - self.last_heartbeat < ctx.spec.heartbeat_s:
             return
@@ -443,8 +441,7 @@ class Worker:
     def _waiting_heartbeat(self, waited_s: float) -> None:
         """From :attr:`step_watch`'s thread: the step has waited ``waited_s`` on its peers so far
         (its tokens and timings go out with the step's own heartbeat, once it ends)."""
-        if not self.ctx.faults.drops_heartbeat(self.ctx.step):
-            self.ctx.report(p.Heartbeat, step=self.ctx.step, step_seconds=waited_s, waiting=True)
+        self.ctx.report(p.Heartbeat, step=self.ctx.step, step_seconds=waited_s, waiting=True)
 
     # -- outside a group -------------------------------------------------------------------
     def broken_loop(self) -> None:
