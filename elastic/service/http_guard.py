@@ -12,8 +12,12 @@ beyond its count but still accepts every connection.
   next request (its headers and its body) must arrive within ``request_timeout_s``, or the
   connection is closed. A request being answered is never cut (a long rebalance keeps its
   connection); the keep-alive wait between requests is uvicorn's ``timeout_keep_alive``;
-- **a connection cap**: beyond ``max_connections`` open connections, a new one is closed as soon
-  as it is accepted, so its descriptor is released at once.
+- **a connection cap**: beyond ``max_connections`` open connections, a new one whose request
+  arrives within ``OVER_CAP_GRACE_S`` is answered 503 (``Connection: close``, uvicorn's
+  ``limit_concurrency`` answer; clients such as ``openai`` retry it after a back-off), and one
+  that sends nothing by then is closed. At most ``max_connections // 8`` (at least 8) wait out
+  that grace at once; beyond them a new connection is closed as soon as it is accepted, so a
+  crowd of silent sockets holds about the cap of descriptors, not its own number.
 
 :class:`HttpLimits` holds the numbers; :meth:`HttpLimits.uvicorn_options` gives the keyword
 arguments of ``uvicorn.Config`` that apply them.
@@ -33,6 +37,11 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 __all__ = ["GuardedH11Protocol", "HttpLimits", "default_max_connections"]
 
 log = logging.getLogger("elastic.service.http")
+
+# an over-cap connection's request must arrive within this to be answered 503 (a client sends it
+# right after connecting); a silent one is closed then. A reconnecting crowd of silent sockets
+# holds about this long times the accept rate of descriptors beyond the cap (the crowd test)
+OVER_CAP_GRACE_S = 0.2
 
 
 def default_max_connections() -> int:
@@ -81,14 +90,24 @@ class GuardedH11Protocol(H11Protocol):
 
     request_timeout_s: float = 10.0
     max_connections: int = 256
+    in_grace = 0  # over-cap connections waiting out OVER_CAP_GRACE_S (a count per server's class)
 
     _deadline: asyncio.TimerHandle | None = None
+    _graced = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if len(self.connections) > self.max_connections:
-            log.warning("over %d open connections: closing a new one from %s", self.max_connections, self.client)
-            transport.abort()  # connection_lost follows and drops it from the count
+            cls = type(self)
+            if cls.in_grace >= max(8, self.max_connections // 8):
+                log.warning("over %d open connections: closing a new one from %s", self.max_connections, self.client)
+                transport.abort()  # connection_lost follows and drops it from the count
+                return
+            log.warning("over %d open connections: a new one from %s gets 503", self.max_connections, self.client)
+            cls.in_grace += 1
+            self._graced = True
+            self.limit_concurrency = 0  # uvicorn answers its request 503 and closes the connection
+            self._arm(OVER_CAP_GRACE_S)  # or closes it, silent, after the grace
             return
         self._arm()
 
@@ -98,12 +117,16 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._graced:
+            self._graced = False
+            type(self).in_grace -= 1
         super().connection_lost(exc)
 
-    def _arm(self) -> None:
+    def _arm(self, timeout_s: float | None = None) -> None:
         self._disarm()
         if not self.transport.is_closing():
-            self._deadline = self.loop.call_later(self.request_timeout_s, self._request_overdue)
+            self._deadline = self.loop.call_later(self.request_timeout_s if timeout_s is None else timeout_s,
+                                                  self._request_overdue)
 
     def _disarm(self) -> None:
         if self._deadline is not None:
