@@ -578,3 +578,22 @@ def test_serving_helpers_for_both_kinds():
     assert (ref.kind, ref.num_moe_layers, ref.expert_bytes) == ("reference", 2, shape.expert_bytes)
     joining = build_model(shape, Placement.static(2, 8, 12), 1, 2, joining=True)
     assert joining.num_local_physical_experts == 6 and len(ref.allocate(6)) == 2
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_joining_ranks_skeleton_has_the_full_models_non_expert_tensors(arch):
+    """A joining rank builds a meta skeleton (build(load=False)) and receives the non-expert weights
+    from a peer in one flat buffer per dtype: every tensor must have the full model's name, dtype and
+    shape. In bfloat16 the skeleton's rotary frequencies were float32 (the full model's bfloat16),
+    and every scale up of a bf16 random model died in gloo ("30096 vs 30080")."""
+    from eplb.models.hf import RandomSource, _is_expert_param
+
+    spec = HFModelConfig(kind="hf", architecture=arch, seed=0, dtype="bfloat16")
+
+    def tensors(model) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        return {n: (t.dtype, tuple(t.shape)) for n, t in [*model.named_parameters(), *model.named_buffers()]
+                if not _is_expert_param(n)}
+
+    full, skeleton = RandomSource(spec).build(load=True), RandomSource(spec).build(load=False)
+    assert tensors(skeleton) == tensors(full)
+    assert all(b.device.type == "cpu" for b in skeleton.buffers())

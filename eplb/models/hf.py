@@ -171,8 +171,12 @@ class RandomSource:
             model = self._build_full()
             self._full = None  # the caller owns it now; the canonical experts were kept
             return model
+        # built as _build_full builds it (then cast), so that the buffers have the full model's
+        # dtypes: from_config(dtype=...) keeps the rotary frequencies in float32 where .to() casts
+        # them, and the joining rank's non-expert broadcast then expected fewer bytes of bfloat16
+        # than its source sent (gloo's size check killed it, every scale up of a bf16 model)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(self.config, dtype=getattr(torch, self.spec.dtype)).eval()
+            model = AutoModelForCausalLM.from_config(self.config).to(getattr(torch, self.spec.dtype)).eval()
         _materialize(model, self.config)
         return model
 
