@@ -140,8 +140,8 @@ class KillEvent(_Event):
 
     def record(self, generation: int) -> KillRank:
         if self.in_phase is None:
-            return KillRank(rank=self.rank, at_step=self.at_step, generation=generation)
-        return KillRank(rank=self.rank, in_phase=self.in_phase, after_layers=self.after_layers, generation=generation)
+            return KillRank(rank=self.rank, at_step=self.at_step, **_pinned(self, generation))
+        return KillRank(rank=self.rank, in_phase=self.in_phase, after_layers=self.after_layers, **_pinned(self, generation))
 
 
 class StallEvent(_Event):
@@ -160,7 +160,7 @@ class StallEvent(_Event):
         return f"stall rank {self.rank} for {self.seconds:g}s"
 
     def record(self, generation: int) -> StallRank:
-        return StallRank(rank=self.rank, at_step=self.at_step, seconds=self.seconds, generation=generation)
+        return StallRank(rank=self.rank, at_step=self.at_step, seconds=self.seconds, **_pinned(self, generation))
 
 
 class DropHeartbeatsEvent(_Event):
@@ -175,7 +175,16 @@ class DropHeartbeatsEvent(_Event):
         return f"drop rank {self.rank}'s heartbeats"
 
     def record(self, generation: int) -> DropHeartbeats:
-        return DropHeartbeats(rank=self.rank, from_step=self.at_step, generation=generation)
+        return DropHeartbeats(rank=self.rank, from_step=self.at_step, **_pinned(self, generation))
+
+
+def _pinned(event: KillEvent | StallEvent | DropHeartbeatsEvent, planned: int) -> dict[str, int]:
+    """A fault event's generation: the one it gives (exactly), or the plan's prediction as a lower
+    bound. The plan counts one generation per scale and recovery; a recovery that needs a second
+    attempt, replace_lost's scale back or a scale failed by a fault take more, and a fault pinned
+    to the prediction exactly would never fire. Unpinned, it fires once (``faults.ONCE``): a
+    survivor renumbered into the lost rank's number is not hit again."""
+    return {"generation": event.generation} if event.generation is not None else {"from_generation": planned}
 
 
 class RecoverEvent(_Event):
@@ -319,10 +328,10 @@ class Scenario(_Strict):
         return _plan(self)[0]
 
     def fault_records(self) -> tuple[Any, ...]:
-        """The scenario's faults plus one record per kill/stall/drop_heartbeats event (pinned to its generation)."""
+        """The scenario's faults plus one record per kill/stall/drop_heartbeats event: pinned to the
+        generation it gives, or else from the generation the plan predicts on, once."""
         plan = self.planned()
-        kills = [e.record(step["generation"] if e.generation is None else e.generation)
-                 for e, step in zip(self.timeline, plan) if isinstance(e, FAULT_EVENTS)]
+        kills = [e.record(step["generation"]) for e, step in zip(self.timeline, plan) if isinstance(e, FAULT_EVENTS)]
         return tuple(self.faults) + tuple(kills)
 
     def stall_loses_rank(self, seconds: float) -> bool:
@@ -516,7 +525,7 @@ class _Walk:
                 self.generation = event.generation
             entry["generation"] = self.generation
             if auto:
-                self.size, self.generation = size - 1, self.generation + 1
+                self._recovered(size)
             else:
                 self.failed, self.failed_by = True, where
 
@@ -528,7 +537,18 @@ class _Walk:
             self.problem(where, f"expected survivors that can hold the model: {self.size - 1} rank(s) cannot")
             self.failed = False
         else:
-            self.size, self.generation, self.failed = self.size - 1, self.generation + 1, False
+            self._recovered(self.size)
+            self.failed = False
+
+    def _recovered(self, size: int) -> None:
+        """After a recovery from ``size`` ranks with one lost: the survivors, one generation on; with
+        ``replace_lost`` the coordinator then scales back to ``size`` with a fresh worker (one more
+        generation). A fault event takes the prediction as a lower bound: a recovery that needs a
+        second attempt takes more generations, never fewer."""
+        if self.d.replace_lost:
+            self.generation += 2
+        else:
+            self.size, self.generation = size - 1, self.generation + 1
 
     def check_end(self) -> None:
         """What the walk leaves: a kill still armed, a failed end, the deployment with the trace."""
