@@ -526,3 +526,16 @@ def test_a_fault_after_a_recovery_with_replace_lost_fires_in_the_generation_the_
     assert "during" not in drop["failure"]  # the group was running when it lost the rank
     fails = [t for t in data["transitions"] if t["dest"] == "failed"]
     assert len(fails) == 2 and data["final"]["ep_size"] == 3
+
+
+def test_after_a_phase_kill_a_fault_event_needs_a_generation_and_the_message_names_the_kill_not_an_autoscaler(tmp_path):
+    base = GOOD.replace("  max_ep_size: 3\n", "  max_ep_size: 3\n  auto_recover: true\n")
+    text = base.replace("timeline:\n  - {at_step: 20, action: scale, to: 3}\n  - {at_step: 40, action: rebalance}\n",
+                        "timeline:\n  - {at_step: 10, action: kill, rank: 2, in_phase: resuming}\n"
+                        "  - {at_step: 10, action: scale, to: 3}\n  - {at_step: 30, action: drop_heartbeats, rank: 0}\n")
+    file = write(tmp_path, text.replace("expect: {final_ep_size: 3}", "expect: {final_ep_size: 1}"))
+    error = str(problems_of(file))
+    assert (f"{file}: timeline[2].generation: expected an explicit generation: the scale that timeline[0]'s kill in a "
+            "phase failed leaves the group to its recovery, so the timeline cannot tell which generation the rank is in"
+            ) in error, error
+    assert "autoscaler" not in error

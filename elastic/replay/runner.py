@@ -12,7 +12,6 @@ timeline, worker events become the rebalances. :mod:`elastic.replay.report` turn
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import threading
@@ -329,7 +328,7 @@ class Replayer:
             return _Outcome(False, f"refused: {exc}", extra)
         extra.update(self._record_op(op))
         if kill is not None:  # the timeline armed a kill in one of this scale's phases
-            out = self._kill(kill, lambda: started, what=f"rank {kill.rank} was to die in {kill.in_phase}")
+            out = self._kill(kill, started, what=f"rank {kill.rank} was to die in {kill.in_phase}")
             out.extra.update(extra)
             out.detail = f"scale to {event.to} {op.status.value}; {out.detail}"
             return out
@@ -381,11 +380,14 @@ class Replayer:
         t = self.scenario.deployment.timeouts
         return t.heartbeat + t.collective + 10.0
 
-    def _step_seen_at(self, step: int) -> float | None:
-        """When a heartbeat first showed the group at ``step`` or later (None: not yet)."""
+    def _below_step_until(self, step: int) -> float:
+        """The last time a heartbeat showed the group below ``step`` (0 if none did): a fault at
+        ``step`` cannot have fired before. Bounding it from below, not from when ``step`` was first
+        reported, holds whatever the heartbeats lag: a rank killed at its step sends no heartbeat of
+        it, and its peers' last ones may be a few steps older."""
         with self.recorder.lock:
-            times = [sample["time"] for k, sample in self.recorder.steps.items() if k >= step]
-        return min(times) if times else None
+            times = [sample["time"] for k, sample in self.recorder.steps.items() if k < step]
+        return max(times, default=0.0)
 
     def _claim_failure(self, since: float) -> dict[str, Any] | None:
         """The first failure at or after ``since`` that no timeline fault has claimed yet, now claimed.
@@ -400,15 +402,14 @@ class Replayer:
                     return dict(t)
         return None
 
-    def _kill(self, event: Any, since: Callable[[], float | None], what: str) -> _Outcome:
+    def _kill(self, event: Any, since: float, what: str) -> _Outcome:
         """A fault that loses a rank (kill, long stall, dropped heartbeats): find the failure it caused
-        (``since()``: the earliest time it could have fired, None while not reached), then the recovery."""
+        (``since``: a time before it could have fired), then the recovery."""
         found: list[dict[str, Any]] = []
 
         def failed() -> bool:
             if not found:
-                start = since()
-                failure = None if start is None else self._claim_failure(start)
+                failure = self._claim_failure(since)
                 if failure is not None:
                     found.append(failure)
             return bool(found)
@@ -512,10 +513,9 @@ class Replayer:
                     out = _Outcome(True, f"armed: rank {event.rank} dies in the {event.in_phase} phase of the next scale"
                                    f" (generation {plan[index]['generation']})")
                 elif isinstance(event, FAULT_EVENTS) and plan[index].get("loses_rank", True):
-                    first = max(0, event.at_step - 1)  # a heartbeat can lag the rank's own step by one
                     generation = (f"generation {event.generation}" if event.generation is not None
                                   else f"generation {plan[index]['generation']} or later")
-                    out = self._kill(event, functools.partial(self._step_seen_at, first),
+                    out = self._kill(event, self._below_step_until(event.at_step),
                                      what=f"{event.label()} at step {event.at_step} ({generation}) was to lose the rank")
                 elif isinstance(event, StallEvent):
                     out = _Outcome(True, f"a {event.seconds:g}s stall, shorter than the deadlines: no failure expected")

@@ -118,7 +118,8 @@ class KillEvent(_Event):
 
     action: Literal["kill"]
     rank: int = Field(ge=0)
-    generation: int | None = Field(None, ge=0, description="the generation it dies in (default: the one the timeline predicts)")
+    generation: int | None = Field(None, ge=0, description="the generation it dies in (default: once, in the one "
+                                   "the timeline predicts or a later one)")
     in_phase: Literal["draining", "suppressed", "rescaling", "resuming"] | None = Field(
         None, description="die in this phase of the next scale event instead of at at_step")
     after_layers: int | None = Field(None, ge=0, description="with in_phase: rescaling, die after moving this many "
@@ -154,7 +155,8 @@ class StallEvent(_Event):
     action: Literal["stall"]
     rank: int = Field(ge=0)
     seconds: float = Field(gt=0)
-    generation: int | None = Field(None, ge=0, description="the generation it stalls in (default: the one the timeline predicts)")
+    generation: int | None = Field(None, ge=0, description="the generation it stalls in (default: once, in the one "
+                                   "the timeline predicts or a later one)")
 
     def label(self) -> str:
         return f"stall rank {self.rank} for {self.seconds:g}s"
@@ -169,7 +171,8 @@ class DropHeartbeatsEvent(_Event):
 
     action: Literal["drop_heartbeats"]
     rank: int = Field(ge=0)
-    generation: int | None = Field(None, ge=0, description="the generation it goes silent in (default: the one the timeline predicts)")
+    generation: int | None = Field(None, ge=0, description="the generation it goes silent in (default: once, in "
+                                   "the one the timeline predicts or a later one)")
 
     def label(self) -> str:
         return f"drop rank {self.rank}'s heartbeats"
@@ -371,6 +374,7 @@ class _Walk:
         self.failed_by: str | None = None
         self.autoscaler = s.autoscaler is not None and s.autoscaler.enabled
         self.scaled_by_autoscaler = self.autoscaler  # from then on size and generation are decided at run time
+        self.phase_killed: str | None = None  # the phase kill after which they are (no autoscaler needed)
         self.previous_step = 0
         self.phase_kill: tuple[int, KillEvent] | None = None  # armed, waiting for the next scale event
 
@@ -482,6 +486,7 @@ class _Walk:
                                                           self.plan, self.problem, self.size_problem)
             entry["phase_kill"] = self.phase_kill[0]
             self.scaled_by_autoscaler = True  # generations after a failed attempt are decided at run time
+            self.phase_killed = f"timeline[{self.phase_kill[0]}]"
         elif event.to != self.size or self.scaled_by_autoscaler:
             self.size, self.generation = event.to, self.generation + 1
         self.phase_kill = None
@@ -510,8 +515,10 @@ class _Walk:
         entry["loses_rank"] = True
         size, auto = self.size, self.d.auto_recover
         if self.scaled_by_autoscaler and event.generation is None:
-            self.problem(f"{where}.generation", "expected an explicit generation: the autoscaler may have scaled "
-                         "before this kill, so the timeline cannot tell which generation the rank dies in")
+            why = ("the autoscaler may have scaled before this event" if self.s.autoscaler is not None else
+                   f"the scale that {self.phase_killed}'s kill in a phase failed leaves the group to its recovery")
+            self.problem(f"{where}.generation", f"expected an explicit generation: {why}, so the timeline cannot "
+                         "tell which generation the rank is in")
         elif self.scaled_by_autoscaler:
             self.failed, self.failed_by = (False, None) if auto else (True, where)
         elif event.rank >= size:
