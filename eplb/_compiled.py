@@ -619,11 +619,41 @@ def balancedness(p2l, load, g):  # pragma: no cover - compiled
     for r in range(b):
         for t in range(p):
             cnt[p2l[r, t]] += 1
-        for t in range(p):
-            per[t] = load[r, p2l[r, t]] / max(cnt[p2l[r, t]], 1)
-        out[r] = _mean_over_peak(per, gl, g, s)
+        if s < 8:  # a GPU's slots added one after another, as _pairwise adds fewer than 8
+            peak = -np.inf
+            for x in range(g):
+                acc = 0.0
+                for t in range(x * s, (x + 1) * s):
+                    acc += load[r, p2l[r, t]] / max(cnt[p2l[r, t]], 1)
+                gl[x] = acc
+                if acc > peak:
+                    peak = acc
+            mean = _pairwise(gl, 0, g) / g
+            out[r] = mean / max(peak, 1e-300) if peak > 0 else 1.0
+        else:
+            for t in range(p):
+                per[t] = load[r, p2l[r, t]] / max(cnt[p2l[r, t]], 1)
+            out[r] = _mean_over_peak(per, gl, g, s)
         for t in range(p):
             cnt[p2l[r, t]] = 0
+    return out
+
+
+@numba.njit(cache=True)
+def gate_draws(real, z, noise_var):  # pragma: no cover - compiled
+    """``[K, B, L]`` next windows drawn around ``real [B, L]`` (float64): ``max(real + z * sqrt(noise_var
+    * real), 0)`` with the normals ``z [K, B, L]`` (float32), as numpy computes it
+    (``eplb.algorithm._MoveGate``) elementwise, so equal to the bit, without its temporaries."""
+    k, b, n = z.shape
+    out = np.empty((k, b, n))
+    sd = np.empty(n)
+    for r in range(b):
+        for e in range(n):
+            sd[e] = np.sqrt(noise_var * real[r, e])
+        for d in range(k):
+            for e in range(n):
+                v = real[r, e] + np.float64(z[d, r, e]) * sd[e]
+                out[d, r, e] = v if v >= 0.0 else 0.0
     return out
 
 
@@ -642,13 +672,27 @@ def on_draws(p2l, draws, g):  # pragma: no cover - compiled
     per = np.empty(p)
     gl = np.empty(g)
     bal = np.empty(k)
+    inv = np.empty(p)
     for r in range(b):
         for t in range(p):
             cnt[p2l[r, t]] += 1
+        for t in range(p):  # each slot's share of its expert, once per layer
+            inv[t] = 1.0 / max(cnt[p2l[r, t]], 1)
         for d in range(k):
+            if s < 8:  # a GPU's slots added one after another, as _pairwise adds fewer than 8
+                peak = -np.inf
+                for x in range(g):
+                    acc = 0.0
+                    for t in range(x * s, (x + 1) * s):
+                        acc += draws[d, r, p2l[r, t]] * inv[t]
+                    gl[x] = acc
+                    if acc > peak:
+                        peak = acc
+                mean = _pairwise(gl, 0, g) / g
+                bal[d] = mean / max(peak, 1e-300) if peak > 0 else 1.0
+                continue
             for t in range(p):
-                e = p2l[r, t]
-                per[t] = draws[d, r, e] * (1.0 / max(cnt[e], 1))
+                per[t] = draws[d, r, p2l[r, t]] * inv[t]
             bal[d] = _mean_over_peak(per, gl, g, s)
         out[r] = _pairwise(bal, 0, k) / k
         for t in range(p):

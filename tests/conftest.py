@@ -53,6 +53,9 @@ p2l = np.array([[0, 1, 2, 0, 3, 4, 5, 1]])
 _compiled.logical_to_physical(p2l, counts, 3)
 _compiled.balancedness(p2l, load, 2)
 _compiled.on_draws(p2l, load[None], 2)
+z = np.zeros((8, 1, 6), np.float32)
+z.flags.writeable = False  # as eplb.algorithm._normals gives them
+_compiled.gate_draws(load, z, 2.0)
 """
 
 

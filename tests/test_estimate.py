@@ -258,6 +258,20 @@ def test_the_compiled_balance_on_drawn_windows_is_numpys(seed, gpus, per_gpu, dr
     np.testing.assert_allclose(_compiled.on_draws(p2l, drawn, gpus), want, rtol=1e-12, atol=0)
 
 
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 4), n=st.integers(1, 300), noise=st.sampled_from([0.0, 1.18, 2.0, 7.5]))
+def test_the_compiled_gate_draws_are_numpys_to_the_bit(seed, rows, n, noise):
+    # migration_aware's gate draws its next windows compiled (eplb._compiled.gate_draws): the same
+    # elementwise arithmetic as the numpy formula, so the same windows, bit for bit (zero loads too)
+    from eplb.algorithm import _gate_draws, _normals
+
+    rng = np.random.default_rng(seed)
+    load = rng.pareto(1.2, (rows, n)) * 100 * (rng.random((rows, n)) < 0.8)
+    want = np.maximum(load[None] + _normals(load.shape) * np.sqrt(noise * load)[None], 0.0)
+    got = _gate_draws(load, noise)
+    assert got.shape == want.shape and got.tobytes() == want.tobytes()
+
+
 # --- the deployment knob: eplb.load_smoothing -------------------------------------------------
 
 
