@@ -179,6 +179,12 @@ class LocalExchange:
             except BufferError:  # a tensor view still exported: the mapping goes with the process
                 pass
 
+    def __del__(self) -> None:  # a model dropped with its exchange (a rescale builds a new one): free the fds
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
+
     # -- ops ------------------------------------------------------------------------------------
     @staticmethod
     def fits(nbytes: int) -> bool:
