@@ -3,6 +3,20 @@
 Each fault is a small validated record the coordinator hands to the workers in their spec;
 a worker applies the ones that name its current rank. Nothing here is used in production
 paths unless a scenario or test asks for it.
+
+Which generation a fault applies in:
+
+- ``generation``: only in that generation (ranks are renumbered by every scale and recovery, so
+  this pins the fault to one group's numbering);
+- otherwise in any generation from ``from_generation`` on (default 0).
+
+A fault that happens once to one process (:class:`KillRank`, :class:`StallRank`,
+:class:`DropHeartbeats`: ``ONCE``) and has no ``generation`` fires **once**: it is bound to the
+generation current when it first fires (the first rank that fires it records that generation in
+the coordinator's store, atomically). After the lost rank's group is renumbered, the process that
+now has its number (a survivor or a fresh worker) is not hit again; without the binding a silenced
+or killed rank 1 would silence or kill every later rank 1 in turn. The other faults (a slow link,
+corrupt buffers, a torn commit, a slow or hung start) keep applying in every generation they name.
 """
 
 from __future__ import annotations
@@ -20,7 +34,24 @@ class _Fault(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     rank: int = Field(ge=0, description="the rank (at the moment the fault fires) it applies to")
-    generation: int | None = Field(None, ge=0, description="only in this generation (default: any)")
+    generation: int | None = Field(None, ge=0, description="only in this generation (default: any, from "
+                                   "from_generation on; a ONCE fault then fires once, bound to the generation it "
+                                   "first fires in)")
+    from_generation: int | None = Field(None, ge=0, description="without generation: not before this generation "
+                                        "(default 0)")
+
+    @model_validator(mode="after")
+    def _one_generation_rule(self) -> _Fault:
+        if self.generation is not None and self.from_generation is not None:
+            raise ValueError(f"expected generation (exactly that one) or from_generation (that one or later), not "
+                             f"both: got generation {self.generation} and from_generation {self.from_generation}")
+        return self
+
+    def in_generation(self, generation: int) -> bool:
+        """Whether the fault may apply in ``generation`` (a ONCE fault also needs its binding)."""
+        if self.generation is not None:
+            return self.generation == generation
+        return generation >= (self.from_generation or 0)
 
 
 class KillRank(_Fault):
@@ -29,6 +60,7 @@ class KillRank(_Fault):
     ``at_step``: at the first decode step at or after it in which the rank decodes outside any
     operation (a generation that starts past the step dies once it serves, not in its resuming);
     ``in_phase``: when that phase's command of the next operation reaches it.
+    Without ``generation`` it kills once (the rank of the generation it first fires in).
     """
 
     kind: Literal["kill"] = "kill"
@@ -48,7 +80,8 @@ class KillRank(_Fault):
 
 
 class StallRank(_Fault):
-    """The worker stops answering (sleeps in its decode loop) for ``seconds`` from ``at_step``."""
+    """The worker stops answering (sleeps in its decode loop) for ``seconds`` from ``at_step``; once
+    (without ``generation``: in the generation it first fires in)."""
 
     kind: Literal["stall"] = "stall"
     at_step: int = Field(ge=0)
@@ -68,7 +101,9 @@ class DropHeartbeats(_Fault):
     """The worker keeps working (decoding, answering its group's collectives) but sends nothing at
     all from ``from_step`` on: no heartbeat, no phase result, no tokens, no event. Under traffic its
     replies to admissions used to keep it alive while its step froze (the group's step is the
-    slowest rank's)."""
+    slowest rank's). Without ``generation`` it silences one process: the one that has ``rank`` in
+    the generation where it first fires (not, after the recovery renumbers the group, the rank
+    that inherits the number)."""
 
     kind: Literal["drop_heartbeats"] = "drop_heartbeats"
     from_step: int = Field(0, ge=0)
@@ -106,6 +141,16 @@ class HangBeforeStart(_Fault):
     """The worker process hangs before its first report (an import or a mount that never returns)."""
 
     kind: Literal["hang_before_start"] = "hang_before_start"
+
+
+#: the faults that happen once to one process: without ``generation`` each fires once, bound to the
+#: generation current when it first fires (see the module's docstring)
+ONCE: tuple[type[_Fault], ...] = (KillRank, StallRank, DropHeartbeats)
+
+
+def fires_once(fault: _Fault) -> bool:
+    """Whether ``fault`` is bound to the generation it first fires in (a ONCE kind, no ``generation``)."""
+    return isinstance(fault, ONCE) and fault.generation is None
 
 
 Fault = Annotated[KillRank | StallRank | DelayTransfer | DropHeartbeats | CorruptBuffer | TornCommit | SlowPrepare | HangBeforeStart,

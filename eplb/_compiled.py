@@ -278,9 +278,12 @@ def _heaviest_swap(slot_load, slot_expert, gl, order, h, peak, lo, hi):  # pragm
         if 0.5 * (peak + gl[x]) >= best:
             break
         gap = peak - gl[x]
+        # x ends at gl[x] + d, below best only for d < best - gl[x] (less than the gap; the margin
+        # is far above rounding, so every skipped slot would have failed the scan's own test)
+        room = best - gl[x] + 1e-12 * peak
         for i in range(s):
             li = slot_load[h, i]
-            if li <= 0.0 or li <= lo[x] or li - hi[x] >= gap or peak - (li - lo[x]) >= best:
+            if li <= 0.0 or li <= lo[x] or li - hi[x] >= room or peak - (li - lo[x]) >= best:
                 continue
             ei = slot_expert[h, i]
             for j in range(s):
@@ -660,7 +663,11 @@ def take_counts(slot_expert, load, target):  # pragma: no cover - compiled
     load per replica gains a replica in a slot of an expert with more than its target, on a GPU
     that does not hold it, choosing the slot whose move leaves the lowest peak and, among peaks
     equal to 1e-12 of it (sums in another order differ in the last bits), the lowest sum of
-    squared GPU loads. An expert no such slot can take stays short. Returns the moves per layer."""
+    squared GPU loads. An expert no such slot can take stays short. Returns the moves per layer.
+
+    Kept between steps: the short and the surplus experts (ascending; an expert only ever leaves
+    either list), each surplus expert's rise of load per replica, and each expert's holders (GPUs
+    ascending, each once)."""
     rows, g, s = slot_expert.shape
     n = load.shape[1]
     moves = np.zeros(rows, np.int64)
@@ -673,24 +680,48 @@ def take_counts(slot_expert, load, target):  # pragma: no cover - compiled
     i1 = np.empty(n, np.int64)
     m2 = np.empty(n)
     ssf = np.empty(n)
-    last = np.empty(n, np.int64)
     top = np.empty(g, np.int64)
     rs = np.empty(n)  # a surplus expert's rise of load per replica once it loses one
-    sur = np.empty(n, np.int64)  # the surplus experts
+    sur = np.empty(n, np.int64)  # the surplus experts, ascending
+    short = np.empty(n, np.int64)  # the short experts, ascending
+    hl = np.empty((n, g), np.int64)  # each expert's holders, GPUs ascending
+    hn = np.zeros(n, np.int64)
+    sl = np.empty(g * s, np.int64)  # the slots of surplus experts, x * S + k ascending (_best_take)
     for r in range(rows):
         w = load[r]
         se = slot_expert[r]
         tr = target[r]
         _fill_holdings(se, cnt, hc)
+        ns = 0
+        nsh = 0
         for x in range(n):
             stuck[x] = False
+            hn[x] = 0
             if cnt[x] > 0:
                 pl[x] = w[x] / cnt[x]
+            if cnt[x] > tr[x]:
+                rs[x] = w[x] / (cnt[x] - 1) - w[x] / cnt[x]
+                sur[ns] = x
+                ns += 1
+            elif cnt[x] < tr[x]:
+                short[nsh] = x
+                nsh += 1
+        nsl = 0
+        for x in range(g):
+            for k in range(s):
+                f = se[x, k]
+                if cnt[f] > tr[f]:
+                    sl[nsl] = x * s + k
+                    nsl += 1
+                if hn[f] == 0 or hl[f, hn[f] - 1] != x:
+                    hl[f, hn[f]] = x
+                    hn[f] += 1
         while True:
             e = -1
             best = -1.0
-            for x in range(n):
-                if cnt[x] < tr[x] and not stuck[x] and pl[x] > best:
+            for q in range(nsh):
+                x = short[q]
+                if not stuck[x] and pl[x] > best:
                     best = pl[x]
                     e = x
             if e < 0:
@@ -702,8 +733,8 @@ def take_counts(slot_expert, load, target):  # pragma: no cover - compiled
                 for k in range(s):
                     acc += pl[se[x, k]]
                 gle[x] = acc - (per_e - new_e) * hc[x, e]
-            _surplus_peaks(w, tr, cnt, hc, se, gle, m1, i1, m2, ssf, last, top, rs, sur)
-            bx, bk = _best_take(tr, cnt, pl, hc, se, gle, m1, i1, m2, ssf, e, new_e, rs)
+            _surplus_peaks(hc, gle, m1, i1, m2, ssf, top, rs, sur, ns, cnt, hl, hn)
+            bx, bk, nsl = _best_take(tr, cnt, pl, hc, se, gle, m1, i1, m2, ssf, e, new_e, rs, sl, nsl)
             if bx < 0:
                 stuck[e] = True
                 continue
@@ -716,50 +747,86 @@ def take_counts(slot_expert, load, target):  # pragma: no cover - compiled
             hc[bx, e] += 1
             hc[bx, f] -= 1
             moves[r] += 1
+            _hl_insert(hl, hn, e, bx)  # bx did not hold e
+            if hc[bx, f] == 0:
+                _hl_remove(hl, hn, f, bx)
+            if cnt[e] == tr[e]:
+                nsh = _list_remove(short, nsh, e)
+            if cnt[f] == tr[f]:
+                ns = _list_remove(sur, ns, f)
+            else:
+                rs[f] = w[f] / (cnt[f] - 1) - w[f] / cnt[f]
         _clear_holdings(se, cnt, hc)
     return moves
 
 
 @numba.njit(cache=True)
-def _surplus_peaks(w, target, cnt, hc, se, gle, m1, i1, m2, ssf, last, top, rs, sur):  # pragma: no cover - compiled
-    """For :func:`take_counts`: per expert ``f`` with a surplus, its holders' loads once it loses a
-    replica: the highest two GPU loads (``m1``, ``m2``; where the highest is, ``i1``, the lowest
-    such GPU on a tie), so a candidate slot's GPU can be left out, and the change of the sum of
-    squared GPU loads (``ssf``). Only ``f``'s holders change: they are met in one pass over the
-    slots (GPUs in ascending order, as a sum over all GPUs adds them), and the others' highest two
-    are the first two non-holders of the GPUs ordered by load (``top``, as many as needed). Also
-    ``rs[f]``, the rise of ``f``'s load per replica, and ``sur``, the surplus experts (returns how many)."""
-    g, n = hc.shape
-    s = se.shape[1]
+def _list_remove(lst, m, v):  # pragma: no cover - compiled
+    """``v`` leaves the first ``m`` entries of ``lst`` (order kept); returns the new length."""
+    z = 0
+    while lst[z] != v:
+        z += 1
+    for q in range(z, m - 1):
+        lst[q] = lst[q + 1]
+    return m - 1
+
+
+@numba.njit(cache=True)
+def _hl_insert(hl, hn, e, x):  # pragma: no cover - compiled
+    """GPU ``x`` joins expert ``e``'s holders (ascending)."""
+    z = hn[e]
+    while z > 0 and hl[e, z - 1] > x:
+        hl[e, z] = hl[e, z - 1]
+        z -= 1
+    hl[e, z] = x
+    hn[e] += 1
+
+
+@numba.njit(cache=True)
+def _hl_remove(hl, hn, f, x):  # pragma: no cover - compiled
+    """GPU ``x`` leaves expert ``f``'s holders."""
+    z = 0
+    while hl[f, z] != x:
+        z += 1
+    for q in range(z, hn[f] - 1):
+        hl[f, q] = hl[f, q + 1]
+    hn[f] -= 1
+
+
+@numba.njit(cache=True)
+def _surplus_peaks(hc, gle, m1, i1, m2, ssf, top, rs, sur, ns, cnt, hl, hn):  # pragma: no cover - compiled
+    """For :func:`take_counts`: per surplus expert ``f`` (``sur [ns]``), its holders' loads once it
+    loses a replica: the highest two GPU loads (``m1``, ``m2``; where the highest is, ``i1``, the
+    lowest such GPU on a tie), so a candidate slot's GPU can be left out, and the change of the sum
+    of squared GPU loads (``ssf``). Only ``f``'s holders change: they are met in ascending order
+    (``hl [L, *]``, ``hn``: as a sum over all GPUs adds them), and the others' highest two are the
+    first two non-holders of the GPUs ordered by load (``top``, as many as needed). ``rs[f]``: the
+    rise of ``f``'s load per replica."""
+    g = gle.shape[0]
     most = 0
-    ns = 0
-    for f in range(n):
-        if cnt[f] > target[f]:
-            m1[f] = -np.inf
-            m2[f] = -np.inf
-            i1[f] = -1
-            ssf[f] = 0.0
-            last[f] = -1
-            rs[f] = w[f] / (cnt[f] - 1) - w[f] / cnt[f]
-            sur[ns] = f
-            ns += 1
-            if cnt[f] > most:
-                most = cnt[f]
-    # the holders, GPUs ascending
-    for x in range(g):
-        for k in range(s):
-            f = se[x, k]
-            if cnt[f] <= target[f] or last[f] == x:
-                continue
-            last[f] = x
-            v = gle[x] + rs[f] * hc[x, f]
-            ssf[f] += v * v - gle[x] * gle[x]
-            if v > m1[f] or (v == m1[f] and x < i1[f]):
-                m2[f] = m1[f]
-                m1[f] = v
-                i1[f] = x
-            elif v > m2[f]:
-                m2[f] = v
+    for q in range(ns):
+        f = sur[q]
+        a1 = -np.inf
+        a2 = -np.inf
+        j1 = -1
+        acc = 0.0
+        rise = rs[f]
+        if cnt[f] > most:
+            most = cnt[f]
+        for z in range(hn[f]):
+            x = hl[f, z]
+            v = gle[x] + rise * hc[x, f]
+            acc += v * v - gle[x] * gle[x]
+            if v > a1 or (v == a1 and x < j1):
+                a2 = a1
+                a1 = v
+                j1 = x
+            elif v > a2:
+                a2 = v
+        m1[f] = a1
+        m2[f] = a2
+        i1[f] = j1
+        ssf[f] = acc
     # the heaviest GPUs by load (ties: the lower index first), enough to pass every holder
     m = min(g, most + 2)
     c = 0
@@ -791,42 +858,49 @@ def _surplus_peaks(w, target, cnt, hc, se, gle, m1, i1, m2, ssf, last, top, rs, 
             taken += 1
             if taken == 2:
                 break
-    return ns
 
 
 @numba.njit(cache=True)
-def _best_take(target, cnt, pl, hc, se, gle, m1, i1, m2, ssf, e, new_e, rs):  # pragma: no cover - compiled
+def _best_take(target, cnt, pl, hc, se, gle, m1, i1, m2, ssf, e, new_e, rs, sl, nsl):  # pragma: no cover - compiled
     """For :func:`take_counts`: the slot ``(x, k)`` of a surplus expert, on a GPU without ``e``, whose
     move to ``e`` leaves the lowest peak (ties: the lowest sum of squares); ``(-1, -1)`` if none.
-    ``rs``: each surplus expert's rise of load per replica (:func:`_surplus_peaks`)."""
-    g, s = se.shape
+    ``rs``: each surplus expert's rise of load per replica (:func:`_surplus_peaks`). ``sl [nsl]``:
+    the slots ``x * S + k`` that held a surplus expert at the last step, ascending (the order of a
+    scan of every slot); those that no longer do leave it (a slot's expert only ever stops being
+    in surplus). Returns ``(x, k, the list's new length)``."""
+    s = se.shape[1]
     bpeak = np.inf
     bload = np.inf
     bx = -1
     bk = -1
-    for x in range(g):
+    kept = 0
+    for z in range(nsl):
+        q = sl[z]
+        x = q // s
+        k = q - x * s
+        f = se[x, k]
+        if cnt[f] <= target[f]:
+            continue
+        sl[kept] = q
+        kept += 1
         if hc[x, e] > 0:
             continue
-        for k in range(s):
-            f = se[x, k]
-            if cnt[f] <= target[f]:
-                continue
-            per_f = pl[f]
-            rise = rs[f]
-            here = gle[x] - per_f + new_e + rise * (hc[x, f] - 1)
-            others = m2[f] if i1[f] == x else m1[f]
-            pk = max(here, others)
-            tie = abs(pk - bpeak) <= 1e-12 * max(abs(bpeak), 1.0)
-            if not tie and pk >= bpeak:  # neither lower nor tied: its sum of squares does not matter
-                continue
-            old = gle[x] + rise * hc[x, f]
-            dss = ssf[f] - (old * old - gle[x] * gle[x]) + (here * here - gle[x] * gle[x])
-            if (pk < bpeak and not tie) or (tie and dss < bload):
-                bpeak = pk
-                bload = dss
-                bx = x
-                bk = k
-    return bx, bk
+        per_f = pl[f]
+        rise = rs[f]
+        here = gle[x] - per_f + new_e + rise * (hc[x, f] - 1)
+        others = m2[f] if i1[f] == x else m1[f]
+        pk = max(here, others)
+        tie = abs(pk - bpeak) <= 1e-12 * max(abs(bpeak), 1.0)
+        if not tie and pk >= bpeak:  # neither lower nor tied: its sum of squares does not matter
+            continue
+        old = gle[x] + rise * hc[x, f]
+        dss = ssf[f] - (old * old - gle[x] * gle[x]) + (here * here - gle[x] * gle[x])
+        if (pk < bpeak and not tie) or (tie and dss < bload):
+            bpeak = pk
+            bload = dss
+            bx = x
+            bk = k
+    return bx, bk, kept
 
 
 @numba.njit(cache=True)
@@ -972,25 +1046,38 @@ def _layer_loads(pl, se, gl):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True)
-def _lightest(gl, k, light, h):  # pragma: no cover - compiled
-    """``light [k]``: the ``k`` lightest GPUs of ``gl`` in ascending load, ties by index (as a stable
-    argsort's first ``k``); ``h`` (the heaviest) where it lands is replaced by the lightest."""
-    g = gl.shape[0]
-    m = 0
-    for x in range(g):
-        v = gl[x]
-        if m == k and v >= gl[light[k - 1]]:
-            continue
-        j = m if m < k else k - 1
-        while j > 0 and gl[light[j - 1]] > v:
-            light[j] = light[j - 1]
-            j -= 1
-        light[j] = x
-        if m < k:
-            m += 1
+def _sift(order, pos, gl, y):  # pragma: no cover - compiled
+    """Move GPU ``y`` to its place in ``order`` (ascending ``gl``, ties by index: a stable argsort)
+    after its load changed, every other GPU in place; ``pos`` is the inverse of ``order``."""
+    g = order.shape[0]
+    z = pos[y]
+    v = gl[y]
+    while z > 0 and (gl[order[z - 1]] > v or (gl[order[z - 1]] == v and order[z - 1] > y)):
+        order[z] = order[z - 1]
+        pos[order[z]] = z
+        z -= 1
+    while z + 1 < g and (gl[order[z + 1]] < v or (gl[order[z + 1]] == v and order[z + 1] < y)):
+        order[z] = order[z + 1]
+        pos[order[z]] = z
+        z += 1
+    order[z] = y
+    pos[y] = z
+
+
+@numba.njit(cache=True)
+def _heaviest_lightest(gl, order, k, light):  # pragma: no cover - compiled
+    """From ``order`` (GPUs by ascending ``gl``, ties by index): the heaviest GPU ``h`` (the lowest
+    index on a tie, as ``np.argmax``), and ``light [k]``, the ``k`` lightest in ascending load, ties
+    by index, ``h`` where it lands replaced by the lightest."""
+    g = order.shape[0]
+    z = g - 1
+    top = gl[order[z]]
+    while z > 0 and gl[order[z - 1]] == top:
+        z -= 1
+    h = order[z]
     for j in range(k):
-        if light[j] == h:
-            light[j] = light[0]
+        light[j] = order[j] if order[j] != h else order[0]
+    return h
 
 
 @numba.njit(cache=True)
@@ -1070,11 +1157,12 @@ def _best_replace(w, cnt, pl, hc, hold, se, gl, h, light, pref, prefer_share, ba
 
 
 @numba.njit(cache=True)
-def _best_swap(pl, hc, se, gl, h, light):  # pragma: no cover - compiled
-    """:func:`improve`'s best swap of one step: ``(estimate, slot on h, candidate)``."""
+def _best_swap(pl, hc, se, gl, h, light, bound):  # pragma: no cover - compiled
+    """:func:`improve`'s best swap of one step: ``(estimate, slot on h, candidate)``, among those
+    whose estimate is below ``bound`` (none: ``(bound, -1, -1)``)."""
     s = se.shape[1]
     peak = gl[h]
-    best, bi, bq = np.inf, -1, -1
+    best, bi, bq = bound, -1, -1
     # skipped: a slot i with peak - le >= best (d <= le), a GPU x with (peak + gl[x]) / 2 >= best
     # (less a margin for rounding): neither can beat the best so far, so the choice is unchanged
     for i in range(s):
@@ -1121,6 +1209,8 @@ def improve(slot_expert, load, target_peak, budget, max_steps, width, prefer, pr
     base = np.empty(k * s)
     f_peak = np.empty(k * s)
     light = np.empty(k, np.int64)
+    order = np.empty(g, np.int64)
+    pos = np.empty(g, np.int64)
     cnt = np.zeros(n, np.int64)
     hc = np.zeros((g, n), np.int64)
     pl = np.empty(n)
@@ -1143,27 +1233,41 @@ def improve(slot_expert, load, target_peak, budget, max_steps, width, prefer, pr
                 hold[e, cnt[e]] = y
                 cnt[e] += 1
         _layer_loads(pl, se, gl)
+        order[:] = np.argsort(gl, kind="mergesort")  # kept sorted as loads change (_sift)
+        for z in range(g):
+            pos[order[z]] = z
         for _ in range(max_steps):
-            h = np.argmax(gl)
+            h = _heaviest_lightest(gl, order, k, light)
             peak = gl[h]
             if peak <= target_peak[r] * (1 + 1e-12):
                 break
-            _lightest(gl, k, light, h)
             est_r, ri, rq = _best_replace(w, cnt, pl, hc, hold, se, gl, h, light, pref, prefer_share, base, f_peak)
             gain_r = peak - est_r if ri >= 0 else -np.inf
             gain_s = -np.inf
             si, sq = -1, -1
             if left >= 2:
-                est_s, si, sq = _best_swap(pl, hc, se, gl, h, light)
+                # a swap is taken only if gain_s / 2 > gain_r: any estimate at or above this
+                # bound loses to the replace (a margin far above rounding), so it bounds the scan
+                bound = peak - 2.0 * gain_r + 1e-12 * max(peak, 1.0) if ri >= 0 else np.inf
+                est_s, si, sq = _best_swap(pl, hc, se, gl, h, light, bound)
                 gain_s = peak - est_s if si >= 0 else -np.inf
             swap = gain_s / 2 > gain_r
             if (gain_s if swap else gain_r) <= 1e-12 * max(peak, 1.0):
                 break
             i, q = (si, sq) if swap else (ri, rq)
             x, t = light[q // s], q % s
+            e, f = se[h, i], se[x, t]
             if not _apply_move(w, cnt, pl, hc, hold, se, gl, gl_new, h, i, x, t, swap, peak):
                 break  # undone, and this layer stops
-            gl[:] = gl_new  # the GPU loads after the move, as _layer_loads computes them
+            # the GPU loads after the move, as _layer_loads computes them: the GPUs _moved_loads
+            # summed again take their new loads one at a time, each put in its place in order
+            _take_load(gl, gl_new, order, pos, h)
+            _take_load(gl, gl_new, order, pos, x)
+            if not swap:
+                for z in range(cnt[e]):
+                    _take_load(gl, gl_new, order, pos, hold[e, z])
+                for z in range(cnt[f]):
+                    _take_load(gl, gl_new, order, pos, hold[f, z])
             cost = 2 if swap else 1
             left -= cost
             made[r] += cost
@@ -1171,6 +1275,14 @@ def improve(slot_expert, load, target_peak, budget, max_steps, width, prefer, pr
                 break
         _clear_holdings(se, cnt, hc)
     return made
+
+
+@numba.njit(cache=True)
+def _take_load(gl, gl_new, order, pos, y):  # pragma: no cover - compiled
+    """GPU ``y`` takes its load from ``gl_new`` and its place in ``order`` (:func:`_sift`)."""
+    if gl[y] != gl_new[y]:
+        gl[y] = gl_new[y]
+        _sift(order, pos, gl, y)
 
 
 @numba.njit(cache=True)
@@ -1203,19 +1315,34 @@ def _gpu_load(pl, se, y):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True)
-def _moved_loads(pl, se, hold, cnt, gl, gl_new, h, x, e, f, swap):  # pragma: no cover - compiled
-    """``gl_new``: ``gl`` with the GPUs a move changed summed again (``h``, ``x`` and, for a
-    replace, every holder of ``e`` and ``f``); the others' loads are unchanged, bit for bit."""
-    gl_new[:] = gl
+def _moved_loads(pl, se, hold, cnt, gl, gl_new, h, x, e, f, swap, peak):  # pragma: no cover - compiled
+    """``gl_new``: the loads of the GPUs a move changed, summed again (``h``, ``x`` and, for a
+    replace, every holder of ``e`` and ``f``; the others' loads are unchanged, bit for bit, and
+    ``gl_new`` is not written there). Returns whether the move is kept: ``h``'s load changed and
+    no GPU whose load changed ends at or above ``peak``."""
+    tol = 1e-9 * max(peak, 1.0)
+    top = peak * (1 - 1e-12)
     gl_new[h] = _gpu_load(pl, se, h)
+    ok = abs(gl_new[h] - gl[h]) > tol
+    ok &= _below(gl, gl_new, h, tol, top)
     gl_new[x] = _gpu_load(pl, se, x)
+    ok &= _below(gl, gl_new, x, tol, top)
     if not swap:
         for k in range(cnt[e]):
             y = hold[e, k]
             gl_new[y] = _gpu_load(pl, se, y)
+            ok &= _below(gl, gl_new, y, tol, top)
         for k in range(cnt[f]):
             y = hold[f, k]
             gl_new[y] = _gpu_load(pl, se, y)
+            ok &= _below(gl, gl_new, y, tol, top)
+    return ok
+
+
+@numba.njit(cache=True)
+def _below(gl, gl_new, y, tol, top):  # pragma: no cover - compiled
+    """GPU ``y``'s new load is unchanged (within ``tol``) or below ``top``."""
+    return not (abs(gl_new[y] - gl[y]) > tol and gl_new[y] >= top)
 
 
 @numba.njit(cache=True)
@@ -1224,7 +1351,6 @@ def _apply_move(w, cnt, pl, hc, hold, se, gl, gl_new, h, i, x, t, swap, peak):  
     its own back, a ``swap``); kept (True) only if every GPU it changed ends below the old ``peak``,
     recomputed exactly, else undone (False). ``pl`` (load per replica, ``w / cnt``) and ``hold``
     (each expert's holders) are kept up to date."""
-    g = gl.shape[0]
     e, f = se[h, i], se[x, t]
     se[x, t] = e
     if swap:
@@ -1238,11 +1364,7 @@ def _apply_move(w, cnt, pl, hc, hold, se, gl, gl_new, h, i, x, t, swap, peak):  
         cnt[f] -= 1
         pl[e] = w[e] / cnt[e]
         pl[f] = w[f] / cnt[f]
-    _moved_loads(pl, se, hold, cnt, gl, gl_new, h, x, e, f, swap)
-    ok = abs(gl_new[h] - gl[h]) > 1e-9 * max(peak, 1.0)
-    for y in range(g):
-        if abs(gl_new[y] - gl[y]) > 1e-9 * max(peak, 1.0) and gl_new[y] >= peak * (1 - 1e-12):
-            ok = False
+    ok = _moved_loads(pl, se, hold, cnt, gl, gl_new, h, x, e, f, swap, peak)
     if not ok:  # undo
         se[x, t] = f
         if swap:

@@ -1579,13 +1579,15 @@ class _Mover:
         gate, load, g, low = self.gate, self.load, self.g, self.gate.expected - self.tolerance
         target_peak = np.where(moving & ~self.refit, gate.mean / np.maximum(gate.aim, 1e-9), np.inf)
         out = _improve(start.copy(), load, g, target_peak, self.allowed - self._copies(start), prefer=self.fresh_counts)
-        short = moving & ~self.refit & (self._balance(out) < low)
+        bal_out = self._balance(out)  # per layer: a row's balance depends on that row alone
+        short = moving & ~self.refit & (bal_out < low)
         if short.any():
             rows = np.nonzero(short)[0]
             swapped = _swapped(out[rows], load[rows], g, gate.aim[rows])
-            ok = (self._balance(swapped, rows) >= low[rows]) & (self._copies(swapped, rows) <= self.allowed[rows])
+            bal_swapped = self._balance(swapped, rows)
+            ok = (bal_swapped >= low[rows]) & (self._copies(swapped, rows) <= self.allowed[rows])
             out[rows[ok]] = swapped[ok]
-        bal_out = self._balance(out)
+            bal_out[rows[ok]] = bal_swapped[ok]
         short = (moving & self.refit) | (moving & (bal_out < low))
         if short.any():
             rows = np.nonzero(short)[0]

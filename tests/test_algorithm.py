@@ -800,6 +800,35 @@ def test_take_counts_reaches_the_target_counts_with_one_copy_per_replica_it_move
         assert not (after[slot_expert[0][without_e]] > target[slot_expert[0][without_e]]).any()
     assert (after <= np.maximum(before, target)).all()  # only the short gain, only the surplus give
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10_000), st.integers(2, 20), st.integers(1, 9))
+def test_improve_gpu_order_stays_a_stable_argsort_as_loads_change(seed, gpus, width):
+    # improve reads the heaviest GPU and the k lightest off an order it keeps by moving each GPU a
+    # move changed to its place (_take_load, _sift): it must stay numpy's stable argsort (ties by
+    # index), the heaviest np.argmax's pick (the lowest index on a tie), and the lightest those of
+    # the argsort's first k with the heaviest replaced by the lightest
+    rng = np.random.default_rng(seed)
+    gl = rng.integers(0, 4, gpus).astype(np.float64)  # few values: many ties
+    order = np.argsort(gl, kind="mergesort")
+    pos = np.empty(gpus, np.int64)
+    pos[order] = np.arange(gpus)
+    k = max(1, min(width, gpus - 1))
+    light = np.empty(k, np.int64)
+    for _ in range(30):
+        gl_new = gl.copy()
+        changed = rng.choice(gpus, size=int(rng.integers(1, gpus + 1)), replace=bool(rng.integers(0, 2)))
+        gl_new[changed] = rng.integers(0, 4, changed.size)
+        for y in changed:
+            alg._compiled._take_load(gl, gl_new, order, pos, int(y))
+        assert np.array_equal(gl, gl_new)
+        assert np.array_equal(order, np.argsort(gl, kind="stable"))
+        assert np.array_equal(pos[order], np.arange(gpus))
+        h = alg._compiled._heaviest_lightest(gl, order, k, light)
+        assert h == np.argmax(gl)
+        want = np.argsort(gl, kind="stable")[:k]
+        assert np.array_equal(light, np.where(want == h, want[0], want))
+
+
 def test_swap_refine_stops_at_the_requested_balance():
     w = _zipf_load(4, 64, seed=2).numpy().astype(np.float64)
     counts = alg._replica_counts(w, 80, 8)

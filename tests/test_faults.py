@@ -7,7 +7,7 @@ import time
 import pytest
 
 from elastic.control.coordinator import OperationStatus
-from elastic.faults import KillRank, StallRank, TornCommit
+from elastic.faults import DropHeartbeats, KillRank, StallRank, TornCommit
 from tests.conftest import running, small_config
 from tests.helpers import assert_consistent, wait_for_state
 
@@ -139,3 +139,25 @@ def test_a_scale_up_failing_before_its_rescale_retires_the_ranks_standing_by():
         assert recovery.status == OperationStatus.SUCCEEDED, recovery.error
         assert c.size == 1
         assert_consistent(c, 1)
+
+
+@pytest.mark.timeout(150)
+def test_dropped_heartbeats_without_a_generation_silence_one_process_not_the_rank_renumbered_into_its_number():
+    """Rank 1 of 3 goes silent; the recovery renumbers rank 2 as rank 1 and replace_lost adds a
+    fresh rank 2. The fault (no generation) is bound to generation 0, the one it fired in: neither
+    the renumbered rank 1 nor anyone later is silenced. Before the binding, the renumbered rank 1
+    was silenced in the recovery's own rescaling, then the fresh worker, until the deployment
+    stayed failed."""
+    config = small_config(ep_size=3, max_ep_size=3, model=dict(num_layers=3, num_experts=8),
+                          eplb=dict(num_redundant_experts=4), auto_recover=True, replace_lost=True,
+                          timeouts=dict(collective=3, heartbeat=4))
+    with running(config, faults=[DropHeartbeats(rank=1, from_step=20)]) as c:
+        wait_for_state(c, "running", timeout=90, generation=2)  # the recovery (1), replace_lost's scale back (2)
+        c.wait_for_step(c.snapshot()["step"] + 5)
+        time.sleep(config.timeouts.heartbeat + 2.0)  # a silenced rank would be declared lost by now
+        fails = [t for t in c.machine.history() if t.trigger == "fail"]
+        assert len(fails) == 1 and "rank 1 " in fails[0].reason and "silent" in fails[0].reason, \
+            [t.sentence() for t in c.machine.history()]
+        assert c.machine.state.value == "running" and c.size == 3 and c.machine.generation == 2
+        c.wait_for_step(c.snapshot()["step"] + 10)
+        assert_consistent(c, 3)

@@ -257,8 +257,8 @@ def _closed_by_server(sock, within: float) -> bool:
 @pytest.mark.timeout(60)
 def test_idle_and_half_sent_connections_are_closed_and_their_number_capped():
     """Clients that send half a request, or nothing, or stay idle after an answer, are closed
-    after the request deadline or the keep-alive; beyond the cap a new connection is answered 503
-    if its request comes at once (it was reset before), and closed after a short grace if not.
+    after the request deadline or the keep-alive; beyond the cap a new connection closes the
+    oldest idle one, so the count stays at the cap and a client that sends its request is served.
     Without the guard all of them stayed open, and ~1000 of them used up a 1024-fd process."""
     import socket
 
@@ -276,29 +276,31 @@ def test_idle_and_half_sent_connections_are_closed_and_their_number_capped():
     limits = HttpLimits(request_timeout_s=1.0, keep_alive_s=1, max_connections=20)
     with BackgroundServer(app, limits=limits) as server:
         address = ("127.0.0.1", server.port)
-        # twenty up to the cap, then ten beyond it
+        # twenty up to the cap, silent
         opened = [socket.create_connection(address) for _ in range(20)]
         deadline = time.monotonic() + 5
         while len(server.server.server_state.connections) < 20 and time.monotonic() < deadline:
             time.sleep(0.01)
         try:
-            # one beyond the cap that sends its request is answered 503, not reset
+            # one beyond the cap that sends its request is served, and the oldest silent one closed
             late = socket.create_connection(address)
             late.sendall(b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n")
-            answer = late.recv(4096)
-            assert answer.startswith(b"HTTP/1.1 503") and b"connection: close" in answer.lower(), answer
-            assert _closed_by_server(late, 1.0)
+            assert late.recv(4096).startswith(b"HTTP/1.1 200"), "a client was locked out by silent sockets"
+            assert _closed_by_server(opened[0], 1.0), "the oldest idle connection was kept over the cap"
             late.close()
+            while len(server.server.server_state.connections) > 19 and time.monotonic() < deadline + 5:
+                time.sleep(0.01)
+            # ten more: the first fills the cap, the nine beyond it close the nine oldest silent ones
             opened += [socket.create_connection(address) for _ in range(10)]
-            for sock in opened[:10]:
-                sock.sendall(b"GET /ping HTTP/1.1\r\nHost: x\r\n")  # the headers never end
-            time.sleep(0.5)  # past the grace of the ten beyond the cap
+            time.sleep(0.3)
+            assert [_closed_by_server(s, 0.1) for s in opened[1:11]] == [True] * 9 + [False]
             open_now = len(server.server.server_state.connections)
             assert open_now <= 20, f"{open_now} connections held, the cap is 20"
-            # the ten beyond the cap, silent, were closed within the grace; the first twenty by the deadline
-            assert sum(_closed_by_server(s, 0.5) for s in opened[20:]) == 10
+            for sock in opened[11:21]:
+                sock.sendall(b"GET /ping HTTP/1.1\r\nHost: x\r\n")  # the headers never end
+            # the half-sent and the silent ones alike are closed by the request deadline
             started = time.monotonic()
-            assert all(_closed_by_server(s, 3.0) for s in opened[:20]), "a half-sent or silent connection stayed open"
+            assert all(_closed_by_server(s, 3.0) for s in opened[11:]), "a half-sent or silent connection stayed open"
             assert time.monotonic() - started < 2.5
             # an idle keep-alive connection after a full answer goes after keep_alive_s
             keep = socket.create_connection(address)
@@ -310,6 +312,130 @@ def test_idle_and_half_sent_connections_are_closed_and_their_number_capped():
         finally:
             for sock in opened:
                 sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_full_server_answers_its_control_routes_and_503_on_the_others():
+    """Every connection under the cap is being answered (slow requests): a new one asking a data
+    route gets 503 with ``Connection: close``, one asking ``/healthz`` or ``/state`` is answered as
+    usual and then closed, and a silent one is closed after the short grace."""
+    import socket
+    import threading
+
+    import httpx
+    from fastapi import FastAPI
+
+    from elastic.service.server import BackgroundServer, HttpLimits
+
+    app = FastAPI()
+    release = threading.Event()
+
+    @app.get("/slow")
+    def slow() -> dict:
+        release.wait(20)
+        return {"ok": True}
+
+    @app.get("/healthz")
+    def healthz() -> dict:
+        return {"live": True}
+
+    @app.get("/state")
+    def state() -> dict:
+        return {"state": "running"}
+
+    @app.get("/v1/models")
+    def models() -> dict:
+        return {"data": []}
+
+    limits = HttpLimits(request_timeout_s=5.0, keep_alive_s=5, max_connections=8)
+    with BackgroundServer(app, limits=limits) as server:
+        address = ("127.0.0.1", server.port)
+        busy = [socket.create_connection(address) for _ in range(8)]
+        try:
+            for sock in busy:
+                sock.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+            deadline = time.monotonic() + 5
+            while len(server.server.server_state.connections) < 8 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.2)  # their requests are being answered
+            data = socket.create_connection(address)
+            data.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = data.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 503") and b"connection: close" in answer.lower(), answer
+            assert _closed_by_server(data, 1.0)
+            for path in ("/healthz", "/state"):
+                probe = httpx.get(f"{server.url}{path}", timeout=5)
+                assert probe.status_code == 200, (path, probe.status_code, probe.text)
+            silent = socket.create_connection(address)
+            assert _closed_by_server(silent, 1.0), "a silent connection over the cap was kept"
+            release.set()
+            for sock in busy:  # the slow ones were not cut for the others
+                sock.settimeout(5)
+                assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+            assert httpx.get(f"{server.url}/v1/models", timeout=5).status_code == 200
+        finally:
+            release.set()
+            for sock in busy:
+                sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_reconnecting_crowd_of_silent_sockets_at_the_cap_does_not_lock_out_the_control_api():
+    """As many silent sockets as the cap, each reconnecting as soon as the server closes it: every
+    /state probe is still answered 200 (2 of 50 were, the rest got 503, while under-cap silent
+    connections kept their whole request deadline)."""
+    import socket
+    import threading
+
+    import httpx
+    from fastapi import FastAPI
+
+    from elastic.service.server import BackgroundServer, HttpLimits
+
+    app = FastAPI()
+
+    @app.get("/state")
+    def state() -> dict:
+        return {"state": "running"}
+
+    limits = HttpLimits(request_timeout_s=10.0, keep_alive_s=5, max_connections=16)
+    with BackgroundServer(app, limits=limits) as server:
+        address = ("127.0.0.1", server.port)
+        stop = threading.Event()
+
+        def crowd() -> None:
+            held: list[socket.socket] = []
+            while not stop.is_set():
+                while len(held) < 16:
+                    s = socket.socket()
+                    s.setblocking(False)
+                    s.connect_ex(address)
+                    held.append(s)
+                for s in list(held):
+                    try:
+                        if s.recv(1) == b"":
+                            raise ConnectionResetError
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        held.remove(s)
+                        s.close()
+                time.sleep(0.005)
+            for s in held:
+                s.close()
+
+        thread = threading.Thread(target=crowd)
+        thread.start()
+        try:
+            time.sleep(0.5)
+            codes = []
+            for _ in range(30):
+                with httpx.Client(timeout=5) as client:  # a new connection each time
+                    codes.append(client.get(f"{server.url}/state").status_code)
+            assert codes == [200] * 30, codes
+        finally:
+            stop.set()
+            thread.join(10)
 
 
 @pytest.mark.multiprocess

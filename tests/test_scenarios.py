@@ -186,7 +186,8 @@ def test_a_kill_without_recovery_must_expect_failed(tmp_path):
     error = problems_of(write(tmp_path, text.replace("expect: {final_ep_size: 3}", "expect: {final_ep_size: 1}")))
     assert "expect.final_state: expected 'failed' or null" in str(error)
     ok = load_scenario(write(tmp_path, text.replace("expect: {final_ep_size: 3}", "expect: {final_state: failed}"), "ok.yaml"))
-    assert ok.fault_records()[-1].generation == 0  # the kill is pinned to the generation it was planned in
+    kill = ok.fault_records()[-1]  # from the generation it was planned in on (a lower bound), once
+    assert (kill.generation, kill.from_generation) == (None, 0)
 
 
 def test_fault_events_and_faults_are_validated(tmp_path):
@@ -221,8 +222,8 @@ def test_fault_events_and_faults_are_validated(tmp_path):
                              "  - {at_step: 10, action: scale, to: 3}\n"
                              "  - {at_step: 30, action: drop_heartbeats, rank: 0, generation: 3}\n"), "ok.yaml"))
     kill, silent = ok.fault_records()
-    assert (kill.in_phase, kill.rank, kill.generation) == ("resuming", 2, 1)
-    assert (silent.from_step, silent.generation) == (30, 3)
+    assert (kill.in_phase, kill.rank, kill.generation, kill.from_generation) == ("resuming", 2, None, 1)
+    assert (silent.from_step, silent.generation, silent.from_generation) == (30, 3, None)  # given: exactly that one
     assert [e["size_after"] for e in ok.planned()][:2] == [2, 2]  # the survivors of the new group of 3
 
 
@@ -424,3 +425,117 @@ def test_a_rank_silenced_under_traffic_is_lost_at_its_heartbeat_deadline_and_no_
     data = json.loads((tmp_path / "out" / "report.json").read_text())
     assert "rank 1" in data["transitions"][0]["reason"] and "silent" in data["transitions"][0]["reason"]
     assert data["duration_s"] < 60, data["duration_s"]  # well inside the run's deadline: nothing waited it out
+
+
+def test_a_fault_event_s_generation_is_a_lower_bound_and_replace_lost_keeps_the_size(tmp_path):
+    """The plan counts one generation per recovery; replace_lost's scale back is one more and
+    restores the size. A fault event's record takes the prediction as a lower bound: pinned to
+    it exactly, a fault after a recovery that took more generations never fired."""
+    text = GOOD.replace("  max_ep_size: 3\n", "  max_ep_size: 3\n  auto_recover: true\n  replace_lost: true\n")
+    text = text.replace("ep_size: 2\n", "ep_size: 3\n", 1).replace("num_redundant_experts: 4", "num_redundant_experts: 16")
+    text = text.replace("timeline:\n  - {at_step: 20, action: scale, to: 3}\n  - {at_step: 40, action: rebalance}\n",
+                        "timeline:\n  - {at_step: 20, action: kill, rank: 2}\n  - {at_step: 40, action: drop_heartbeats, rank: 2}\n")
+    scenario = load_scenario(write(tmp_path, text))
+    assert [(e["generation"], e["size_after"]) for e in scenario.planned()] == [(0, 3), (2, 3)]
+    kill, silent = scenario.fault_records()
+    assert (kill.from_generation, silent.from_generation, silent.generation) == (0, 2, None)
+    # a given generation stays exact; both at once is refused with one clear line
+    both = text.replace("action: drop_heartbeats, rank: 2}", "action: drop_heartbeats, rank: 2, generation: 1}")
+    assert load_scenario(write(tmp_path, both, "both.yaml")).fault_records()[1].generation == 1
+    raw = GOOD + "faults:\n  - {kind: drop_heartbeats, rank: 1, from_step: 5, generation: 0, from_generation: 1}\n"
+    file = write(tmp_path, raw, "raw.yaml")
+    assert (f"{file}: faults[0]: expected generation (exactly that one) or from_generation (that one or later), "
+            "not both: got generation 0 and from_generation 1") in str(problems_of(file))
+
+
+FAULT_IN_A_SCALE = """\
+name: fault_in_a_scale
+deployment:
+  model: {num_layers: 3, num_experts: 8, hidden_size: 32, intermediate_size: 64}
+  eplb: {num_redundant_experts: 4, use_async: true, window_size: 10, step_interval: 100000}
+  auto_recover: true
+  ep_size: 2
+  max_ep_size: 3
+  timeouts: {collective: 3, heartbeat: 4}
+trace:
+  - {at_step: 0, kind: zipf, zipf_exponent: [1.0, 1.4], tokens_per_step: 32}
+run_timeout_s: 150
+steps: 120
+timeline:
+  - {at_step: 20, action: scale, to: 3}
+  - {at_step: 25, action: drop_heartbeats, rank: 1}
+expect: {final_state: running, final_ep_size: 2, min_failures: 1}
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_fault_that_lands_inside_a_scale_is_reported_as_lost_there_and_recovered(tmp_path):
+    """Rank 1 of the scale's new generation goes silent as it takes it (the scale's own rescaling):
+    the scale fails and the deployment recovers before the drop's event is played. The drop event
+    used to count failures from its own start and said "the deployment did not fail"; it now finds
+    the failure it caused and says where it was absorbed."""
+    from elastic.replay.runner import replay
+
+    path = write(tmp_path, FAULT_IN_A_SCALE)
+    result = replay(path, report_dir=tmp_path / "out")
+    assert result.passed, [f"{e['name']}: {e['measured']} ({e['detail']})" for e in result.failed]
+    data = check_report(result, tmp_path / "out")
+    scale, drop = data["events"]
+    assert scale["operation_status"] == "failed" and scale["ok"]
+    assert "absorbed the timeline's drop rank 1's heartbeats" in scale["detail"], scale["detail"]
+    assert drop["ok"] and "recovered by itself" in drop["detail"], drop["detail"]
+    assert f"during the scale 2 -> 3 ({scale['operation_id']}, in " in drop["detail"], drop["detail"]
+    assert drop["failure"]["operation_id"] == scale["operation_id"] and "rank 1" in drop["failure"]["reason"]
+
+
+AFTER_REPLACE_LOST = """\
+name: fault_after_replace_lost
+deployment:
+  model: {num_layers: 3, num_experts: 8, hidden_size: 32, intermediate_size: 64}
+  eplb: {num_redundant_experts: 16, use_async: true, window_size: 10, step_interval: 100000}
+  auto_recover: true
+  replace_lost: true
+  ep_size: 3
+  max_ep_size: 3
+  timeouts: {collective: 3, heartbeat: 4}
+trace:
+  - {at_step: 0, kind: zipf, zipf_exponent: [1.0, 1.4], tokens_per_step: 32}
+run_timeout_s: 150
+steps: 200
+timeline:
+  - {at_step: 30, action: kill, rank: 2}
+  - {at_step: 100, action: drop_heartbeats, rank: 1}
+expect: {final_state: running, final_ep_size: 3, min_failures: 2}
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_fault_after_a_recovery_with_replace_lost_fires_in_the_generation_the_group_is_in(tmp_path):
+    """The recovery after the kill (generation 1) is followed by replace_lost's scale back
+    (generation 2). The plan predicted generation 1 for the drop, which pinned to it exactly never
+    fired ("the deployment did not fail", one failure); now it fires once, in generation 2."""
+    from elastic.replay.runner import replay
+
+    result = replay(write(tmp_path, AFTER_REPLACE_LOST), report_dir=tmp_path / "out")
+    assert result.passed, [f"{e['name']}: {e['measured']} ({e['detail']})" for e in result.failed]
+    data = check_report(result, tmp_path / "out")
+    kill, drop = data["events"]
+    assert kill["ok"] and drop["ok"] and "rank 1" in drop["failure"]["reason"], drop
+    assert "during" not in drop["failure"]  # the group was running when it lost the rank
+    fails = [t for t in data["transitions"] if t["dest"] == "failed"]
+    assert len(fails) == 2 and data["final"]["ep_size"] == 3
+
+
+def test_after_a_phase_kill_a_fault_event_needs_a_generation_and_the_message_names_the_kill_not_an_autoscaler(tmp_path):
+    base = GOOD.replace("  max_ep_size: 3\n", "  max_ep_size: 3\n  auto_recover: true\n")
+    text = base.replace("timeline:\n  - {at_step: 20, action: scale, to: 3}\n  - {at_step: 40, action: rebalance}\n",
+                        "timeline:\n  - {at_step: 10, action: kill, rank: 2, in_phase: resuming}\n"
+                        "  - {at_step: 10, action: scale, to: 3}\n  - {at_step: 30, action: drop_heartbeats, rank: 0}\n")
+    file = write(tmp_path, text.replace("expect: {final_ep_size: 3}", "expect: {final_ep_size: 1}"))
+    error = str(problems_of(file))
+    assert (f"{file}: timeline[2].generation: expected an explicit generation: the scale that timeline[0]'s kill in a "
+            "phase failed leaves the group to its recovery, so the timeline cannot tell which generation the rank is in"
+            ) in error, error
+    assert "autoscaler" not in error

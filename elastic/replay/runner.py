@@ -197,6 +197,7 @@ class Replayer:
         self._deadline = self.t0 + scenario.run_timeout_s
         self._stop_progress = threading.Event()
         self._verified_ops: set[str] = set()
+        self._claimed: set[int] = set()  # seq of the failures a timeline fault was found to have caused
 
     # -- helpers ------------------------------------------------------------------------------
     def _now(self) -> float:
@@ -312,7 +313,7 @@ class Replayer:
 
     def _scale(self, event: ScaleEvent, kill: KillEvent | None = None) -> _Outcome:
         extra: dict[str, Any] = {}
-        failed_before = self._failures()
+        started = self._now()
         if event.wait_for_transfer:
             # every rank of the group has the rebalance open: a layer is on its way everywhere
             # (and a layer is really moving: a rebalance that changes no layer opens and closes at once)
@@ -327,7 +328,7 @@ class Replayer:
             return _Outcome(False, f"refused: {exc}", extra)
         extra.update(self._record_op(op))
         if kill is not None:  # the timeline armed a kill in one of this scale's phases
-            out = self._kill(kill, failed_before, what=f"rank {kill.rank} was to die in {kill.in_phase}")
+            out = self._kill(kill, started, what=f"rank {kill.rank} was to die in {kill.in_phase}")
             out.extra.update(extra)
             out.detail = f"scale to {event.to} {op.status.value}; {out.detail}"
             return out
@@ -349,13 +350,17 @@ class Replayer:
         return _Outcome(True, f"{op.from_size} -> {op.target_size} ranks, paused {1000 * (op.paused_seconds or 0):.0f} ms", extra)
 
     def _fault_due(self, generation: int) -> str | None:
-        """A step-pinned fault of the timeline that ``generation`` fires at once (its step has passed
-        while an operation or a verification ran): a verification of it races the fault."""
-        s, step = self.scenario, self._snapshot()["step"]
-        for event, planned in zip(s.timeline, s.planned()):
-            if isinstance(event, FAULT_EVENTS) and getattr(event, "in_phase", None) is None \
-                    and (event.generation if event.generation is not None else planned["generation"]) == generation \
-                    and event.at_step <= step:
+        """A step-pinned fault of the timeline, not played yet, that ``generation`` fires at once (its
+        step has passed while an operation or a verification ran): a verification of it races the
+        fault. A fault the timeline pinned to its predicted generation fires in that one or a later
+        one (a recovery or a failed attempt can take more generations than the plan predicts)."""
+        s, snap = self.scenario, self._snapshot()
+        played = {e["index"] for e in self.events}
+        for index, (event, planned) in enumerate(zip(s.timeline, s.planned())):
+            if index in played or not isinstance(event, FAULT_EVENTS) or getattr(event, "in_phase", None) is not None \
+                    or event.at_step > snap["step"] or event.rank >= snap["ep_size"]:
+                continue
+            if (event.generation == generation) if event.generation is not None else planned["generation"] <= generation:
                 return f"{event.label()} at step {event.at_step}"
         return None
 
@@ -375,29 +380,80 @@ class Replayer:
         t = self.scenario.deployment.timeouts
         return t.heartbeat + t.collective + 10.0
 
-    def _failures(self) -> int:
+    def _below_step_until(self, step: int) -> float:
+        """The last time a heartbeat showed the group below ``step`` (0 if none did): a fault at
+        ``step`` cannot have fired before. Bounding it from below, not from when ``step`` was first
+        reported, holds whatever the heartbeats lag: a rank killed at its step sends no heartbeat of
+        it, and its peers' last ones may be a few steps older."""
         with self.recorder.lock:
-            return sum(1 for t in self.recorder.transitions if t["dest"] == P.FAILED)
+            times = [sample["time"] for k, sample in self.recorder.steps.items() if k < step]
+        return max(times, default=0.0)
 
-    def _kill(self, event: Any, failed_before: int, what: str) -> _Outcome:
-        """A fault that loses a rank (kill, long stall, dropped heartbeats): wait for the failure and the recovery."""
-        def failed_now() -> bool:
-            with self.recorder.lock:
-                return sum(1 for t in self.recorder.transitions if t["dest"] == P.FAILED) > failed_before
+    def _claim_failure(self, since: float) -> dict[str, Any] | None:
+        """The first failure at or after ``since`` that no timeline fault has claimed yet, now claimed.
 
-        if not self._wait_until(failed_now, self._failure_budget()):
+        Failures are matched to faults in order, by time: a fault that landed inside an earlier
+        operation (a scale that failed and was recovered before this event was played) still finds
+        the failure it caused, rather than waiting for a new one."""
+        with self.recorder.lock:
+            for t in self.recorder.transitions:
+                if t["dest"] == P.FAILED and t["seq"] not in self._claimed and t["t"] >= since:
+                    self._claimed.add(t["seq"])
+                    return dict(t)
+        return None
+
+    def _kill(self, event: Any, since: float, what: str) -> _Outcome:
+        """A fault that loses a rank (kill, long stall, dropped heartbeats): find the failure it caused
+        (``since``: a time before it could have fired), then the recovery."""
+        found: list[dict[str, Any]] = []
+
+        def failed() -> bool:
+            if not found:
+                failure = self._claim_failure(since)
+                if failure is not None:
+                    found.append(failure)
+            return bool(found)
+
+        # an operation running now (the autoscaler's, a recovery) may hold the generation the fault fires in
+        budget = self._failure_budget() + (self._phase_budget() if self._op_running() else 0.0)
+        if not self._wait_until(failed, budget):
             return _Outcome(False, f"{what} but the deployment did not fail")
-        with self.recorder.lock:
-            reason = next(t["reason"] for t in reversed(self.recorder.transitions) if t["dest"] == P.FAILED)
+        failure = found[0]
+        extra: dict[str, Any] = {"failure": {"t": failure["t"], "step": failure["step"], "seq": failure["seq"],
+                                             "reason": failure["reason"], "in_phase": failure["source"],
+                                             "operation_id": failure["operation_id"]}}
+        reason = failure["reason"]
+        during = self._absorbed_by(failure, event)
+        if during:
+            extra["failure"]["during"] = during
+            reason = f"{reason}; {during}"
         if self.scenario.deployment.auto_recover:
             self._recovering()
             recovered = self._wait_until(lambda: self._state() == P.RUNNING and not self._op_running(), self._phase_budget())
             if not recovered:
-                return _Outcome(False, f"failed ({reason}) and did not recover by itself")
+                return _Outcome(False, f"failed ({reason}) and did not recover by itself", extra)
             self._await_replacement()
             self._verify_unplanned(self._snapshot())
-            return _Outcome(True, f"failed ({reason}); recovered by itself")
-        return _Outcome(True, f"failed: {reason}")
+            return _Outcome(True, f"failed ({reason}); recovered by itself", extra)
+        return _Outcome(True, f"failed: {reason}", extra)
+
+    def _absorbed_by(self, failure: dict[str, Any], fault: Any) -> str:
+        """If ``failure`` happened inside an operation, which one (and the timeline's event for it,
+        which is told why it failed): "" when the deployment was running."""
+        op_id = failure.get("operation_id")
+        if failure["source"] == P.RUNNING or op_id is None:
+            return ""
+        with self.recorder.lock:
+            op = dict(self.recorder.operations.get(op_id) or {})
+        what = f"{op.get('kind', 'operation')} {op.get('from_size')} -> {op.get('target_size')}" if op else "an operation"
+        text = f"the rank was lost during the {what} ({op_id}, in {failure['source']}), which failed"
+        for entry in self.events:
+            if entry.get("operation_id") == op_id and entry.get("ok") is False:
+                # the timeline's own fault landed inside it: the scale did fail, for the reason the scenario gave
+                entry.update(ok=True, status="done", absorbed_fault=fault.label(),
+                             detail=f"{entry.get('detail', '')}; it absorbed the timeline's {fault.label()} "
+                                    f"(at step {fault.at_step}), which failed it (see that event)")
+        return text
 
     def _await_replacement(self) -> None:
         """``replace_lost``: a recovery that shrank the group is followed by a scale back; the
@@ -438,7 +494,6 @@ class Replayer:
             elif isinstance(event, KillEvent) and event.in_phase is not None:
                 reached = self._wait_step(event.at_step)  # armed: it fires in the next scale
             elif isinstance(event, FAULT_EVENTS):
-                failed_before = self._failures()
                 reached = self._wait_step(event.at_step)
                 reached = "ok" if reached in ("ok", "failed") else reached
             else:
@@ -458,8 +513,10 @@ class Replayer:
                     out = _Outcome(True, f"armed: rank {event.rank} dies in the {event.in_phase} phase of the next scale"
                                    f" (generation {plan[index]['generation']})")
                 elif isinstance(event, FAULT_EVENTS) and plan[index].get("loses_rank", True):
-                    out = self._kill(event, failed_before, what=f"{event.label()} at step {event.at_step} "
-                                     f"(generation {plan[index]['generation']}) was to lose the rank")
+                    generation = (f"generation {event.generation}" if event.generation is not None
+                                  else f"generation {plan[index]['generation']} or later")
+                    out = self._kill(event, self._below_step_until(event.at_step),
+                                     what=f"{event.label()} at step {event.at_step} ({generation}) was to lose the rank")
                 elif isinstance(event, StallEvent):
                     out = _Outcome(True, f"a {event.seconds:g}s stall, shorter than the deadlines: no failure expected")
                 elif isinstance(event, RecoverEvent):

@@ -118,7 +118,8 @@ class KillEvent(_Event):
 
     action: Literal["kill"]
     rank: int = Field(ge=0)
-    generation: int | None = Field(None, ge=0, description="the generation it dies in (default: the one the timeline predicts)")
+    generation: int | None = Field(None, ge=0, description="the generation it dies in (default: once, in the one "
+                                   "the timeline predicts or a later one)")
     in_phase: Literal["draining", "suppressed", "rescaling", "resuming"] | None = Field(
         None, description="die in this phase of the next scale event instead of at at_step")
     after_layers: int | None = Field(None, ge=0, description="with in_phase: rescaling, die after moving this many "
@@ -140,8 +141,8 @@ class KillEvent(_Event):
 
     def record(self, generation: int) -> KillRank:
         if self.in_phase is None:
-            return KillRank(rank=self.rank, at_step=self.at_step, generation=generation)
-        return KillRank(rank=self.rank, in_phase=self.in_phase, after_layers=self.after_layers, generation=generation)
+            return KillRank(rank=self.rank, at_step=self.at_step, **_pinned(self, generation))
+        return KillRank(rank=self.rank, in_phase=self.in_phase, after_layers=self.after_layers, **_pinned(self, generation))
 
 
 class StallEvent(_Event):
@@ -154,13 +155,14 @@ class StallEvent(_Event):
     action: Literal["stall"]
     rank: int = Field(ge=0)
     seconds: float = Field(gt=0)
-    generation: int | None = Field(None, ge=0, description="the generation it stalls in (default: the one the timeline predicts)")
+    generation: int | None = Field(None, ge=0, description="the generation it stalls in (default: once, in the one "
+                                   "the timeline predicts or a later one)")
 
     def label(self) -> str:
         return f"stall rank {self.rank} for {self.seconds:g}s"
 
     def record(self, generation: int) -> StallRank:
-        return StallRank(rank=self.rank, at_step=self.at_step, seconds=self.seconds, generation=generation)
+        return StallRank(rank=self.rank, at_step=self.at_step, seconds=self.seconds, **_pinned(self, generation))
 
 
 class DropHeartbeatsEvent(_Event):
@@ -169,13 +171,23 @@ class DropHeartbeatsEvent(_Event):
 
     action: Literal["drop_heartbeats"]
     rank: int = Field(ge=0)
-    generation: int | None = Field(None, ge=0, description="the generation it goes silent in (default: the one the timeline predicts)")
+    generation: int | None = Field(None, ge=0, description="the generation it goes silent in (default: once, in "
+                                   "the one the timeline predicts or a later one)")
 
     def label(self) -> str:
         return f"drop rank {self.rank}'s heartbeats"
 
     def record(self, generation: int) -> DropHeartbeats:
-        return DropHeartbeats(rank=self.rank, from_step=self.at_step, generation=generation)
+        return DropHeartbeats(rank=self.rank, from_step=self.at_step, **_pinned(self, generation))
+
+
+def _pinned(event: KillEvent | StallEvent | DropHeartbeatsEvent, planned: int) -> dict[str, int]:
+    """A fault event's generation: the one it gives (exactly), or the plan's prediction as a lower
+    bound. The plan counts one generation per scale and recovery; a recovery that needs a second
+    attempt, replace_lost's scale back or a scale failed by a fault take more, and a fault pinned
+    to the prediction exactly would never fire. Unpinned, it fires once (``faults.ONCE``): a
+    survivor renumbered into the lost rank's number is not hit again."""
+    return {"generation": event.generation} if event.generation is not None else {"from_generation": planned}
 
 
 class RecoverEvent(_Event):
@@ -319,10 +331,10 @@ class Scenario(_Strict):
         return _plan(self)[0]
 
     def fault_records(self) -> tuple[Any, ...]:
-        """The scenario's faults plus one record per kill/stall/drop_heartbeats event (pinned to its generation)."""
+        """The scenario's faults plus one record per kill/stall/drop_heartbeats event: pinned to the
+        generation it gives, or else from the generation the plan predicts on, once."""
         plan = self.planned()
-        kills = [e.record(step["generation"] if e.generation is None else e.generation)
-                 for e, step in zip(self.timeline, plan) if isinstance(e, FAULT_EVENTS)]
+        kills = [e.record(step["generation"]) for e, step in zip(self.timeline, plan) if isinstance(e, FAULT_EVENTS)]
         return tuple(self.faults) + tuple(kills)
 
     def stall_loses_rank(self, seconds: float) -> bool:
@@ -362,6 +374,7 @@ class _Walk:
         self.failed_by: str | None = None
         self.autoscaler = s.autoscaler is not None and s.autoscaler.enabled
         self.scaled_by_autoscaler = self.autoscaler  # from then on size and generation are decided at run time
+        self.phase_killed: str | None = None  # the phase kill after which they are (no autoscaler needed)
         self.previous_step = 0
         self.phase_kill: tuple[int, KillEvent] | None = None  # armed, waiting for the next scale event
 
@@ -473,6 +486,7 @@ class _Walk:
                                                           self.plan, self.problem, self.size_problem)
             entry["phase_kill"] = self.phase_kill[0]
             self.scaled_by_autoscaler = True  # generations after a failed attempt are decided at run time
+            self.phase_killed = f"timeline[{self.phase_kill[0]}]"
         elif event.to != self.size or self.scaled_by_autoscaler:
             self.size, self.generation = event.to, self.generation + 1
         self.phase_kill = None
@@ -501,8 +515,10 @@ class _Walk:
         entry["loses_rank"] = True
         size, auto = self.size, self.d.auto_recover
         if self.scaled_by_autoscaler and event.generation is None:
-            self.problem(f"{where}.generation", "expected an explicit generation: the autoscaler may have scaled "
-                         "before this kill, so the timeline cannot tell which generation the rank dies in")
+            why = ("the autoscaler may have scaled before this event" if self.s.autoscaler is not None else
+                   f"the scale that {self.phase_killed}'s kill in a phase failed leaves the group to its recovery")
+            self.problem(f"{where}.generation", f"expected an explicit generation: {why}, so the timeline cannot "
+                         "tell which generation the rank is in")
         elif self.scaled_by_autoscaler:
             self.failed, self.failed_by = (False, None) if auto else (True, where)
         elif event.rank >= size:
@@ -516,7 +532,7 @@ class _Walk:
                 self.generation = event.generation
             entry["generation"] = self.generation
             if auto:
-                self.size, self.generation = size - 1, self.generation + 1
+                self._recovered(size)
             else:
                 self.failed, self.failed_by = True, where
 
@@ -528,7 +544,18 @@ class _Walk:
             self.problem(where, f"expected survivors that can hold the model: {self.size - 1} rank(s) cannot")
             self.failed = False
         else:
-            self.size, self.generation, self.failed = self.size - 1, self.generation + 1, False
+            self._recovered(self.size)
+            self.failed = False
+
+    def _recovered(self, size: int) -> None:
+        """After a recovery from ``size`` ranks with one lost: the survivors, one generation on; with
+        ``replace_lost`` the coordinator then scales back to ``size`` with a fresh worker (one more
+        generation). A fault event takes the prediction as a lower bound: a recovery that needs a
+        second attempt takes more generations, never fewer."""
+        if self.d.replace_lost:
+            self.generation += 2
+        else:
+            self.size, self.generation = size - 1, self.generation + 1
 
     def check_end(self) -> None:
         """What the walk leaves: a kill still armed, a failed end, the deployment with the trace."""

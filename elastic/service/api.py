@@ -10,7 +10,8 @@ What it does better than a blocking scale call behind a global 503:
 - ``GET /operations/{id}`` shows the phase, per-phase timings, effective and pending size,
   the error (if it failed) and the ranks safe to release after a scale down.
 - The control API is never globally unavailable: ``/healthz`` and ``/state`` always answer
-  200 and say whether decoding is serving (only ``rescaling`` pauses it; ``draining`` and
+  200 (over the HTTP connection cap too: :mod:`elastic.service.http_guard`) and say whether
+  decoding is serving (only ``rescaling`` pauses it; ``draining`` and
   ``suppressed`` keep decoding). After a failure ``POST /recover`` brings the group back.
 - Errors are ``{"error": code, "message": text, ...fields}`` everywhere, including 404/405/422.
 

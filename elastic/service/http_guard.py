@@ -12,12 +12,19 @@ beyond its count but still accepts every connection.
   next request (its headers and its body) must arrive within ``request_timeout_s``, or the
   connection is closed. A request being answered is never cut (a long rebalance keeps its
   connection); the keep-alive wait between requests is uvicorn's ``timeout_keep_alive``;
-- **a connection cap**: beyond ``max_connections`` open connections, a new one whose request
-  arrives within ``OVER_CAP_GRACE_S`` is answered 503 (``Connection: close``, uvicorn's
-  ``limit_concurrency`` answer; clients such as ``openai`` retry it after a back-off), and one
-  that sends nothing by then is closed. At most ``max_connections // 8`` (at least 8) wait out
-  that grace at once; beyond them a new connection is closed as soon as it is accepted, so a
-  crowd of silent sockets holds about the cap of descriptors, not its own number.
+- **a connection cap**: beyond ``max_connections`` open connections, a new one first closes the
+  oldest *idle* connection, one that is not being answered and has sent no complete request (a
+  socket that connected and stays silent, a half-sent request, a keep-alive connection between
+  requests), so a crowd of silent sockets can never lock real clients out: a client that sends
+  its request at once is always served. Only when every connection under the cap is being
+  answered is the server full: a new connection whose request arrives within
+  ``OVER_CAP_GRACE_S`` is then answered 503 (``Connection: close``, uvicorn's ``limit_concurrency``
+  answer; clients such as ``openai`` retry it after a back-off), except on the control and health
+  routes (``served_over_cap``: ``/healthz``, ``/state``, ``/scale``, ...), which are answered as
+  usual and then closed; one that sends nothing by then is closed. At most
+  ``max_connections // 8`` (at least 8) wait out that grace at once; beyond them a new connection
+  is closed as soon as it is accepted, so a crowd holds about the cap of descriptors, not its
+  own number.
 
 :class:`HttpLimits` holds the numbers; :meth:`HttpLimits.uvicorn_options` gives the keyword
 arguments of ``uvicorn.Config`` that apply them.
@@ -29,9 +36,10 @@ import asyncio
 import logging
 import resource
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import h11
+from uvicorn.protocols.http.flow_control import service_unavailable
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 __all__ = ["GuardedH11Protocol", "HttpLimits", "default_max_connections"]
@@ -42,6 +50,12 @@ log = logging.getLogger("elastic.service.http")
 # right after connecting); a silent one is closed then. A reconnecting crowd of silent sockets
 # holds about this long times the accept rate of descriptors beyond the cap (the crowd test)
 OVER_CAP_GRACE_S = 0.2
+
+# the routes a full server still answers (by path prefix): liveness and readiness probes, the
+# state and metrics an operator reads, and the control calls that relieve the load (a scale up).
+# The data routes (/v1/..., /tokenize) get 503 there
+SERVED_OVER_CAP = ("/healthz", "/health", "/ping", "/state", "/metrics", "/scale", "/operations", "/recover",
+                   "/rebalance", "/placement", "/timeline", "/autoscaler")
 
 
 def default_max_connections() -> int:
@@ -61,6 +75,7 @@ class HttpLimits:
     request_timeout_s: float = 10.0  # a request's headers and body must arrive within this
     keep_alive_s: int = 5  # an idle connection between requests is closed after this
     max_connections: int = field(default_factory=default_max_connections)
+    served_over_cap: tuple[str, ...] = SERVED_OVER_CAP  # path prefixes a full server still answers
 
     def __post_init__(self) -> None:
         if self.request_timeout_s <= 0 or self.keep_alive_s < 1 or self.max_connections < 1:
@@ -72,6 +87,8 @@ class HttpLimits:
         class Protocol(GuardedH11Protocol):
             request_timeout_s = limits.request_timeout_s
             max_connections = limits.max_connections
+            served_over_cap = limits.served_over_cap
+            idle: ClassVar[dict[GuardedH11Protocol, None]] = {}  # this server's own, oldest first
 
         # the listen backlog is also how many connections asyncio accepts per wake-up of the
         # listening socket, each holding a descriptor until its connection_made closes it: at
@@ -90,37 +107,69 @@ class GuardedH11Protocol(H11Protocol):
 
     request_timeout_s: float = 10.0
     max_connections: int = 256
+    served_over_cap: tuple[str, ...] = SERVED_OVER_CAP
     in_grace = 0  # over-cap connections waiting out OVER_CAP_GRACE_S (a count per server's class)
+    # connections that are not being answered, in the order they became idle (a dict per server's
+    # class, kept in order: a connection moves to the end when an answer completes)
+    idle: ClassVar[dict[GuardedH11Protocol, None]] = {}
 
     _deadline: asyncio.TimerHandle | None = None
     _graced = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        cls = type(self)
         if len(self.connections) > self.max_connections:
-            cls = type(self)
-            if cls.in_grace >= max(8, self.max_connections // 8):
-                log.warning("over %d open connections: closing a new one from %s", self.max_connections, self.client)
-                transport.abort()  # connection_lost follows and drops it from the count
+            victim = self._oldest_idle()
+            if victim is not None:
+                log.info("over %d open connections: closing an idle one from %s for a new one from %s",
+                         self.max_connections, victim.client, self.client)
+                victim.transport.abort()  # its connection_lost drops it from the counts
+            elif cls.in_grace >= max(8, self.max_connections // 8):
+                log.warning("over %d open connections, all answering: closing a new one from %s",
+                            self.max_connections, self.client)
+                transport.abort()
                 return
-            log.warning("over %d open connections: a new one from %s gets 503", self.max_connections, self.client)
-            cls.in_grace += 1
-            self._graced = True
-            self.limit_concurrency = 0  # uvicorn answers its request 503 and closes the connection
-            self._arm(OVER_CAP_GRACE_S)  # or closes it, silent, after the grace
-            return
+            else:
+                log.warning("over %d open connections, all answering: a new one from %s gets 503",
+                            self.max_connections, self.client)
+                cls.in_grace += 1
+                self._graced = True
+                self.app = _OverCap(self.app, self.served_over_cap)
+                self._arm(OVER_CAP_GRACE_S)  # or closes it, silent, after the grace
+                return
+        cls.idle[self] = None
         self._arm()
 
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.cycle is not None and not self.cycle.response_complete:
+            type(self).idle.pop(self, None)  # a request is being answered: not idle
+
     def on_response_complete(self) -> None:
-        super().on_response_complete()
+        super().on_response_complete()  # may start a pipelined request (handle_events above)
+        if self._graced:
+            self.transport.close()  # one answer beyond the cap (its 503 says Connection: close)
+            return
+        if self.cycle is None or self.cycle.response_complete:
+            idle = type(self).idle
+            idle.pop(self, None)
+            idle[self] = None  # the newest idle one
         self._arm()  # the next request on this connection has the same deadline
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        type(self).idle.pop(self, None)
         if self._graced:
             self._graced = False
             type(self).in_grace -= 1
         super().connection_lost(exc)
+
+    def _oldest_idle(self) -> GuardedH11Protocol | None:
+        for conn in type(self).idle:
+            if conn is not self and not conn.transport.is_closing():
+                return conn
+        return None
 
     def _arm(self, timeout_s: float | None = None) -> None:
         self._disarm()
@@ -144,3 +193,17 @@ class GuardedH11Protocol(H11Protocol):
             log.info("closing a connection from %s: no complete request within %.0fs", self.client,
                      self.request_timeout_s)
             self.transport.abort()
+
+
+class _OverCap:
+    """The app of a connection beyond the cap: the routes in ``served`` as usual, 503 for the rest."""
+
+    def __init__(self, app: Any, served: tuple[str, ...]):
+        self.app, self.served = app, served
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if any(path == p or path.startswith(p + "/") for p in self.served):
+            await self.app(scope, receive, send)
+        else:
+            await service_unavailable(scope, receive, send)

@@ -4,7 +4,9 @@ fault in the worker's spec (:mod:`elastic.faults` holds the records)."""
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -20,22 +22,60 @@ _PHASE_OF_COMMAND = {"Drain": Phase.DRAINING, "Suppress": Phase.SUPPRESSED, "Res
 
 _F = TypeVar("_F", bound=f._Fault)
 
+log = logging.getLogger("elastic.worker.injector")
+
+#: the store key that records the generation a once-fault (``faults.fires_once``) fired in: the
+#: fault's position in the spec's faults, the same tuple in every worker of a deployment
+BOUND_KEY = "elastic/faults/{index}"
+
 
 class FaultInjector:
     """Fires the faults of ``faults`` that name the worker's current rank and generation
-    (``where()`` returns them: a worker changes both on a rescale)."""
+    (``where()`` returns them: a worker changes both on a rescale).
 
-    def __init__(self, faults: tuple[Any, ...], where: Callable[[], tuple[int, int]]):
+    A fault without a generation that happens once (``faults.fires_once``) is bound to the first
+    generation it fires in: the first rank to fire it writes that generation under
+    :data:`BOUND_KEY` in ``store`` (``compare_set``: the first writer wins), and every process
+    fires it only in that generation. Without a store (unit tests) the binding is this process's."""
+
+    def __init__(self, faults: tuple[Any, ...], where: Callable[[], tuple[int, int]], store: Any = None):
         self.faults = faults
         self._where = where
-        self._stalled: set[Any] = set()
+        self._store = store
+        self._stalled: set[int] = set()
         self._corrupted = 0
         self._delayed: dict[Any, int] = {}  # DelayTransfer fault -> layers delayed so far
+        self._bound: dict[int, int] = {}  # index of a once-fault -> the generation it fired (fires) in
+        self._lock = threading.Lock()
+
+    def _active(self, kind: type[_F]) -> list[tuple[int, _F]]:
+        """(position, fault) of the faults of ``kind`` that may apply to this rank now (a once-fault
+        still needs :meth:`_fires` at the moment it would fire)."""
+        rank, generation = self._where()
+        return [(i, x) for i, x in enumerate(self.faults) if isinstance(x, kind) and x.rank == rank
+                and x.in_generation(generation)]
 
     def active(self, kind: type[_F]) -> list[_F]:
-        rank, generation = self._where()
-        return [x for x in self.faults if isinstance(x, kind) and x.rank == rank
-                and (x.generation is None or x.generation == generation)]
+        return [x for _, x in self._active(kind)]
+
+    def _fires(self, index: int) -> bool:
+        """At the moment fault ``index`` would fire: whether it fires (a once-fault: only in the
+        generation it is bound to, binding it to the current one if it is the first to fire)."""
+        if not f.fires_once(self.faults[index]):
+            return True
+        generation = self._where()[1]
+        with self._lock:
+            if index not in self._bound:
+                if self._store is None:
+                    self._bound[index] = generation
+                else:
+                    try:
+                        raw = self._store.compare_set(BOUND_KEY.format(index=index), "", str(generation))
+                        self._bound[index] = int(raw)
+                    except Exception as exc:  # noqa: BLE001 - no store, no coordinator: nothing to break for
+                        log.warning("fault %d not fired: its binding could not be read: %s", index, exc)
+                        return False
+            return self._bound[index] == generation
 
     # -- the points the worker calls ----------------------------------------------------------
     def hang_before_start(self) -> None:
@@ -56,26 +96,28 @@ class FaultInjector:
         """``steady``: the rank decodes outside any operation. A step-pinned kill waits for that: a
         generation that starts past its step is killed once it serves, not in its ``resuming``
         (a kill inside an operation is ``in_phase``'s)."""
-        for kill in self.active(f.KillRank):
-            if kill.at_step is not None and step >= kill.at_step and steady:
+        for i, kill in self._active(f.KillRank):
+            if kill.at_step is not None and step >= kill.at_step and steady and self._fires(i):
                 os._exit(17)
-        for stall in self.active(f.StallRank):
-            if step >= stall.at_step and stall not in self._stalled:
-                self._stalled.add(stall)
+        for i, stall in self._active(f.StallRank):
+            if step >= stall.at_step and i not in self._stalled and self._fires(i):
+                self._stalled.add(i)
                 time.sleep(stall.seconds)
 
     def at_command(self, command: Any) -> None:
         phase = _PHASE_OF_COMMAND.get(type(command).__name__)
-        for fault in self.active(f.KillRank):
-            if phase is not None and fault.in_phase == phase and fault.after_layers is None:
+        for i, fault in self._active(f.KillRank):
+            if phase is not None and fault.in_phase == phase and fault.after_layers is None and self._fires(i):
                 os._exit(17)
 
     def mid_rescale(self, layers_moved: int) -> None:
-        if any(k.in_phase == "rescaling" and k.after_layers == layers_moved for k in self.active(f.KillRank)):
+        if any(k.in_phase == "rescaling" and k.after_layers == layers_moved and self._fires(i)
+               for i, k in self._active(f.KillRank)):
             os._exit(17)  # die mid-redistribution (the switch of a prepared scale)
 
     def mid_prestage(self, layers_moved: int) -> None:
-        if any(k.in_phase == "draining" and k.after_layers == layers_moved for k in self.active(f.KillRank)):
+        if any(k.in_phase == "draining" and k.after_layers == layers_moved and self._fires(i)
+               for i, k in self._active(f.KillRank)):
             os._exit(17)  # die mid-pre-transfer (the prepare sub-phase of draining)
 
     def torn_commit(self, next_commit: int) -> bool:
@@ -83,7 +125,7 @@ class FaultInjector:
         return any(fault.at_commit == next_commit for fault in self.active(f.TornCommit))
 
     def drops_heartbeat(self, step: int) -> bool:
-        return any(step >= fault.from_step for fault in self.active(f.DropHeartbeats))
+        return any(step >= fault.from_step and self._fires(i) for i, fault in self._active(f.DropHeartbeats))
 
     def before_layer(self, layer: int) -> None:
         for fault in self.active(f.DelayTransfer):

@@ -71,10 +71,11 @@ class Worker:
 
     def __init__(self, spec: WorkerSpec, inbox: Any, outbox: Any):
         sizes = model_info(spec.shape)
+        store = connect_store(spec.store_host, spec.store_port, spec.join_timeout_s)
         self.ctx = RankContext(
-            spec=spec, outbox=outbox, store=connect_store(spec.store_host, spec.store_port, spec.join_timeout_s),
+            spec=spec, outbox=outbox, store=store,
             comm=make_communicator(spec.eplb.communicator, spec.backend), sizes=sizes,
-            faults=FaultInjector(spec.faults, lambda: (self.ctx.rank, self.ctx.generation)),
+            faults=FaultInjector(spec.faults, lambda: (self.ctx.rank, self.ctx.generation), store=store),
             rank=spec.rank, size=spec.size, generation=spec.generation)
         self.inbox = CommandInbox(inbox)
         self.preparer = PrepareExecutor(self.ctx)
