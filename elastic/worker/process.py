@@ -278,8 +278,16 @@ class Worker:
         self._control_seconds = (time.perf_counter() - mark, time.thread_time() - cpu)
         prepare = self.preparer.words(time.perf_counter())
         control = torch.tensor([self.inbox.received_seq, *words, *prepare, *self._work_words()], dtype=torch.int64)
+        # over the data plane's shared memory once a step has set it up for this group (every rank
+        # alike: see eplb.models.local_exchange), else gloo
+        local = getattr(self.ctx.model, "local_exchange", None)
+        exchange = local() if local is not None else None
         try:
-            dist.all_reduce(control, op=dist.ReduceOp.MAX)
+            if exchange is not None:
+                control = exchange.all_reduce_max(control, self.ctx.spec.collective_timeout_s,
+                                                  "the step-boundary all-reduce")
+            else:
+                dist.all_reduce(control, op=dist.ReduceOp.MAX)
         except Exception as exc:  # noqa: BLE001
             raise BrokenGroup(f"step-boundary all-reduce failed at step {self.ctx.step}: {exc}") from exc
         return control.tolist()

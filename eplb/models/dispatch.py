@@ -70,26 +70,25 @@ def _chunks(total: torch.Tensor, logical_to_physical: torch.Tensor, replica_coun
     and cutting 2 pairs over 2 replicas would read both replicas' weights for no gain.
     """
     num_logical, width = logical_to_physical.shape
-    holder = (logical_to_physical.clamp(min=0) // slots_per_rank).tolist()
+    holders = logical_to_physical.clamp(min=0) // slots_per_rank  # [L, W]
+    single = replica_count == 1
+    sizes = torch.zeros(num_logical, width, dtype=torch.int64)
+    sizes[:, 0] = torch.where(single, total, 0)  # an expert with one replica: all its pairs to it
+    ranks = int(holders.max()) + 1 if holders.numel() else 1
+    load = torch.bincount(holders[single, 0], weights=total[single].double(), minlength=ranks).long().tolist()
     tot, replicas = total.tolist(), replica_count.tolist()
-    amounts = [[0] * width for _ in range(num_logical)]
-    load = [0] * (max((max(row) for row in holder), default=0) + 1)
-    for e in range(num_logical):
-        if replicas[e] == 1:
-            amounts[e][0] = tot[e]
-            load[holder[e][0]] += tot[e]
     for e in sorted((e for e in range(num_logical) if replicas[e] > 1 and tot[e] > 0), key=lambda e: (-tot[e], e)):
+        holder = holders[e].tolist()
         first_of: dict[int, int] = {}
         for j in range(replicas[e]):
-            first_of.setdefault(holder[e][j], j)
-        ranks = sorted(first_of, key=lambda r: (load[r], r))
-        give = _water_fill([load[r] for r in ranks], tot[e])
-        if max(load[r] + g for r, g in zip(ranks, give)) >= load[ranks[0]] + tot[e]:
-            give = [tot[e]] + [0] * (len(ranks) - 1)  # spreading gains nothing: whole, to the least loaded
-        for r, g in zip(ranks, give):
-            amounts[e][first_of[r]] += g
+            first_of.setdefault(holder[j], j)
+        order = sorted(first_of, key=lambda r: (load[r], r))
+        give = _water_fill([load[r] for r in order], tot[e])
+        if max(load[r] + g for r, g in zip(order, give)) >= load[order[0]] + tot[e]:
+            give = [tot[e]] + [0] * (len(order) - 1)  # spreading gains nothing: whole, to the least loaded
+        for r, g in zip(order, give):
+            sizes[e, first_of[r]] += g
             load[r] += g
-    sizes = torch.tensor(amounts, dtype=torch.int64).reshape(num_logical, width)
     return torch.cat([torch.zeros(num_logical, 1, dtype=torch.int64), torch.cumsum(sizes, 1)], dim=1)
 
 
@@ -163,9 +162,7 @@ def step_header(contexts: list[ExpertsContext], rows: int, top_k: int) -> None:
             c.peer_rows, c.peer_top_k = (rows,), top_k
         return
     send = torch.tensor([rows, top_k, *(c.placement_print for c in contexts)], dtype=torch.int64)
-    recv = [torch.empty_like(send) for _ in range(first.num_ranks)]
-    started = _clock(first)
-    _wait(dist.all_gather(recv, send, group=first.group, async_op=True), first, "the step header all_gather", started)
+    recv = _all_gather(first, send, "the step header all_gather")
     header = torch.stack(recv)  # [R, 2 + layers]
     for c in contexts:
         differ = (header[:, 2 + c.layer] != c.placement_print).nonzero().flatten().tolist()
@@ -192,9 +189,7 @@ def _gather_pairs(ctx: ExpertsContext, hidden: torch.Tensor, ids: torch.Tensor
         payload[:n, width : width + 4 * k] = ids.to(torch.int32).contiguous().view(torch.uint8).reshape(n, 4 * k)
         if ctx.decode is not None:
             payload[:n, -4] = ctx.decode[:n]
-    recv = [torch.empty_like(payload) for _ in range(ctx.num_ranks)]
-    started = _clock(ctx)
-    _wait(dist.all_gather(recv, payload, group=ctx.group, async_op=True), ctx, "the expert dispatch all_gather", started)
+    recv = _all_gather(ctx, payload, "the expert dispatch all_gather")
     rows, expert_ids, decode = [], [], []
     for r, got in enumerate(recv):
         m = ctx.peer_rows[r]
@@ -204,15 +199,44 @@ def _gather_pairs(ctx: ExpertsContext, hidden: torch.Tensor, ids: torch.Tensor
     return rows, expert_ids, decode
 
 
-def _all_to_all(ctx: ExpertsContext, rows: torch.Tensor, send: list[int], receive: list[int], what: str) -> torch.Tensor:
-    """Rows ``[n, H]`` (any dtype, sent as bytes) to the ranks in ``send`` counts; rows received per ``receive``."""
+def _all_gather(ctx: ExpertsContext, payload: torch.Tensor, what: str) -> list[torch.Tensor]:
+    """Every rank's ``payload`` (the same shape on every rank), in rank order: over shared memory
+    where the group has it (:mod:`eplb.models.local_exchange`) and the payload fits, else gloo."""
+    started = _clock(ctx)
+    local = ctx.local
+    if local is not None and local.fits(payload.numel() * payload.element_size()):
+        recv = _local_op(ctx, what, lambda: local.all_gather(payload, ctx.timeout, what))
+        _charge(ctx, "collective_cpu_s", started)
+        return recv
+    recv = [torch.empty_like(payload) for _ in range(ctx.num_ranks)]
+    _wait(dist.all_gather(recv, payload, group=ctx.group, async_op=True), ctx, what, started)
+    return recv
+
+
+def _local_op(ctx: ExpertsContext, what: str, op: Any) -> Any:
+    try:
+        return op()
+    except TimeoutError as exc:
+        raise TimeoutError(f"{what} of MoE layer {ctx.layer} did not finish within {ctx.timeout}s: {exc}") from exc
+
+
+def _all_to_all(ctx: ExpertsContext, rows: torch.Tensor, send: list[int], receive: list[int], what: str,
+                largest: int) -> torch.Tensor:
+    """Rows ``[n, H]`` (any dtype, sent as bytes) to the ranks in ``send`` counts; rows received per
+    ``receive``. ``largest``: the most rows any rank of the group sends (the same on every rank:
+    it decides alike everywhere whether the op fits in shared memory)."""
     width = math.prod(rows.shape[1:]) * rows.element_size()
     payload = rows.contiguous().view(torch.uint8).reshape(rows.shape[0], width)
-    out = torch.empty(sum(receive), payload.shape[1], dtype=torch.uint8)
     started = _clock(ctx)
-    work = dist.all_to_all_single(out, payload, output_split_sizes=receive, input_split_sizes=send,
-                                  group=ctx.group, async_op=True)
-    _wait(work, ctx, what, started)
+    local = ctx.local
+    if local is not None and local.fits(largest * width):
+        out = _local_op(ctx, what, lambda: local.all_to_all(payload, send, receive, ctx.timeout, what))
+        _charge(ctx, "collective_cpu_s", started)
+    else:
+        out = torch.empty(sum(receive), payload.shape[1], dtype=torch.uint8)
+        work = dist.all_to_all_single(out, payload, output_split_sizes=receive, input_split_sizes=send,
+                                      group=ctx.group, async_op=True)
+        _wait(work, ctx, what, started)
     return out.view(rows.dtype).reshape(sum(receive), *rows.shape[1:])
 
 
@@ -231,8 +255,11 @@ def _place(ctx: ExpertsContext, flat: torch.Tensor, pairs: list[int]) -> tuple[t
     order are the order :func:`assign` cuts into chunks, so one :func:`pair_slots` places them
     all); what the slots and ranks take is recorded as the load."""
     num_logical, size, ranks = ctx.logical_to_physical.shape[0], ctx.slots_per_rank, ctx.num_ranks
-    physical = pair_slots(flat, 0, torch.bincount(flat, minlength=num_logical)[None], ctx.logical_to_physical,
-                          ctx.replica_count, size)
+    total = torch.bincount(flat, minlength=num_logical)
+    if bool(((ctx.replica_count > 1) & (total > 0)).any()):
+        physical = pair_slots(flat, 0, total[None], ctx.logical_to_physical, ctx.replica_count, size)
+    else:  # no replicated expert has pairs: every pair goes to its expert's one replica (what pair_slots gives)
+        physical = ctx.logical_to_physical[flat, 0]
     owner = torch.repeat_interleave(torch.arange(ranks), torch.tensor(pairs))
     counts = torch.bincount(owner * num_logical + flat, minlength=ranks * num_logical).view(ranks, -1)
     per_slot = torch.bincount(physical, minlength=size * ranks)  # the group's pairs per physical slot
@@ -291,7 +318,8 @@ def _remote(ctx: ExpertsContext, module: torch.nn.Module, weights: dict[str, tor
     mine = holder[first : first + pairs[ctx.rank]]
     send = torch.bincount(owner[taken], minlength=ctx.num_ranks).tolist()
     receive = torch.bincount(mine, minlength=ctx.num_ranks).tolist()
-    back = _all_to_all(ctx, result, send, receive, "the expert combine all_to_all")
+    largest = int(torch.bincount(holder, minlength=ctx.num_ranks).max())  # the most pairs a holder sends back
+    back = _all_to_all(ctx, result, send, receive, "the expert combine all_to_all", largest)
     out = torch.empty(mine.numel(), hidden.shape[1], dtype=hidden.dtype)
     out[torch.argsort(mine, stable=True)] = back
     return out

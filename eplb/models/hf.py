@@ -41,6 +41,7 @@ from eplb.models.kernel import (
     placement_print,
     row_floor,
 )
+from eplb.models.local_exchange import LocalExchange
 from eplb.models.packed import (
     SeqState,
     choose_tile,
@@ -371,6 +372,9 @@ class HFMoE:
         self.vocab_size = int(self.model.config.vocab_size)
         self._contexts: list[ExpertsContext] = []
         self._weights: list[list[torch.Tensor]] = []
+        #: the group's collectives over shared memory, and the (group, rank, ranks) it was set up for
+        self._local: LocalExchange | None = None
+        self._local_for: tuple[Any, int, int] | None = None
         #: measure the experts' and the exchanges' CPU (take_cpu_split); off: the clock costs
         self.measure_cpu = False
         #: a slot's rows are padded to this many: the machine's floor for bits independent of the row count
@@ -600,6 +604,7 @@ class HFMoE:
         EP size (see :mod:`eplb.models.packed`).
         """
         checked = [self._checked_input(i, tokens, state) for i, (tokens, state) in enumerate(inputs)]
+        self._attach_local()
         if not checked:
             self._idle_step()
             return torch.empty(0, self.vocab_size, dtype=self.dtype), []
@@ -619,6 +624,30 @@ class HFMoE:
         finally:
             for c in self._contexts:
                 c.rows, c.decode = None, None
+
+    def local_exchange(self) -> LocalExchange | None:
+        """The shared-memory exchange of the group this rank serves in now, once a step has set it
+        up (the same on every rank of the group, so a collective can go over it or gloo alike)."""
+        if self._local is None or self._local_for is None:
+            return None
+        group = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
+        same = self._local_for[0] is group and self._local_for[1:] == (self.rank, self.num_ranks)
+        return self._local if same else None
+
+    def _attach_local(self) -> None:
+        """Give the contexts the group's shared-memory exchange, set up at the first step on a new
+        group (a collective: every rank of the group runs this step; see :mod:`eplb.models.local_exchange`)."""
+        if self.num_ranks == 1:
+            return
+        group = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
+        current = self._local_for
+        if current is None or current[0] is not group or current[1:] != (self.rank, self.num_ranks):
+            if self._local is not None:
+                self._local.close()
+            self._local, self._local_for = None, (group, self.rank, self.num_ranks)
+            self._local = LocalExchange.create(group, self.rank, self.num_ranks, self.timeout)
+        for c in self._contexts:
+            c.local = self._local
 
     def _checked_input(self, index: int, tokens: Any, state: Any) -> tuple[torch.Tensor, SeqState | None]:
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.numel() == 0 or tokens.is_floating_point():

@@ -60,6 +60,9 @@ class ExpertsContext:
     num_ranks: int = 1
     slots_per_rank: int = 0
     group: Any = None
+    #: the group's collectives over shared memory (:class:`~eplb.models.local_exchange.LocalExchange`;
+    #: None: gloo), set by ``HFMoE`` before each step
+    local: Any = None
     timeout: float = 30.0
     min_rows: int = 1  # a slot's prefill rows are padded to at least this many (the machine's row_floor)
     decode_rows: int = 1  # a slot's decode rows go in groups of at most this many, unpadded (decode_rows)

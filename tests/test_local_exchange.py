@@ -1,0 +1,156 @@
+"""eplb.models.local_exchange: the data plane's collectives over shared memory on one host.
+
+Its all_gather, all_to_all (uneven splits, empty parts) and all_reduce_max give what gloo gives,
+op after op (the two regions alternate); a rank that turns it off turns it off for the whole
+group; nothing is left in /dev/shm; a peer that dies ends a wait at once, a silent one at the
+deadline; an EP model's tokens are the same over it and over gloo.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+
+def body_ops(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from eplb.models.local_exchange import LocalExchange
+
+    before = set(glob.glob("/dev/shm/eplb-x-*"))
+    ex = LocalExchange.create(None, rank, world, timeout=20)
+    assert ex is not None
+    g = torch.Generator().manual_seed(rank)
+    mismatches = []
+    for op in range(40):
+        rows = op % 5  # 0 rows too
+        mine = torch.randn(rows, 3, generator=g)
+        got = ex.all_gather(mine, 10, "test all_gather")
+        want = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(want, mine)
+        if not all(torch.equal(a, b) for a, b in zip(got, want)):
+            mismatches.append(("all_gather", op))
+        send = [int(x) for x in torch.randint(0, 4, (world,), generator=g)]
+        counts = torch.tensor(send)
+        everyone = [torch.empty_like(counts) for _ in range(world)]
+        dist.all_gather(everyone, counts)
+        receive = [int(c[rank]) for c in everyone]
+        payload = torch.randint(0, 255, (sum(send), 8), dtype=torch.uint8, generator=g)
+        out = ex.all_to_all(payload, send, receive, 10, "test all_to_all")
+        ref = torch.empty(sum(receive), 8, dtype=torch.uint8)
+        dist.all_to_all_single(ref, payload, output_split_sizes=receive, input_split_sizes=send)
+        if not torch.equal(out, ref):
+            mismatches.append(("all_to_all", op))
+        words = torch.randint(-5, 100, (6,), generator=g)
+        reduced = words.clone()
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+        if not torch.equal(ex.all_reduce_max(words, 10, "test max"), reduced):
+            mismatches.append(("max", op))
+    dist.barrier()  # rank 0 removed the directory before its first op
+    left = set(glob.glob("/dev/shm/eplb-x-*")) - before
+    ex.close()
+    return {"mismatches": mismatches, "left": sorted(left)}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_ops_give_what_gloo_gives_and_leave_nothing_behind(world):
+    results = run_distributed(body_ops, world, timeout=120)
+    for r in results:
+        assert r["mismatches"] == [] and r["left"] == []
+
+
+def body_off_on_one_rank(rank: int, world: int) -> bool:
+    from eplb.models.local_exchange import LocalExchange
+
+    if rank == 1:
+        os.environ["EPLB_LOCAL_EXCHANGE"] = "0"
+    return LocalExchange.create(None, rank, world, timeout=20) is None
+
+
+def test_a_rank_that_turns_it_off_turns_it_off_for_the_group():
+    assert run_distributed(body_off_on_one_rank, 2, timeout=60) == [True, True]
+
+
+def body_dead_peer(rank: int, world: int) -> dict:
+    from eplb.models.local_exchange import LocalExchange
+
+    ex = LocalExchange.create(None, rank, world, timeout=20)
+    assert ex is not None
+    ex.all_gather(torch.ones(2), 10, "first")
+    if rank == 1:
+        os._exit(0)  # dies without a word: its FIFOs close
+    started = time.monotonic()
+    try:
+        ex.all_gather(torch.ones(2), 20, "second")
+        error = "no error"
+    except TimeoutError as exc:
+        error = str(exc)
+    return {"error": error, "seconds": time.monotonic() - started}
+
+
+def test_a_dead_peer_ends_the_wait_at_once():
+    r0, _ = run_distributed(body_dead_peer, 2, timeout=60, return_exceptions=True)
+    assert "rank 1" in r0["error"] and "gone" in r0["error"], r0
+    assert r0["seconds"] < 5.0
+
+
+def body_silent_peer(rank: int, world: int) -> dict:
+    from eplb.models.local_exchange import LocalExchange
+
+    ex = LocalExchange.create(None, rank, world, timeout=20)
+    assert ex is not None
+    if rank == 1:
+        time.sleep(4)
+        return {}
+    started = time.monotonic()
+    try:
+        ex.all_gather(torch.ones(2), 1.5, "the test all_gather")
+        error = "no error"
+    except TimeoutError as exc:
+        error = str(exc)
+    return {"error": error, "seconds": time.monotonic() - started}
+
+
+def test_a_silent_peer_is_a_timeout_at_the_deadline():
+    r0, _ = run_distributed(body_silent_peer, 2, timeout=60)
+    assert "within 1.5s" in r0["error"] and "[1]" in r0["error"], r0
+    assert 1.4 <= r0["seconds"] <= 3.5
+
+
+def body_model(rank: int, world: int, local: str) -> dict:
+    from eplb.models.config import HFModelConfig
+    from eplb.models.hf import HFMoE, describe
+    from eplb.placement import Placement
+
+    os.environ["EPLB_LOCAL_EXCHANGE"] = local
+    spec = HFModelConfig(architecture="qwen3_moe", seed=3)
+    layers = describe(spec).num_moe_layers
+    model = HFMoE(spec, Placement.static(layers, 8, 12), rank, world, timeout=30)  # replicas on 2 ranks
+    g = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(0, 128, (int(n),), generator=g) for n in (9, 3, 17, 1, 6)]
+    inputs = [(p, None) for p in prompts[rank::world]]
+    tokens = []
+    for _ in range(4):
+        logits, states = model.forward_batch(inputs)
+        step = logits.argmax(-1)
+        tokens.append(step.tolist())
+        inputs = [(t[None], s) for t, s in zip(step, states)]
+    return {"tokens": tokens, "local": model.local_exchange() is not None, "logits": logits.tolist()}
+
+
+def test_an_ep_model_gives_the_same_bits_over_shared_memory_and_over_gloo():
+    over_shm = run_distributed(body_model, 2, args=("1",), timeout=200)
+    over_gloo = run_distributed(body_model, 2, args=("0",), timeout=200)
+    assert [r["local"] for r in over_shm] == [True, True]
+    assert [r["local"] for r in over_gloo] == [False, False]
+    for a, b in zip(over_shm, over_gloo):
+        assert a["tokens"] == b["tokens"]
+        assert a["logits"] == b["logits"]
