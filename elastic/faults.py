@@ -103,7 +103,9 @@ class DropHeartbeats(_Fault):
     replies to admissions used to keep it alive while its step froze (the group's step is the
     slowest rank's). Without ``generation`` it silences one process: the one that has ``rank`` in
     the generation where it first fires (not, after the recovery renumbers the group, the rank
-    that inherits the number)."""
+    that inherits the number). It silences a rank that serves: the start (its busy heartbeats and
+    its ``Started``) is still reported, even with ``from_step`` 0, so the rank is lost at its
+    heartbeat deadline like a kill at that step, never as a start that hung (``HangBeforeStart``)."""
 
     kind: Literal["drop_heartbeats"] = "drop_heartbeats"
     from_step: int = Field(0, ge=0)

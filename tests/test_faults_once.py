@@ -112,3 +112,28 @@ def test_generation_and_from_generation_together_are_refused_with_both_values():
         f.DropHeartbeats(rank=1, generation=1, from_generation=2)
     assert f.fires_once(f.KillRank(rank=0, at_step=1)) and not f.fires_once(f.KillRank(rank=0, at_step=1, generation=0))
     assert not f.fires_once(f.CorruptBuffer(rank=0))
+
+
+def test_dropped_heartbeats_from_step_0_let_the_start_through_and_silence_the_rank_once_it_serves():
+    """``drop_heartbeats`` at step 0 silenced the start too (the busy heartbeats and the ``Started``
+    result), so the coordinator gave up on a start that had worked ("sent no report within
+    worker_start ... hung while starting") instead of losing the rank at its heartbeat deadline."""
+    from elastic.core import protocol as p
+    from elastic.worker.context import RankContext
+
+    sent: list[object] = []
+
+    class Outbox:
+        def put(self, report: object) -> None:
+            sent.append(report)
+
+    process = Process((f.DropHeartbeats(rank=1, from_step=0),), FakeStore(), 1, 0)
+    ctx = RankContext(spec=None, outbox=Outbox(), store=None, comm=None, faults=process.faults, sizes=None,
+                      rank=1, size=3, generation=0)
+    ctx.report(p.Heartbeat, step=0, state=p.WorkerMode.STARTING)  # busy heartbeat while it joins its group
+    ctx.mode = p.WorkerMode.DECODING
+    ctx.report(p.PhaseDone, seq=0, step=0, result=p.Started(num_physical=4))  # the start completes
+    assert [type(r).__name__ for r in sent] == ["Heartbeat", "PhaseDone"]
+    ctx.report(p.Heartbeat, step=0)  # serving at step 0: silenced from here on
+    ctx.report(p.WorkerEvent, step=1, kind="rebalance_started", data={})
+    assert len(sent) == 2

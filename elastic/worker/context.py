@@ -89,9 +89,19 @@ class RankContext:
 
     # -- reporting ---------------------------------------------------------------------------
     def report(self, cls: type, **fields: Any) -> None:
-        if self.faults.drops_heartbeat(self.step):
+        if self.silenced(fields.get("result")):
             return  # a silenced rank (faults.DropHeartbeats) sends nothing at all
         self.outbox.put(cls(rank=self.rank, generation=self.generation, pid=os.getpid(), at=time.time(), **fields))
+
+    def silenced(self, result: Any = None) -> bool:
+        """Whether a report is dropped (``faults.DropHeartbeats``). The fault silences a rank that
+        serves, from its step on: the start (the busy heartbeats while it joins its first group, and
+        the ``Started`` result that ends it) is reported even with ``from_step`` 0, so the start
+        completes and the rank is lost at its heartbeat deadline, like a kill at that step; a start
+        that reports nothing is ``HangBeforeStart``."""
+        if self.mode is p.WorkerMode.STARTING or isinstance(result, p.Started):
+            return False
+        return self.faults.drops_heartbeat(self.step)
 
     def done(self, command: p.Command, result: p.Result) -> None:
         """Report that ``command`` is done, with its result type."""
