@@ -120,7 +120,7 @@ def measure(name: str, label: str, change: dict[str, Any]) -> dict[str, Any]:
     _note_refusal(row, r)
     row["rebalances_finished"] = sum(1 for x in r["rebalances"] if x["outcome"] == "finished")
     # what was lost: the verification after the recovery and the last one
-    checks = r["verifications"]
+    checks = [v for v in r["verifications"] if not v.get("excused")]  # not those a timeline fault broke
     after = next((v for v in checks if "recover" in v["after"]), None)
     for key, v in (("after_recovery", after), ("end", checks[-1] if checks else None)):
         if v is not None:

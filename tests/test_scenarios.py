@@ -539,3 +539,183 @@ def test_after_a_phase_kill_a_fault_event_needs_a_generation_and_the_message_nam
             "phase failed leaves the group to its recovery, so the timeline cannot tell which generation the rank is in"
             ) in error, error
     assert "autoscaler" not in error
+
+
+# -- faults the timeline or faults: section cause, judged in process -------------------------------
+
+KILLED_TWICE = """\
+name: fault_kill_replace_lost_twice
+deployment:
+  model: {num_layers: 3, num_experts: 8, hidden_size: 32, intermediate_size: 64}
+  eplb: {num_redundant_experts: 4, use_async: true, window_size: 10, step_interval: 100000}
+  ep_size: 3
+  max_ep_size: 4
+  auto_recover: true
+  replace_lost: true
+  timeouts: {collective: 3, heartbeat: 4}
+trace:
+  - {at_step: 0, kind: zipf, zipf_exponent: [1.0, 1.4], tokens_per_step: 32}
+run_timeout_s: 120
+steps: 120
+timeline:
+  - {at_step: 30, action: kill, rank: 1}
+  - {at_step: 60, action: kill, rank: 1}
+expect: {final_ep_size: 3, min_failures: 2}
+"""
+
+
+class FakeCoordinator:
+    """What the replayer's verification of an unplanned operation reads: replace_lost's scale 2 -> 3
+    (generation 2) done; the snapshot's step advances on each read (``steps``, the last one kept)."""
+
+    def __init__(self, steps: list[int], fired: dict[int, int | None], broken: bool):
+        self.steps, self.fired, self.broken, self.verified = list(steps), fired, broken, 0
+        self.size = 3
+        self.output_check = {"enabled": False}
+
+    def snapshot(self) -> dict:
+        step = self.steps.pop(0) if len(self.steps) > 1 else self.steps[0]
+        return {"operation": {"id": "op-scale", "kind": "scale", "status": "succeeded", "from_size": 2, "target_size": 3},
+                "state": "running", "generation": 2, "step": step, "ep_size": 3}
+
+    def verify(self, timeout: float) -> dict:
+        self.verified += 1
+        if self.broken:
+            raise RuntimeError("verify: rank 0 failed in broken: Refused: Verify refused: the group is broken")
+        return {r: {"mismatched": [], "digest": "d", "replica_min": 1, "num_physical": 12, "size": 3, "generation": 2,
+                    "step": 80} for r in range(3)}
+
+    def fired_faults(self) -> dict[int, int | None]:
+        return dict(self.fired)
+
+
+def _unplanned_verification(tmp_path, steps, fired, broken):
+    from elastic.replay.report import evaluate
+    from elastic.replay.runner import Replayer
+
+    scenario = load_scenario(write(tmp_path, KILLED_TWICE))
+    replayer = Replayer(scenario)
+    replayer.coordinator = FakeCoordinator(steps, fired, broken)
+    replayer._verify_unplanned(replayer.coordinator.snapshot())
+    report = {"errors": [], "final": {"state": "running", "ep_size": 3, "step": 130},
+              "events": [{"index": 0, "ok": True, "label": "kill"}, {"index": 1, "ok": True, "label": "kill"}],
+              "verifications": replayer.verifications + [
+                  {"after": "end of run", "ok": True, "ranks": {0: {}, 1: {}, 2: {}}, "replica_min": 1, "mismatched": 0,
+                   "digests_agree": True, "all_ranks": True}],
+              "operations": [], "rebalances": [], "worker_events": []}
+    return replayer, {e["name"]: e for e in evaluate(scenario, report)}
+
+
+def test_a_verification_the_timeline_s_next_kill_breaks_is_not_counted_and_the_report_says_so(tmp_path):
+    """replace_lost's scale back (2 -> 3) was verified as the timeline's second kill broke the group:
+    "Verify refused: the group is broken" failed no_lost_expert ("expected replica_min >= 1 ...,
+    measured 1") and all_slots_verified (2/3), although both kills did what they asked."""
+    # the verification starts at step 50; by its refusal the group is at step 80, past the kill at step 60
+    replayer, checks = _unplanned_verification(tmp_path, [80, 50, 50, 80], {0: 0, 1: None}, broken=True)
+    entry = replayer.verifications[0]
+    assert entry["excused"].startswith("kill rank 1 at step 60 broke the group while it ran"), entry
+    assert checks["no_lost_expert"]["passed"] and checks["all_slots_verified"]["passed"], checks
+    assert checks["all_slots_verified"]["measured"] == "1/1 ok"
+    assert "not counted: after scale 2 -> 3 (op-scale): kill rank 1 at step 60" in checks["no_lost_expert"]["detail"]
+
+
+def test_the_kill_being_played_does_not_excuse_the_verification_of_its_own_recovery(tmp_path):
+    """The first kill fired in generation 0; the group is in generation 2: it is not "due" there, so
+    the scale back is verified (and a refusal counts)."""
+    replayer, checks = _unplanned_verification(tmp_path, [50], {0: 0, 1: None}, broken=False)
+    assert replayer.coordinator.verified == 1 and "excused" not in replayer.verifications[0]
+    replayer, checks = _unplanned_verification(tmp_path, [50], {0: 0, 1: None}, broken=True)
+    assert "excused" not in replayer.verifications[0]
+    assert not checks["no_lost_expert"]["passed"] and not checks["all_slots_verified"]["passed"]
+    # the failed check names what failed: never "measured 1" against "replica_min >= 1"
+    lost = checks["no_lost_expert"]
+    assert lost["measured"] == "1/2 gave no replica count", lost
+    assert "after scale 2 -> 3 (op-scale): RuntimeError: verify: rank 0 failed in broken" in lost["detail"], lost
+
+
+RAW_FAULTS = """\
+name: raw_faults
+deployment:
+  model: {num_layers: 3, num_experts: 8, hidden_size: 32, intermediate_size: 64}
+  eplb: {num_redundant_experts: 4, use_async: true, window_size: 10, step_interval: 100000}
+  ep_size: 3
+  max_ep_size: 4
+  auto_recover: true
+  timeouts: {collective: 3, heartbeat: 4}
+trace:
+  - {at_step: 0, kind: zipf, zipf_exponent: [1.0, 1.4], tokens_per_step: 32}
+run_timeout_s: 120
+steps: 60
+faults:
+  - {kind: kill, rank: 3, at_step: 20}
+  - {kind: kill, rank: 1, at_step: 20}
+expect: {final_ep_size: 2, min_failures: 1}
+"""
+
+
+def test_a_raw_fault_that_never_fires_fails_faults_fired_with_one_line_naming_it(tmp_path):
+    from elastic.replay.runner import _fault_expectations
+
+    scenario = load_scenario(write(tmp_path, RAW_FAULTS))
+    report = {"expectations": [], "transitions": [], "worker_events": [], "faults_fired": {0: None, 1: 0}}
+    _fault_expectations(scenario, report)
+    fired = next(e for e in report["expectations"] if e["name"] == "faults_fired")
+    assert not report["passed"] and not fired["passed"] and fired["measured"] == "1/2 fired"
+    assert fired["detail"] == ("faults[0] (kill rank 3 at step 20) never fired: no rank 3 reached it in any "
+                               "generation from 0 on")
+    failed = [{"dest": "failed", "reason": "worker lost: rank 1 exited unexpectedly"}]
+    report = {"expectations": [], "transitions": failed, "worker_events": [], "faults_fired": {0: 1, 1: 0}}
+    _fault_expectations(scenario, report)
+    assert report["passed"] and report["expectations"][0]["detail"] == ("faults[0] fired in generation 1; "
+                                                                       "faults[1] fired in generation 0")
+    off = load_scenario(write(tmp_path, RAW_FAULTS.replace("min_failures: 1}", "min_failures: 1, faults_fired: false}"),
+                              "off.yaml"))
+    report = {"expectations": [], "transitions": failed, "worker_events": [], "faults_fired": {0: None, 1: 0}}
+    _fault_expectations(off, report)
+    assert report["passed"] and not any(e["name"] == "faults_fired" for e in report["expectations"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_a_replay_reports_the_raw_fault_that_never_fired(tmp_path):
+    """A kill of rank 3 at size 3 never fires; the run passed with no word of it. The kill of rank 1 fires."""
+    from elastic.replay.runner import replay
+
+    result = replay(write(tmp_path, RAW_FAULTS), report_dir=tmp_path / "out")
+    assert [e["name"] for e in result.failed] == ["faults_fired"], result.failed
+    data = check_report(result, tmp_path / "out")
+    assert data["faults_fired"] == {"0": None, "1": 0}
+    assert result.failed[0]["detail"].startswith("faults[0] (kill rank 3 at step 20) never fired")
+
+
+DROPPED_FROM_STEP_0 = """\
+name: drop_from_step_0
+deployment:
+  model: {num_layers: 3, num_experts: 8, hidden_size: 32, intermediate_size: 64}
+  eplb: {num_redundant_experts: 4, use_async: true, window_size: 10, step_interval: 100000}
+  ep_size: 3
+  max_ep_size: 4
+  auto_recover: true
+  timeouts: {collective: 3, heartbeat: 4, worker_start: 10}
+trace:
+  - {at_step: 0, kind: zipf, zipf_exponent: [1.0, 1.4], tokens_per_step: 32}
+run_timeout_s: 120
+steps: 60
+timeline:
+  - {at_step: 0, action: drop_heartbeats, rank: 1}
+expect: {min_failures: 1, final_ep_size: 2}
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_a_drop_heartbeats_at_step_0_lets_the_start_complete_and_loses_the_rank_at_its_heartbeat_deadline(tmp_path):
+    """It silenced the Started report too: "rank 1 sent no report within worker_start ... hung while starting"."""
+    from elastic.replay.runner import replay
+
+    result = replay(write(tmp_path, DROPPED_FROM_STEP_0), report_dir=tmp_path / "out")
+    assert result.passed, [f"{e['name']}: {e['measured']} ({e['detail']})" for e in result.failed]
+    data = check_report(result, tmp_path / "out")
+    fails = [t for t in data["transitions"] if t["dest"] == "failed"]
+    assert len(fails) == 1 and "rank 1" in fails[0]["reason"] and "heartbeat timeout" in fails[0]["reason"], fails
+    assert not data["errors"] and [v["after"] for v in data["verifications"] if not v.get("excused")][-1] == "end of run"

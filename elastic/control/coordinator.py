@@ -60,9 +60,11 @@ from elastic.core.errors import (
 from elastic.core.machine import ScaleMachine, Trigger
 from elastic.core.phases import SERVING_PHASES, OperationKind, OperationStage, Phase
 from elastic.deployment import DeploymentConfig
+from elastic.faults import fires_once
 from elastic.launch.factory import make_launcher
 from elastic.launch.launchers import Launcher, note_lost_worker, plan_mapping
 from elastic.worker.groups import open_store
+from elastic.worker.injector import BOUND_KEY
 from eplb.algorithm import warm_up
 from eplb.models.config import HFModelConfig
 from eplb.placement_file import placement_document
@@ -485,6 +487,21 @@ class Coordinator:
     def get_operation(self, operation_id: str) -> dict[str, Any] | None:
         """A consistent copy of one operation (``Operation.to_dict``), or None for an unknown id."""
         return self.book.get(operation_id)
+
+    def fired_faults(self) -> dict[int, int | None]:
+        """Per fault that fires once (``faults.fires_once``: a kill, stall or drop_heartbeats without
+        ``generation``), by its position in ``faults``: the generation it fired in, or None if no
+        rank has fired it (the first rank to fire one binds it in the store). Call it before
+        :meth:`shutdown`; a fault pinned to a generation is not tracked."""
+        store = self._store
+        if store is None:
+            raise RuntimeError("the coordinator has no store (not started, or shut down)")
+        out: dict[int, int | None] = {}
+        for index, fault in enumerate(self.faults):
+            if fires_once(fault):
+                key = BOUND_KEY.format(index=index)
+                out[index] = int(store.get(key)) if store.check([key]) else None
+        return out
 
     def list_operations(self, limit: int | None = None) -> list[dict[str, Any]]:
         """Copies of the operations, newest first (at most ``limit``)."""

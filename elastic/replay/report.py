@@ -256,7 +256,10 @@ def evaluate(s: Scenario, report: dict[str, Any]) -> list[dict[str, Any]]:
         if missing:
             detail = (detail + "; " if detail else "") + f"{missing} event(s) never ran"
         check("events_ok", True, f"{done - len(bad)}/{len(s.timeline)} ok", not bad and not missing, detail)
-    verifications = report["verifications"]
+    # a verification the timeline's own fault broke (the group lost the rank while it ran) is not counted
+    excused = [v for v in report["verifications"] if v.get("excused")]
+    verifications = [v for v in report["verifications"] if not v.get("excused")]
+    not_counted = "; ".join(f"not counted: after {v['after']}: {v['excused']}" for v in excused)
     ended_failed = final.get("state") == P.FAILED
     if not verifications and ended_failed and (x.no_lost_expert or x.all_slots_verified):
         # a broken group answers no Verify: nothing was verified, and nothing could be
@@ -273,19 +276,25 @@ def evaluate(s: Scenario, report: dict[str, Any]) -> list[dict[str, Any]]:
               "; ".join(f"after {v['after']}: {v.get('output_error') or 'digests ' + str(v.get('output_digests'))}"
                         for v in probed if not v["output_identical"]))
     if x.no_lost_expert:
-        mins = [v.get("replica_min", 0) for v in verifications if v.get("ranks")]
-        measured = min(mins) if mins else None
+        answered = [v for v in verifications if v.get("ranks")]
+        silent = [v for v in verifications if not v.get("ranks")]
+        lowest = min((v.get("replica_min", 0) for v in answered), default=None)
+        # measured names what failed: a replica count, or verifications that gave none (never "1" against ">= 1")
+        measured: Any = lowest if not silent else f"{len(silent)}/{len(verifications)} gave no replica count"
+        detail = "; ".join([f"{len(verifications)} verification(s)" if verifications else "nothing was verified",
+                            *(f"after {v['after']}: {v.get('error') or 'no rank answered'}" for v in silent),
+                            *([not_counted] if not_counted else [])])
         check("no_lost_expert", "replica_min >= 1 in every verification", measured,
-              measured is not None and measured >= 1 and len(mins) == len(verifications),
-              f"{len(verifications)} verification(s)" if verifications else "nothing was verified")
+              lowest is not None and lowest >= 1 and not silent, detail)
     if x.all_slots_verified:
         bad = [v for v in verifications if not v.get("ok")]
         detail = "; ".join(
             f"after {v['after']}: " + (v.get("error") or f"{v.get('mismatched')} mismatched slot(s), digests agree: "
                                        f"{v.get('digests_agree')}, all ranks answered: {v.get('all_ranks')}")
             for v in bad) or f"{len(verifications)} verification(s), every slot bit-exact, digests agree"
+        detail = detail if verifications else "nothing was verified"
         check("all_slots_verified", True, f"{len(verifications) - len(bad)}/{len(verifications)} ok",
-              bool(verifications) and not bad, detail if verifications else "nothing was verified")
+              bool(verifications) and not bad, f"{detail}; {not_counted}" if not_counted else detail)
     _rest(x, report, check)
     return out
 
@@ -731,6 +740,9 @@ def _verifications_table(report: dict[str, Any]) -> Any:
         for col in ("after", "step", "ranks", "mismatched", "replica min", "digests", *(("output",) if probed else ())):
             vt.add_column(col, justify="left" if col == "after" else "right")
         for v in report["verifications"]:
+            if v.get("excused"):  # the timeline's own fault broke the group while it ran: not counted
+                vt.add_row(_esc(v["after"]), str(v["step"]), "—", "—", "—", f"[yellow]not counted: {_esc(v['excused'])}[/]")
+                continue
             if v.get("error"):
                 vt.add_row(_esc(v["after"]), str(v["step"]), "—", "—", "—", f"[red]{_esc(v['error'])}[/]")
                 continue

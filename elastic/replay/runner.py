@@ -23,6 +23,7 @@ from typing import Any
 from elastic.core.clock import Clock, RealClock
 from elastic.core.errors import ElasticError
 from elastic.core.phases import Phase as P
+from elastic.faults import fires_once
 from elastic.replay.scenario import (
     FAULT_EVENTS,
     AutoscalerEvent,
@@ -198,6 +199,7 @@ class Replayer:
         self._stop_progress = threading.Event()
         self._verified_ops: set[str] = set()
         self._claimed: set[int] = set()  # seq of the failures a timeline fault was found to have caused
+        self.fired: dict[Any, Any] | None = None  # Coordinator.fired_faults() at the end (or {"error": ...})
 
     # -- helpers ------------------------------------------------------------------------------
     def _now(self) -> float:
@@ -243,8 +245,19 @@ class Replayer:
         if op is None or op["status"] != "succeeded" or op["id"] in self._verified_ops or snap["state"] != P.RUNNING:
             return
         self._verified_ops.add(op["id"])
-        if op["id"] not in {e.get("operation_id") for e in self.events}:
-            self._verify(after=f"{op['kind']} {op['from_size']} -> {op['target_size']} ({op['id']})")
+        if op["id"] in {e.get("operation_id") for e in self.events}:
+            return
+        after = f"{op['kind']} {op['from_size']} -> {op['target_size']} ({op['id']})"
+        generation = snap["generation"]
+        due = self._fault_due(generation)
+        if due is not None:  # the group is about to lose a rank to the timeline: its recovery is verified
+            self.verifications.append({"after": after, "t": self._now(), "step": snap["step"], "ok": False, "ranks": {},
+                                       "excused": f"skipped, {due} is due in this generation"})
+            return
+        entry = self._verify(after=after)
+        due = self._fault_due(generation) if not entry["ok"] else None
+        if due is not None:  # e.g. replace_lost's scale back, verified as the timeline's next kill fires
+            entry["excused"] = f"{due} broke the group while it ran ({entry.get('error', 'not ok')})"
 
     def _wait_step(self, step: int) -> str:
         """Until the slowest rank passed ``step``: "ok", "failed" (stuck in failed) or "timeout"."""
@@ -356,10 +369,15 @@ class Replayer:
         one (a recovery or a failed attempt can take more generations than the plan predicts)."""
         s, snap = self.scenario, self._snapshot()
         played = {e["index"] for e in self.events}
+        fired = self._fired_now()
+        record = len(s.faults) - 1  # the event's position in the workers' faults (Scenario.fault_records)
         for index, (event, planned) in enumerate(zip(s.timeline, s.planned())):
+            record += isinstance(event, FAULT_EVENTS)
             if index in played or not isinstance(event, FAULT_EVENTS) or getattr(event, "in_phase", None) is not None \
                     or event.at_step > snap["step"] or event.rank >= snap["ep_size"]:
                 continue
+            if fired.get(record) is not None and fired[record] != generation:
+                continue  # it fired already, in an earlier generation (the event being played, say): not again
             if (event.generation == generation) if event.generation is not None else planned["generation"] <= generation:
                 return f"{event.label()} at step {event.at_step}"
         return None
@@ -563,6 +581,7 @@ class Replayer:
             if self._state() != P.FAILED:
                 self._verify(after="end of run")
             final = self._final()
+            self._read_fired_faults()
             if self.on_progress is not None:
                 self.on_progress({"step": final["step"], "total": s.steps, "state": final["state"],
                                   "ep_size": final["ep_size"], "generation": final["generation"],
@@ -575,6 +594,8 @@ class Replayer:
                     final = self._final()
                 except Exception:  # noqa: BLE001
                     final = {}
+            if self.coordinator is not None and self.fired is None:
+                self._read_fired_faults()
         finally:
             self._stop_progress.set()
             if self.autoscaler is not None:
@@ -584,10 +605,25 @@ class Replayer:
             if self.coordinator is not None:
                 self.coordinator.shutdown()
         report = build_report(self, final=final, started_wall=started_wall, duration_s=self.clock.monotonic() - self.t0)
+        report["faults_fired"] = self.fired
         _fault_expectations(s, report)
         if self.traffic is not None:
             _traffic_expectations(s, report, self.traffic)
         return report
+
+    def _fired_now(self) -> dict[int, int | None]:
+        """``Coordinator.fired_faults()`` now; {} if it cannot be read (every fault counts as not fired)."""
+        try:
+            return dict(self.coordinator.fired_faults())
+        except Exception:  # noqa: BLE001 - a fake or stopped coordinator: no binding is known
+            return {}
+
+    def _read_fired_faults(self) -> None:
+        """Which of the scenario's once-faults fired (``Coordinator.fired_faults``), while its store lives."""
+        try:
+            self.fired = self.coordinator.fired_faults()
+        except Exception as exc:  # noqa: BLE001 - reported as not known, never a crash of the replay
+            self.fired = {"error": f"{type(exc).__name__}: {exc}"}
 
     def _final(self) -> dict[str, Any]:
         snap = self._snapshot()
@@ -683,11 +719,38 @@ def _fault_expectations(s: Scenario, report: dict[str, Any]) -> None:
         detail = "; ".join(f"rank {e.get('rank')} refused layer {e.get('layer')}: {e.get('error')}" for e in refused)
         out.append({"name": "min_refused_layers", "expected": x.min_refused_layers, "measured": len(refused),
                     "passed": len(refused) >= x.min_refused_layers, "detail": detail or "no rank refused a layer"})
+    if x.faults_fired:
+        _faults_fired(s, report.get("faults_fired"), out)
     if x.min_failures is not None:
         fails = [t for t in report["transitions"] if t["dest"] == P.FAILED]
         out.append({"name": "min_failures", "expected": x.min_failures, "measured": len(fails),
                     "passed": len(fails) >= x.min_failures, "detail": "; ".join(str(t.get("reason")) for t in fails)})
     report["passed"] = all(e["passed"] for e in out)
+
+
+def _fault_label(fault: Any) -> str:
+    when = (f"at step {fault.at_step}" if getattr(fault, "at_step", None) is not None else
+            f"in {fault.in_phase}" if getattr(fault, "in_phase", None) is not None else f"from step {fault.from_step}")
+    return f"{fault.kind} rank {fault.rank} {when}"
+
+
+def _faults_fired(s: Scenario, fired: dict[Any, Any] | None, out: list[dict[str, Any]]) -> None:
+    """``faults_fired``: every kill, stall or drop_heartbeats of ``faults:`` without a generation fired
+    (``fired``: ``Coordinator.fired_faults()``; the raw records come first in the workers' faults)."""
+    tracked = [(i, fault) for i, fault in enumerate(s.faults) if fires_once(fault)]
+    if not tracked:
+        return
+    if fired is None or "error" in fired:
+        why = (fired or {}).get("error", "the run ended before it could be read")
+        out.append({"name": "faults_fired", "expected": True, "measured": None, "passed": False,
+                    "detail": f"not known which faults fired: {why}"})
+        return
+    missed = [(i, fault) for i, fault in tracked if fired.get(i) is None]
+    detail = "; ".join(f"faults[{i}] ({_fault_label(fault)}) never fired: no rank {fault.rank} reached it in any "
+                       f"generation from {fault.from_generation or 0} on" for i, fault in missed)
+    out.append({"name": "faults_fired", "expected": True, "measured": f"{len(tracked) - len(missed)}/{len(tracked)} fired",
+                "passed": not missed, "detail": detail or "; ".join(f"faults[{i}] fired in generation {fired[i]}"
+                                                                     for i, _ in tracked)})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -264,6 +264,8 @@ class Expectations(_Strict):
     min_refused_layers: int | None = Field(
         None, ge=0, description="received layers a rank refused (its own verification failed: rebalance_failed, local)")
     min_failures: int | None = Field(None, ge=0, description="times the deployment went failed (a fault was detected)")
+    faults_fired: bool = Field(True, description="every kill, stall or drop_heartbeats record in faults: without "
+                               "generation fired (a timeline fault that does not fire fails events_ok)")
     identical_output: bool = Field(
         False, description="every verification of a real model (deployment.model.kind: hf): the probe batch's greedy "
         "tokens and logits bitwise equal to the unsharded single-process model's; with traffic, also every "
