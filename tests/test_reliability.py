@@ -366,6 +366,7 @@ def test_a_full_server_answers_its_control_routes_and_503_on_the_others():
             for path in ("/healthz", "/state"):
                 probe = httpx.get(f"{server.url}{path}", timeout=5)
                 assert probe.status_code == 200, (path, probe.status_code, probe.text)
+                assert probe.headers["connection"] == "close"  # one answer beyond the cap, and it says so
             silent = socket.create_connection(address)
             assert _closed_by_server(silent, 1.0), "a silent connection over the cap was kept"
             release.set()
@@ -376,6 +377,69 @@ def test_a_full_server_answers_its_control_routes_and_503_on_the_others():
         finally:
             release.set()
             for sock in busy:
+                sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_burst_beyond_the_cap_is_answered_and_a_trickling_body_does_not_hold_a_slot():
+    """Twice the cap of clients connect and send at once: every one gets an answer (200 on a
+    control route; 200 or 503 on a data route), none is closed unanswered (the later ones closed
+    the earlier ones while their requests sat unread: 86 of 150 closed). Then connections that
+    trickle a request body are idle like half-sent headers: a new client is served, not 503."""
+    import socket
+
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    from elastic.service.server import BackgroundServer, HttpLimits
+
+    app = FastAPI()
+
+    @app.get("/state")
+    def state() -> dict:
+        return {"state": "running"}
+
+    @app.get("/v1/models")
+    def models() -> dict:
+        return {"data": []}
+
+    async def completions(request):  # a plain Starlette endpoint: it reads the whole body
+        return JSONResponse({"bytes": len(await request.body())})
+
+    app.add_route("/v1/completions", completions, methods=["POST"])
+
+    limits = HttpLimits(request_timeout_s=10.0, keep_alive_s=5, max_connections=16)
+    with BackgroundServer(app, limits=limits) as server:
+        address = ("127.0.0.1", server.port)
+        for path, allowed in (("/state", {b"200"}), ("/v1/models", {b"200", b"503"})):
+            burst = []
+            for _ in range(32):
+                sock = socket.create_connection(address)
+                sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+                burst.append(sock)
+            codes = []
+            for sock in burst:
+                sock.settimeout(5)
+                try:
+                    codes.append(sock.recv(4096)[9:12] or b"closed")
+                except ConnectionResetError:
+                    codes.append(b"reset")
+                sock.close()
+            assert set(codes) <= allowed, (path, codes)
+            assert codes.count(b"200") >= 16, (path, codes)
+        trickling = [socket.create_connection(address) for _ in range(16)]
+        try:
+            for sock in trickling:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\nx")
+            time.sleep(0.3)
+            user = socket.create_connection(address)
+            user.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi")
+            user.settimeout(5)
+            assert user.recv(4096).startswith(b"HTTP/1.1 200"), "a trickling body held its slot"
+            user.close()
+            assert _closed_by_server(trickling[0], 1.0), "the oldest trickling connection was kept"
+        finally:
+            for sock in trickling:
                 sock.close()
 
 

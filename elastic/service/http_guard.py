@@ -13,18 +13,18 @@ beyond its count but still accepts every connection.
   connection is closed. A request being answered is never cut (a long rebalance keeps its
   connection); the keep-alive wait between requests is uvicorn's ``timeout_keep_alive``;
 - **a connection cap**: beyond ``max_connections`` open connections, a new one first closes the
-  oldest *idle* connection, one that is not being answered and has sent no complete request (a
-  socket that connected and stays silent, a half-sent request, a keep-alive connection between
-  requests), so a crowd of silent sockets can never lock real clients out: a client that sends
-  its request at once is always served. Only when every connection under the cap is being
-  answered is the server full: a new connection whose request arrives within
-  ``OVER_CAP_GRACE_S`` is then answered 503 (``Connection: close``, uvicorn's ``limit_concurrency``
-  answer; clients such as ``openai`` retry it after a back-off), except on the control and health
-  routes (``served_over_cap``: ``/healthz``, ``/state``, ``/scale``, ...), which are answered as
-  usual and then closed; one that sends nothing by then is closed. At most
-  ``max_connections // 8`` (at least 8) wait out that grace at once; beyond them a new connection
-  is closed as soon as it is accepted, so a crowd holds about the cap of descriptors, not its
-  own number.
+  oldest *idle* connection, one that holds no whole request and has no bytes waiting to be read
+  (a socket that connected and stays silent, half-sent headers or body, a keep-alive connection
+  between requests), so a crowd of silent or trickling sockets cannot lock real clients out.
+  Only when no connection under the cap is idle is the server full (every one is being answered,
+  or a burst of new ones has their requests in flight): a new connection whose request arrives
+  within ``OVER_CAP_GRACE_S`` is then answered 503 (``Connection: close``, uvicorn's
+  ``limit_concurrency`` answer; clients such as ``openai`` retry it after a back-off), except on
+  the control and health routes (``served_over_cap``: ``/healthz``, ``/state``, ``/scale``, ...),
+  which are answered as usual with ``Connection: close``; one that sends nothing by then is
+  closed. At most ``max_connections`` (at least 8) are over the cap at once; beyond them a new
+  connection is closed as soon as it is accepted, so a crowd holds about twice the cap of
+  descriptors, not its own number.
 
 :class:`HttpLimits` holds the numbers; :meth:`HttpLimits.uvicorn_options` gives the keyword
 arguments of ``uvicorn.Config`` that apply them.
@@ -33,8 +33,11 @@ arguments of ``uvicorn.Config`` that apply them.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import resource
+import struct
+import termios
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -50,6 +53,9 @@ log = logging.getLogger("elastic.service.http")
 # right after connecting); a silent one is closed then. A reconnecting crowd of silent sockets
 # holds about this long times the accept rate of descriptors beyond the cap (the crowd test)
 OVER_CAP_GRACE_S = 0.2
+
+# over the cap, how many of the oldest idle connections are looked at for one to close
+EVICTION_SCAN = 32
 
 # the routes a full server still answers (by path prefix): liveness and readiness probes, the
 # state and metrics an operator reads, and the control calls that relieve the load (a scale up).
@@ -125,7 +131,7 @@ class GuardedH11Protocol(H11Protocol):
                 log.info("over %d open connections: closing an idle one from %s for a new one from %s",
                          self.max_connections, victim.client, self.client)
                 victim.transport.abort()  # its connection_lost drops it from the counts
-            elif cls.in_grace >= max(8, self.max_connections // 8):
+            elif cls.in_grace >= max(8, self.max_connections):
                 log.warning("over %d open connections, all answering: closing a new one from %s",
                             self.max_connections, self.client)
                 transport.abort()
@@ -143,8 +149,9 @@ class GuardedH11Protocol(H11Protocol):
 
     def handle_events(self) -> None:
         super().handle_events()
-        if self.cycle is not None and not self.cycle.response_complete:
-            type(self).idle.pop(self, None)  # a request is being answered: not idle
+        if (self.cycle is not None and not self.cycle.response_complete
+                and self.conn.their_state not in (h11.IDLE, h11.SEND_BODY)):
+            type(self).idle.pop(self, None)  # a whole request is here and being answered: not idle
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # may start a pipelined request (handle_events above)
@@ -166,9 +173,19 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def _oldest_idle(self) -> GuardedH11Protocol | None:
+        """The oldest idle connection whose next bytes are not already waiting to be read (in a
+        burst of new connections, those accepted first have their requests in the socket buffer:
+        they are not idle). Only the oldest ``EVICTION_SCAN`` are looked at, so an accept beyond a
+        large cap costs a few system calls, not one per connection."""
+        looked = 0
         for conn in type(self).idle:
-            if conn is not self and not conn.transport.is_closing():
+            if conn is self or conn.transport.is_closing():
+                continue
+            if not _unread_bytes(conn.transport):
                 return conn
+            looked += 1
+            if looked >= EVICTION_SCAN:
+                break
         return None
 
     def _arm(self, timeout_s: float | None = None) -> None:
@@ -203,7 +220,24 @@ class _OverCap:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         path = scope.get("path", "")
-        if any(path == p or path.startswith(p + "/") for p in self.served):
-            await self.app(scope, receive, send)
-        else:
+        if not any(path == p or path.startswith(p + "/") for p in self.served):
             await service_unavailable(scope, receive, send)
+            return
+
+        async def send_and_close(message: Any) -> None:
+            if message["type"] == "http.response.start":  # one answer beyond the cap, then closed: say so
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, receive, send_and_close)
+
+
+def _unread_bytes(transport: asyncio.BaseTransport) -> int:
+    """Bytes that arrived on ``transport``'s socket and are not read yet (0 where unknown)."""
+    sock = transport.get_extra_info("socket")
+    try:
+        got = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    except (AttributeError, OSError, ValueError):
+        return 0
+    return int(struct.unpack("i", got)[0])
