@@ -154,3 +154,57 @@ def test_an_ep_model_gives_the_same_bits_over_shared_memory_and_over_gloo():
     for a, b in zip(over_shm, over_gloo):
         assert a["tokens"] == b["tokens"]
         assert a["logits"] == b["logits"]
+
+
+def body_rank0_dies_in_set_up(rank: int, world: int) -> dict:
+    from eplb.models.local_exchange import LocalExchange
+
+    before = set(glob.glob("/dev/shm/eplb-x-*"))
+    if rank == 0:
+        def die(*args, **kwargs):  # after every rank made its file and FIFOs, before rank 0 removes them
+            os._exit(0)
+
+        LocalExchange._open_peers = staticmethod(die)  # type: ignore[method-assign]
+    try:
+        LocalExchange.create(None, rank, world, timeout=10)
+        error = "no error"
+    except TimeoutError as exc:
+        error = str(exc)
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # the listing's own descriptor, closed by now
+            pass
+    return {"error": error, "left": sorted(set(glob.glob("/dev/shm/eplb-x-*")) - before),
+            "fds": [fd for fd in fds if "eplb-x-" in fd]}
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="the files go to /dev/shm on Linux")
+def test_a_set_up_whose_rank_0_dies_leaves_no_file_and_no_descriptor_on_the_survivor():
+    """Rank 0 made the directory and dies once every rank made its file: the survivor removes them
+    (33 MB were left in /dev/shm) and closes its FIFOs (they stayed open in every survivor)."""
+    _, r1 = run_distributed(body_rank0_dies_in_set_up, 2, timeout=60, return_exceptions=True)
+    assert r1["error"].startswith("the shared-memory exchange's set-up failed"), r1
+    assert r1["left"] == [] and r1["fds"] == [], r1
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="the files go to /dev/shm on Linux")
+def test_the_next_set_up_removes_a_directory_whose_creator_is_dead():
+    import subprocess
+
+    from eplb.models import local_exchange
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = f"/dev/shm/eplb-x-{gone.pid}-abc123"
+    os.makedirs(stale)
+    mine = local_exchange._new_directory()
+    try:
+        assert not os.path.exists(stale)
+        assert os.path.basename(mine).startswith(f"eplb-x-{os.getpid()}-") and os.path.exists(f"{mine}/token")
+    finally:
+        import shutil
+
+        shutil.rmtree(mine, ignore_errors=True)
+        shutil.rmtree(stale, ignore_errors=True)

@@ -357,8 +357,10 @@ def test_failed_preparations_leave_the_serving_ranks_no_groups_sockets_or_thread
     config = small_config(model=dict(num_layers=4, num_experts=8), auto_recover=True, max_auto_recoveries=10,
                           scaling=dict(prestage_share=0.5), eplb=dict(communicator="gloo"),
                           timeouts=dict(collective=4, heartbeat=5))
-    kill = KillRank(rank=2, in_phase="draining", after_layers=1)  # every attempt's joining rank dies receiving
-    with running(config, faults=[kill]) as c:
+    # every attempt's joining rank dies receiving: a kill without a generation fires once, so one per
+    # generation an attempt may take (recoveries run at 2 ranks, where there is no rank 2)
+    kills = [KillRank(rank=2, in_phase="draining", after_layers=1, generation=g) for g in range(1, 16)]
+    with running(config, faults=kills) as c:
         c.wait_for_step(15)
         counts = []
         for _ in range(3):

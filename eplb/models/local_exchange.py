@@ -23,8 +23,10 @@ three small gloo all_gathers, a collective every rank of the group calls at the 
 only where every rank sees the same shared-memory directory (the same host and mount namespace)
 on x86-64 (its stores are seen in order by the other cores: the data before the number).
 Ops larger than the regions, and groups it cannot serve, use gloo. ``EPLB_LOCAL_EXCHANGE=0``
-turns it off. The files and FIFOs are unlinked as soon as every rank has opened them: nothing is
-left behind, even by a killed rank.
+turns it off. The files and FIFOs are unlinked as soon as every rank has opened them (by any rank
+that gets there, so a rank 0 killed then does not keep them), and a set-up that fails part way
+closes what it opened. A directory left by a set-up whose ranks were all killed before that is
+named after its creator's pid, and the next set-up on the host removes it.
 """
 
 from __future__ import annotations
@@ -59,10 +61,45 @@ def enabled() -> bool:
 
 def _gather(group: Any, send: torch.Tensor, world: int, timeout: float) -> list[torch.Tensor]:
     recv = [torch.empty_like(send) for _ in range(world)]
-    work = dist.all_gather(recv, send, group=group, async_op=True)
-    if work.wait(timeout=timedelta(seconds=timeout)) is False:
+    try:
+        work = dist.all_gather(recv, send, group=group, async_op=True)
+        done = work.wait(timeout=timedelta(seconds=timeout))
+    except RuntimeError as exc:  # gloo's timeout, or a peer's closed connection
+        raise TimeoutError(f"the shared-memory exchange's set-up failed: {exc}") from exc
+    if done is False:
         raise TimeoutError(f"the shared-memory exchange's set-up did not finish within {timeout}s")
     return recv
+
+
+_PREFIX = "eplb-x-"
+
+
+def _new_directory() -> str:
+    """A fresh directory for one set-up's files (in ``/dev/shm`` where there is one), named after
+    this process; first the directories of set-ups whose creator is dead are removed. ``""`` where
+    none can be made (then no rank uses shared memory)."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    try:
+        for name in os.listdir(base):
+            pid = name[len(_PREFIX):].split("-", 1)[0]
+            if name.startswith(_PREFIX) and pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+        directory = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=base)
+        with open(os.path.join(directory, "token"), "w") as f:
+            f.write(secrets.token_hex(8))
+    except OSError:
+        return ""
+    return directory
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
 
 
 class LocalExchange:
@@ -86,44 +123,40 @@ class LocalExchange:
     @classmethod
     def create(cls, group: Any, rank: int, world: int, timeout: float) -> LocalExchange | None:
         """Set up over ``group`` (a collective of every rank); ``None`` where any rank cannot use it
-        (then every rank gets ``None``, and the group's collectives stay on gloo)."""
+        (then every rank gets ``None``, and the group's collectives stay on gloo). A set-up that
+        fails part way (a peer dead or late: :class:`TimeoutError`) leaves no file and no
+        descriptor on this rank; a directory left by a set-up whose rank 0 was killed is removed
+        by the next set-up on this host (its name carries its creator's pid)."""
         usable = enabled() and world <= (HEADER - 8) // 16
         directory = ""
-        if rank == 0 and usable:
-            try:
-                base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-                directory = tempfile.mkdtemp(prefix="eplb-x-", dir=base)
-                with open(os.path.join(directory, "token"), "w") as f:
-                    f.write(secrets.token_hex(8))
-            except OSError:
-                directory = ""
-        raw = directory.encode()
-        send = torch.zeros(_PATH_BYTES + 8, dtype=torch.uint8)
-        if len(raw) <= _PATH_BYTES:
-            send[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-        send[-1] = int(usable)
-        everyone = _gather(group, send, world, timeout)
-        directory = bytes(everyone[0][:_PATH_BYTES].tolist()).rstrip(b"\0").decode()
-        if not all(int(g[-1]) for g in everyone):  # turned off on some rank: none uses it
-            if rank == 0 and directory:
-                shutil.rmtree(directory, ignore_errors=True)
-            return None
         maps: list[mmap.mmap] = []
         incoming: dict[int, int] = {}
         outgoing: dict[int, int] = {}
+        ok = False
         try:
-            ok = cls._phase(lambda: cls._make_own(directory, rank, world, incoming), group, world, timeout)
-            ok = ok and cls._phase(lambda: cls._open_peers(directory, rank, world, maps, outgoing), group, world, timeout)
+            if rank == 0 and usable:
+                directory = _new_directory()
+            raw = directory.encode()
+            send = torch.zeros(_PATH_BYTES + 8, dtype=torch.uint8)
+            if len(raw) <= _PATH_BYTES:
+                send[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+            send[-1] = int(usable)
+            everyone = _gather(group, send, world, timeout)
+            directory = bytes(everyone[0][:_PATH_BYTES].tolist()).rstrip(b"\0").decode()
+            if not all(int(g[-1]) for g in everyone):  # turned off on some rank: none uses it
+                return None
+            made = cls._phase(lambda: cls._make_own(directory, rank, world, incoming), group, world, timeout)
+            ok = made and cls._phase(lambda: cls._open_peers(directory, rank, world, maps, outgoing), group, world,
+                                     timeout)
         finally:
-            if rank == 0 and directory:
-                shutil.rmtree(directory, ignore_errors=True)  # every rank has opened what it needs (or given up)
-        if not ok:
-            for fd in (*incoming.values(), *outgoing.values()):
-                os.close(fd)
-            for m in maps:
-                m.close()
-            return None
-        return cls(group, rank, world, maps, incoming, outgoing)
+            if directory:  # every rank has opened what it needs, or given up (any rank may be the one left)
+                shutil.rmtree(directory, ignore_errors=True)
+            if not ok:
+                for fd in (*incoming.values(), *outgoing.values()):
+                    os.close(fd)
+                for m in maps:
+                    m.close()
+        return cls(group, rank, world, maps, incoming, outgoing) if ok else None
 
     @staticmethod
     def _phase(step: Any, group: Any, world: int, timeout: float) -> bool:
