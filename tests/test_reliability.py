@@ -314,6 +314,24 @@ def test_idle_and_half_sent_connections_are_closed_and_their_number_capped():
                 sock.close()
 
 
+def _guarded_app():
+    """A small app behind the connection guard: control routes (``/healthz``, ``/state``), a data
+    route (``/v1/models``) and ``POST /v1/completions``, which reads its whole body."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    app = FastAPI()
+    app.add_route("/healthz", lambda request: JSONResponse({"live": True}))
+    app.add_route("/state", lambda request: JSONResponse({"state": "running"}))
+    app.add_route("/v1/models", lambda request: JSONResponse({"data": []}))
+
+    async def completions(request):  # a plain Starlette endpoint
+        return JSONResponse({"bytes": len(await request.body())})
+
+    app.add_route("/v1/completions", completions, methods=["POST"])
+    return app
+
+
 @pytest.mark.timeout(60)
 def test_a_full_server_answers_its_control_routes_and_503_on_the_others():
     """Every connection under the cap is being answered (slow requests): a new one asking a data
@@ -323,29 +341,16 @@ def test_a_full_server_answers_its_control_routes_and_503_on_the_others():
     import threading
 
     import httpx
-    from fastapi import FastAPI
 
     from elastic.service.server import BackgroundServer, HttpLimits
 
-    app = FastAPI()
+    app = _guarded_app()
     release = threading.Event()
 
     @app.get("/slow")
     def slow() -> dict:
         release.wait(20)
         return {"ok": True}
-
-    @app.get("/healthz")
-    def healthz() -> dict:
-        return {"live": True}
-
-    @app.get("/state")
-    def state() -> dict:
-        return {"state": "running"}
-
-    @app.get("/v1/models")
-    def models() -> dict:
-        return {"data": []}
 
     limits = HttpLimits(request_timeout_s=5.0, keep_alive_s=5, max_connections=8)
     with BackgroundServer(app, limits=limits) as server:
@@ -388,26 +393,9 @@ def test_a_burst_beyond_the_cap_is_answered_and_a_trickling_body_does_not_hold_a
     trickle a request body are idle like half-sent headers: a new client is served, not 503."""
     import socket
 
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse
-
     from elastic.service.server import BackgroundServer, HttpLimits
 
-    app = FastAPI()
-
-    @app.get("/state")
-    def state() -> dict:
-        return {"state": "running"}
-
-    @app.get("/v1/models")
-    def models() -> dict:
-        return {"data": []}
-
-    async def completions(request):  # a plain Starlette endpoint: it reads the whole body
-        return JSONResponse({"bytes": len(await request.body())})
-
-    app.add_route("/v1/completions", completions, methods=["POST"])
-
+    app = _guarded_app()
     limits = HttpLimits(request_timeout_s=10.0, keep_alive_s=5, max_connections=16)
     with BackgroundServer(app, limits=limits) as server:
         address = ("127.0.0.1", server.port)
@@ -452,16 +440,10 @@ def test_a_reconnecting_crowd_of_silent_sockets_at_the_cap_does_not_lock_out_the
     import threading
 
     import httpx
-    from fastapi import FastAPI
 
     from elastic.service.server import BackgroundServer, HttpLimits
 
-    app = FastAPI()
-
-    @app.get("/state")
-    def state() -> dict:
-        return {"state": "running"}
-
+    app = _guarded_app()
     limits = HttpLimits(request_timeout_s=10.0, keep_alive_s=5, max_connections=16)
     with BackgroundServer(app, limits=limits) as server:
         address = ("127.0.0.1", server.port)

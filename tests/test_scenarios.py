@@ -448,24 +448,33 @@ def test_a_fault_event_s_generation_is_a_lower_bound_and_replace_lost_keeps_the_
             "not both: got generation 0 and from_generation 1") in str(problems_of(file))
 
 
-FAULT_IN_A_SCALE = """\
-name: fault_in_a_scale
-deployment:
-  model: {num_layers: 3, num_experts: 8, hidden_size: 32, intermediate_size: 64}
-  eplb: {num_redundant_experts: 4, use_async: true, window_size: 10, step_interval: 100000}
-  auto_recover: true
-  ep_size: 2
-  max_ep_size: 3
-  timeouts: {collective: 3, heartbeat: 4}
-trace:
-  - {at_step: 0, kind: zipf, zipf_exponent: [1.0, 1.4], tokens_per_step: 32}
+def small_fault_scenario(name: str, deployment: str, rest: str, *, redundant: int = 4,
+                         timeouts: str = "collective: 3, heartbeat: 4") -> str:
+    """A small synthetic-model scenario for the fault tests: ``deployment`` is the lines its
+    deployment adds (sizes, recovery), ``rest`` what follows its trace (steps, timeline, faults, expect)."""
+    added = "".join(f"  {line}\n" for line in deployment.splitlines())
+    return (f"name: {name}\ndeployment:\n"
+            "  model: {num_layers: 3, num_experts: 8, hidden_size: 32, intermediate_size: 64}\n"
+            f"  eplb: {{num_redundant_experts: {redundant}, use_async: true, window_size: 10, step_interval: 100000}}\n"
+            f"{added}  timeouts: {{{timeouts}}}\n"
+            "trace:\n  - {at_step: 0, kind: zipf, zipf_exponent: [1.0, 1.4], tokens_per_step: 32}\n" + rest)
+
+
+FAULT_IN_A_SCALE = small_fault_scenario(
+    "fault_in_a_scale",
+    """\
+auto_recover: true
+ep_size: 2
+max_ep_size: 3
+""",
+    """\
 run_timeout_s: 150
 steps: 120
 timeline:
   - {at_step: 20, action: scale, to: 3}
   - {at_step: 25, action: drop_heartbeats, rank: 1}
 expect: {final_state: running, final_ep_size: 2, min_failures: 1}
-"""
+""")
 
 
 @pytest.mark.multiprocess
@@ -489,25 +498,23 @@ def test_a_fault_that_lands_inside_a_scale_is_reported_as_lost_there_and_recover
     assert drop["failure"]["operation_id"] == scale["operation_id"] and "rank 1" in drop["failure"]["reason"]
 
 
-AFTER_REPLACE_LOST = """\
-name: fault_after_replace_lost
-deployment:
-  model: {num_layers: 3, num_experts: 8, hidden_size: 32, intermediate_size: 64}
-  eplb: {num_redundant_experts: 16, use_async: true, window_size: 10, step_interval: 100000}
-  auto_recover: true
-  replace_lost: true
-  ep_size: 3
-  max_ep_size: 3
-  timeouts: {collective: 3, heartbeat: 4}
-trace:
-  - {at_step: 0, kind: zipf, zipf_exponent: [1.0, 1.4], tokens_per_step: 32}
+AFTER_REPLACE_LOST = small_fault_scenario(
+    "fault_after_replace_lost",
+    """\
+auto_recover: true
+replace_lost: true
+ep_size: 3
+max_ep_size: 3
+""",
+    """\
 run_timeout_s: 150
 steps: 200
 timeline:
   - {at_step: 30, action: kill, rank: 2}
   - {at_step: 100, action: drop_heartbeats, rank: 1}
 expect: {final_state: running, final_ep_size: 3, min_failures: 2}
-"""
+""",
+    redundant=16)
 
 
 @pytest.mark.multiprocess
@@ -543,25 +550,22 @@ def test_after_a_phase_kill_a_fault_event_needs_a_generation_and_the_message_nam
 
 # -- faults the timeline or faults: section cause, judged in process -------------------------------
 
-KILLED_TWICE = """\
-name: fault_kill_replace_lost_twice
-deployment:
-  model: {num_layers: 3, num_experts: 8, hidden_size: 32, intermediate_size: 64}
-  eplb: {num_redundant_experts: 4, use_async: true, window_size: 10, step_interval: 100000}
-  ep_size: 3
-  max_ep_size: 4
-  auto_recover: true
-  replace_lost: true
-  timeouts: {collective: 3, heartbeat: 4}
-trace:
-  - {at_step: 0, kind: zipf, zipf_exponent: [1.0, 1.4], tokens_per_step: 32}
+KILLED_TWICE = small_fault_scenario(
+    "fault_kill_replace_lost_twice",
+    """\
+ep_size: 3
+max_ep_size: 4
+auto_recover: true
+replace_lost: true
+""",
+    """\
 run_timeout_s: 120
 steps: 120
 timeline:
   - {at_step: 30, action: kill, rank: 1}
   - {at_step: 60, action: kill, rank: 1}
 expect: {final_ep_size: 3, min_failures: 2}
-"""
+""")
 
 
 class FakeCoordinator:
@@ -633,24 +637,21 @@ def test_the_kill_being_played_does_not_excuse_the_verification_of_its_own_recov
     assert "after scale 2 -> 3 (op-scale): RuntimeError: verify: rank 0 failed in broken" in lost["detail"], lost
 
 
-RAW_FAULTS = """\
-name: raw_faults
-deployment:
-  model: {num_layers: 3, num_experts: 8, hidden_size: 32, intermediate_size: 64}
-  eplb: {num_redundant_experts: 4, use_async: true, window_size: 10, step_interval: 100000}
-  ep_size: 3
-  max_ep_size: 4
-  auto_recover: true
-  timeouts: {collective: 3, heartbeat: 4}
-trace:
-  - {at_step: 0, kind: zipf, zipf_exponent: [1.0, 1.4], tokens_per_step: 32}
+RAW_FAULTS = small_fault_scenario(
+    "raw_faults",
+    """\
+ep_size: 3
+max_ep_size: 4
+auto_recover: true
+""",
+    """\
 run_timeout_s: 120
 steps: 60
 faults:
   - {kind: kill, rank: 3, at_step: 20}
   - {kind: kill, rank: 1, at_step: 20}
 expect: {final_ep_size: 2, min_failures: 1}
-"""
+""")
 
 
 def test_a_raw_fault_that_never_fires_fails_faults_fired_with_one_line_naming_it(tmp_path):
@@ -688,23 +689,21 @@ def test_a_replay_reports_the_raw_fault_that_never_fired(tmp_path):
     assert result.failed[0]["detail"].startswith("faults[0] (kill rank 3 at step 20) never fired")
 
 
-DROPPED_FROM_STEP_0 = """\
-name: drop_from_step_0
-deployment:
-  model: {num_layers: 3, num_experts: 8, hidden_size: 32, intermediate_size: 64}
-  eplb: {num_redundant_experts: 4, use_async: true, window_size: 10, step_interval: 100000}
-  ep_size: 3
-  max_ep_size: 4
-  auto_recover: true
-  timeouts: {collective: 3, heartbeat: 4, worker_start: 10}
-trace:
-  - {at_step: 0, kind: zipf, zipf_exponent: [1.0, 1.4], tokens_per_step: 32}
+DROPPED_FROM_STEP_0 = small_fault_scenario(
+    "drop_from_step_0",
+    """\
+ep_size: 3
+max_ep_size: 4
+auto_recover: true
+""",
+    """\
 run_timeout_s: 120
 steps: 60
 timeline:
   - {at_step: 0, action: drop_heartbeats, rank: 1}
 expect: {min_failures: 1, final_ep_size: 2}
-"""
+""",
+    timeouts='collective: 3, heartbeat: 4, worker_start: 10')
 
 
 @pytest.mark.multiprocess
