@@ -628,22 +628,26 @@ class HFMoE:
     def local_exchange(self) -> LocalExchange | None:
         """The shared-memory exchange of the group this rank serves in now, once a step has set it
         up (the same on every rank of the group, so a collective can go over it or gloo alike)."""
-        if self._local is None or self._local_for is None:
-            return None
-        group = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
-        same = self._local_for[0] is group and self._local_for[1:] == (self.rank, self.num_ranks)
-        return self._local if same else None
+        return self._local if self._local_is_current() else None
+
+    def _local_is_current(self) -> bool:
+        """Whether the exchange was set up for the group, rank and size this rank serves in now."""
+        last = self._local_for
+        return last is not None and last[0] is self._serving_group() and last[1:] == (self.rank, self.num_ranks)
+
+    def _serving_group(self) -> Any:
+        """The process group this rank serves in (``group``, or torch's default one)."""
+        return self.group if self.group is not None else dist.distributed_c10d._get_default_group()
 
     def _attach_local(self) -> None:
         """Give the contexts the group's shared-memory exchange, set up at the first step on a new
         group (a collective: every rank of the group runs this step; see :mod:`eplb.models.local_exchange`)."""
         if self.num_ranks == 1:
             return
-        group = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
-        current = self._local_for
-        if current is None or current[0] is not group or current[1:] != (self.rank, self.num_ranks):
+        if not self._local_is_current():
             if self._local is not None:
                 self._local.close()
+            group = self._serving_group()
             self._local, self._local_for = None, (group, self.rank, self.num_ranks)
             self._local = LocalExchange.create(group, self.rank, self.num_ranks, self.timeout)
         for c in self._contexts:
