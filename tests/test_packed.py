@@ -177,6 +177,34 @@ def test_spreading_never_leaves_a_rank_busier_than_sending_each_expert_whole(row
     assert int(sent.sum(0).view(2, 3).sum(1).max()) <= int(first_only.max())
 
 
+def test_the_busiest_rank_passes_a_pair_along_a_chain_of_replicated_experts():
+    """Expert 0 has replicas on ranks 0 and 1, expert 1 on ranks 1 and 2. Each expert seen alone
+    leaves ranks 0 and 1 at 7 pairs and rank 2 at 4; rank 0 then passes a pair of expert 0 to
+    rank 1, which passes one of expert 1 on to rank 2, and again from rank 1: every rank at 6."""
+    from eplb.models.dispatch import assign
+
+    placement = Placement.from_physical_to_logical(torch.tensor([[0, 2, 0, 1, 1, 3]]), 4)  # 2 slots per rank
+    sent = assign(torch.tensor([[4, 6, 5, 3]]), placement.logical_to_physical[0], placement.replica_count[0], 6, 3)
+    assert sent.sum(0).view(3, 2).sum(1).tolist() == [6, 6, 6]
+    assert sent.sum(0).tolist() == [1, 5, 3, 3, 3, 3]  # expert 0: 1 + 3, expert 1: 3 + 3
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 9), min_size=4, max_size=4))
+def test_no_cut_of_the_replicated_experts_has_a_less_busy_busiest_rank(total):
+    """Property: on the chain placement above, the busiest rank holds exactly as many pairs as the
+    best of every way to cut the two replicated experts' pairs (found by trying them all)."""
+    from eplb.models.dispatch import assign
+
+    placement = Placement.from_physical_to_logical(torch.tensor([[0, 2, 0, 1, 1, 3]]), 4)
+    sent = assign(torch.tensor([total]), placement.logical_to_physical[0], placement.replica_count[0], 6, 3)
+    a, b, on_0, on_2 = total
+    best = min(max(on_0 + x, a - x + y, on_2 + b - y) for x in range(a + 1) for y in range(b + 1))
+    assert int(sent.sum(0).view(3, 2).sum(1).max()) == best
+    per_logical = torch.zeros(4, dtype=torch.int64).scatter_add_(0, placement.physical_to_logical[0], sent.sum(0))
+    assert per_logical.tolist() == total
+
+
 def test_the_start_up_check_trips_on_an_op_that_depends_on_the_batch(qwen):
     from eplb.models.packed import check_batch_invariant
 

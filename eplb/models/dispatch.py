@@ -13,8 +13,9 @@ layer, in layer order, also with no tokens: vLLM's dummy batches):
    first, then rank 1's, ..., are cut into contiguous chunks, one per replica: experts with
    one replica first, then the replicated ones, most pairs first, each whole to the replica on
    the least loaded rank, or spread over its replicas' ranks where that lowers the busiest one
-   (:func:`_chunks`); so the ranks' pairs even out, and every rank knows which pairs every slot
-   takes (the combine's split sizes, and the load);
+   (:func:`_chunks`); then the busiest rank passes pairs on along chains of replicated experts
+   while that lowers it (:func:`_even_out`); so the ranks' pairs even out as far as the replicas
+   allow, and every rank knows which pairs every slot takes (the combine's split sizes, and the load);
 3. the holding rank runs the pairs its slots take, from every rank, through
    :func:`~eplb.models.kernel.pair_forward` (each pair its own row-independent product);
 4. *combine*: ``all_to_all_single`` returns each owner its pairs' outputs (in pair order per
@@ -65,31 +66,78 @@ def _chunks(total: torch.Tensor, logical_to_physical: torch.Tensor, replica_coun
     2. The replicated experts, most pairs first: the pairs go whole to the replica on the least
        loaded rank (pairs so far), unless spreading them over the replicas' ranks (water-filling
        them up to an even level) leaves their busiest rank with fewer pairs; then spread.
+    3. While the busiest rank can pass a pair on, along a chain of replicated experts, to a rank
+       with at least 2 pairs fewer, it does (:func:`_even_out`): step 2 sees one expert at a time,
+       and misses what moving a second expert's pairs would free.
     So the ranks' pairs even out, and an expert's pairs are cut only where that lowers the
     busiest rank: on a CPU a GEMM of a few rows costs about the read of its expert's weights,
     and cutting 2 pairs over 2 replicas would read both replicas' weights for no gain.
     """
     num_logical, width = logical_to_physical.shape
-    holders = logical_to_physical.clamp(min=0) // slots_per_rank  # [L, W]
-    single = replica_count == 1
-    sizes = torch.zeros(num_logical, width, dtype=torch.int64)
-    sizes[:, 0] = torch.where(single, total, 0)  # an expert with one replica: all its pairs to it
-    ranks = int(holders.max()) + 1 if holders.numel() else 1
-    load = torch.bincount(holders[single, 0], weights=total[single].double(), minlength=ranks).long().tolist()
+    holders = (logical_to_physical.clamp(min=0) // slots_per_rank).tolist()  # [L][W]
     tot, replicas = total.tolist(), replica_count.tolist()
+    sizes = [[0] * width for _ in range(num_logical)]
+    load = [0] * (1 + max((max(h[: replicas[e]]) for e, h in enumerate(holders)), default=0))
+    for e in range(num_logical):
+        if replicas[e] == 1:  # an expert with one replica: all its pairs to it
+            sizes[e][0] = tot[e]
+            load[holders[e][0]] += tot[e]
+    held: dict[int, dict[int, int]] = {}  # replicated expert -> its pairs per holding rank
+    first_of: dict[int, dict[int, int]] = {}  # replicated expert -> holding rank -> its first replica there
     for e in sorted((e for e in range(num_logical) if replicas[e] > 1 and tot[e] > 0), key=lambda e: (-tot[e], e)):
-        holder = holders[e].tolist()
-        first_of: dict[int, int] = {}
+        first_of[e] = {}
         for j in range(replicas[e]):
-            first_of.setdefault(holder[j], j)
-        order = sorted(first_of, key=lambda r: (load[r], r))
+            first_of[e].setdefault(holders[e][j], j)
+        order = sorted(first_of[e], key=lambda r: (load[r], r))
         give = _water_fill([load[r] for r in order], tot[e])
         if max(load[r] + g for r, g in zip(order, give)) >= load[order[0]] + tot[e]:
             give = [tot[e]] + [0] * (len(order) - 1)  # spreading gains nothing: whole, to the least loaded
+        held[e] = dict(zip(order, give))
         for r, g in zip(order, give):
-            sizes[e, first_of[r]] += g
             load[r] += g
-    return torch.cat([torch.zeros(num_logical, 1, dtype=torch.int64), torch.cumsum(sizes, 1)], dim=1)
+    _even_out(load, held)
+    for e, share in held.items():
+        for r, g in share.items():
+            sizes[e][first_of[e][r]] += g
+    starts = torch.zeros(num_logical, width + 1, dtype=torch.int64)
+    torch.cumsum(torch.tensor(sizes, dtype=torch.int64), 1, out=starts[:, 1:])
+    return starts
+
+
+def _even_out(load: list[int], held: dict[int, dict[int, int]]) -> None:
+    """Lower the busiest rank (in place) one pair at a time: a pair of a replicated expert it holds
+    goes to another rank holding that expert, which passes one of its own on, and so on, until a
+    rank with at least 2 pairs fewer than the busiest takes one (a shortest such chain, the
+    lowest-numbered first: the same on every rank). Ends when a busiest rank has no such chain
+    (then no assignment of these replicas has a lower busiest rank) or the ranks are even."""
+    even = -(-sum(load) // len(load))
+    while (top := max(load)) > even:
+        source = load.index(top)
+        came: dict[int, tuple[int, int]] = {}  # rank -> (the rank it was reached from, over this expert)
+        queue, end = [source], None
+        while queue and end is None:
+            u = queue.pop(0)
+            for e in sorted(held):
+                if held[e][u] if u in held[e] else 0:
+                    for v in sorted(held[e]):
+                        if v != source and v not in came:
+                            came[v] = (u, e)
+                            if load[v] <= top - 2:
+                                end = v
+                                break
+                            queue.append(v)
+                if end is not None:
+                    break
+        if end is None:
+            return
+        load[source] -= 1
+        load[end] += 1
+        v = end
+        while v != source:
+            u, e = came[v]
+            held[e][u] -= 1
+            held[e][v] += 1
+            v = u
 
 
 def assign(counts: torch.Tensor, logical_to_physical: torch.Tensor, replica_count: torch.Tensor,
