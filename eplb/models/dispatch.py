@@ -31,15 +31,18 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, cast
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from eplb.models.kernel import KERNEL_NAME, ExpertsContext, ReplicaDivergence, pair_forward
 
-__all__ = ["assign", "ep_experts_forward", "exchange", "pair_slots", "register", "step_header"]
+__all__ = ["Routing", "assign", "ep_experts_forward", "exchange", "pair_slots", "register", "routing_of", "step_header"]
+
 
 def _water_fill(loads: list[int], n: int) -> list[int]:
     """``n`` pairs over ranks with these ``loads`` (ascending), lowest first: how many each gets
@@ -56,8 +59,42 @@ def _water_fill(loads: list[int], n: int) -> list[int]:
     return give
 
 
-def _chunks(total: torch.Tensor, logical_to_physical: torch.Tensor, replica_count: torch.Tensor,
-            slots_per_rank: int) -> torch.Tensor:
+@dataclass(frozen=True)
+class Routing:
+    """One MoE layer's placement row in the forms the per-step assignment reads, built once per
+    placement (:func:`routing_of`; a context keeps its own): ``[L, W]`` slots as numpy, each
+    replica's holding rank, and each replicated expert's first replica on each of its ranks."""
+
+    logical_to_physical: np.ndarray  # [L, W] int64, the unused entries 0
+    single: np.ndarray  # [L] bool: the expert has one replica
+    single_holder: np.ndarray  # [L] int64: the rank of the expert's first replica
+    replicated: tuple[int, ...]  # the experts with more than one replica
+    first_of: dict[int, dict[int, int]]  # replicated expert -> holding rank -> its first replica there
+    num_ranks: int
+
+    @classmethod
+    def of(cls, logical_to_physical: torch.Tensor, replica_count: torch.Tensor, slots_per_rank: int) -> Routing:
+        l2p = logical_to_physical.clamp(min=0).numpy().astype(np.int64)
+        replicas = replica_count.tolist()
+        holders = (l2p // slots_per_rank).tolist()
+        first_of: dict[int, dict[int, int]] = {}
+        for e, count in enumerate(replicas):
+            if count > 1:
+                first_of[e] = {}
+                for j in range(count):
+                    first_of[e].setdefault(holders[e][j], j)
+        ranks = 1 + max((max(h[:count]) for h, count in zip(holders, replicas)), default=0)
+        return cls(l2p, np.asarray(replicas) == 1, l2p[:, 0] // slots_per_rank, tuple(first_of), first_of, ranks)
+
+
+def routing_of(ctx: ExpertsContext) -> Routing:
+    """The context's :class:`Routing` (built at its first step: a context is rebuilt with every placement)."""
+    if ctx.routing is None:
+        ctx.routing = Routing.of(ctx.logical_to_physical, ctx.replica_count, ctx.slots_per_rank)
+    return cast(Routing, ctx.routing)
+
+
+def _chunks(total: np.ndarray, routing: Routing) -> np.ndarray:
     """Each expert's chunk starts ``[L, W + 1]`` for the group's pairs per expert ``total [L]``:
     chunk ``j``, the pairs of replica ``j`` (slot ``logical_to_physical[e, j]``), is
     ``[starts[j], starts[j + 1])`` of the expert's pairs in order.
@@ -73,22 +110,16 @@ def _chunks(total: torch.Tensor, logical_to_physical: torch.Tensor, replica_coun
     busiest rank: on a CPU a GEMM of a few rows costs about the read of its expert's weights,
     and cutting 2 pairs over 2 replicas would read both replicas' weights for no gain.
     """
-    num_logical, width = logical_to_physical.shape
-    holders = (logical_to_physical.clamp(min=0) // slots_per_rank).tolist()  # [L][W]
-    tot, replicas = total.tolist(), replica_count.tolist()
-    sizes = [[0] * width for _ in range(num_logical)]
-    load = [0] * (1 + max((max(h[: replicas[e]]) for e, h in enumerate(holders)), default=0))
-    for e in range(num_logical):
-        if replicas[e] == 1:  # an expert with one replica: all its pairs to it
-            sizes[e][0] = tot[e]
-            load[holders[e][0]] += tot[e]
+    num_logical, width = routing.logical_to_physical.shape
+    sizes = np.zeros((num_logical, width), dtype=np.int64)
+    single = routing.single
+    sizes[:, 0] = np.where(single, total, 0)  # an expert with one replica: all its pairs to it
+    load = np.bincount(routing.single_holder[single], weights=total[single], minlength=routing.num_ranks)
+    load = load.astype(np.int64).tolist()
+    tot = total.tolist()
     held: dict[int, dict[int, int]] = {}  # replicated expert -> its pairs per holding rank
-    first_of: dict[int, dict[int, int]] = {}  # replicated expert -> holding rank -> its first replica there
-    for e in sorted((e for e in range(num_logical) if replicas[e] > 1 and tot[e] > 0), key=lambda e: (-tot[e], e)):
-        first_of[e] = {}
-        for j in range(replicas[e]):
-            first_of[e].setdefault(holders[e][j], j)
-        order = sorted(first_of[e], key=lambda r: (load[r], r))
+    for e in sorted((e for e in routing.replicated if tot[e] > 0), key=lambda e: (-tot[e], e)):
+        order = sorted(routing.first_of[e], key=lambda r: (load[r], r))
         give = _water_fill([load[r] for r in order], tot[e])
         if max(load[r] + g for r, g in zip(order, give)) >= load[order[0]] + tot[e]:
             give = [tot[e]] + [0] * (len(order) - 1)  # spreading gains nothing: whole, to the least loaded
@@ -98,9 +129,9 @@ def _chunks(total: torch.Tensor, logical_to_physical: torch.Tensor, replica_coun
     _even_out(load, held)
     for e, share in held.items():
         for r, g in share.items():
-            sizes[e][first_of[e][r]] += g
-    starts = torch.zeros(num_logical, width + 1, dtype=torch.int64)
-    torch.cumsum(torch.tensor(sizes, dtype=torch.int64), 1, out=starts[:, 1:])
+            sizes[e, routing.first_of[e][r]] += g
+    starts = np.zeros((num_logical, width + 1), dtype=np.int64)
+    np.cumsum(sizes, axis=1, out=starts[:, 1:])
     return starts
 
 
@@ -147,7 +178,8 @@ def assign(counts: torch.Tensor, logical_to_physical: torch.Tensor, replica_coun
     ``num_ranks`` ranks. Pure; every rank computes the same from the same counts."""
     width = logical_to_physical.shape[1]
     total = counts.sum(0)
-    starts = _chunks(total, logical_to_physical, replica_count, num_physical // num_ranks)
+    routing = Routing.of(logical_to_physical, replica_count, num_physical // num_ranks)
+    starts = torch.from_numpy(_chunks(total.numpy().astype(np.int64), routing))
     first = torch.cumsum(counts, 0) - counts  # [R, L]: where rank r's pairs start in expert order
     lo = torch.maximum(first[:, :, None], starts[None, :, :-1])
     hi = torch.minimum((first + counts)[:, :, None], starts[None, :, 1:])
@@ -163,17 +195,24 @@ def pair_slots(ids: torch.Tensor, rank: int, counts: torch.Tensor, logical_to_ph
                replica_count: torch.Tensor, slots_per_rank: int) -> torch.Tensor:
     """The physical slot of each of this rank's pairs ``ids [n]`` under :func:`assign`'s chunks:
     a rank's pairs of one expert keep their order (token, then k)."""
-    num_logical = counts.shape[1]
-    order = torch.argsort(ids, stable=True)
+    routing = Routing.of(logical_to_physical, replica_count, slots_per_rank)
+    first = (torch.cumsum(counts, 0) - counts)[rank].numpy().astype(np.int64)
+    total = counts.sum(0).numpy().astype(np.int64)
+    return torch.from_numpy(_slots(ids.numpy().astype(np.int64), first, total, routing))
+
+
+def _slots(ids: np.ndarray, first: np.ndarray, total: np.ndarray, routing: Routing) -> np.ndarray:
+    """:func:`pair_slots` on numpy: ``first [L]`` is where these pairs start in each expert's
+    order over all ranks, ``total [L]`` the group's pairs per expert."""
+    order = np.argsort(ids, kind="stable")
     sorted_ids = ids[order]
-    mine = torch.bincount(ids, minlength=num_logical)
-    within = torch.arange(ids.numel()) - (torch.cumsum(mine, 0) - mine)[sorted_ids]
-    first = (torch.cumsum(counts, 0) - counts)[rank]
+    mine = np.bincount(ids, minlength=total.shape[0])
+    within = np.arange(ids.shape[0]) - (np.cumsum(mine) - mine)[sorted_ids]
     position = first[sorted_ids] + within  # in the expert's pair order over all ranks
-    starts = _chunks(counts.sum(0), logical_to_physical, replica_count, slots_per_rank)
+    starts = _chunks(total, routing)
     chunk = (position[:, None] >= starts[sorted_ids, 1:]).sum(1)
-    physical = torch.empty_like(ids)
-    physical[order] = logical_to_physical[sorted_ids, chunk]
+    physical = np.empty_like(ids)
+    physical[order] = routing.logical_to_physical[sorted_ids, chunk]
     return physical
 
 
@@ -223,10 +262,10 @@ def step_header(contexts: list[ExpertsContext], rows: int, top_k: int) -> None:
 
 
 def _gather_pairs(ctx: ExpertsContext, hidden: torch.Tensor, ids: torch.Tensor
-                  ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-    """Every rank's rows ``[n_r, H]``, expert ids ``[n_r, k]`` and decode flags ``[n_r]`` (the row is a
-    request's one new token: see :func:`~eplb.models.kernel.pair_forward`), in rank order (one
-    all_gather of bytes, each rank's padded to the step's largest row count)."""
+                  ) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
+    """The group's rows ``[N, H]``, expert ids ``[N, k]`` (numpy) and decode flags ``[N]`` (the row is
+    a request's one new token: see :func:`~eplb.models.kernel.pair_forward`), rank 0's rows first,
+    then rank 1's, ... (one all_gather of bytes, each rank's padded to the step's largest row count)."""
     width = hidden.shape[1] * hidden.element_size()
     k = ctx.peer_top_k
     most = max(ctx.peer_rows)
@@ -238,13 +277,11 @@ def _gather_pairs(ctx: ExpertsContext, hidden: torch.Tensor, ids: torch.Tensor
         if ctx.decode is not None:
             payload[:n, -4] = ctx.decode[:n]
     recv = _all_gather(ctx, payload, "the expert dispatch all_gather")
-    rows, expert_ids, decode = [], [], []
-    for r, got in enumerate(recv):
-        m = ctx.peer_rows[r]
-        rows.append(got[:m, :width].contiguous().view(hidden.dtype).reshape(m, hidden.shape[1]))
-        expert_ids.append(got[:m, width : width + 4 * k].contiguous().view(torch.int32).reshape(m, k).to(torch.int64))
-        decode.append(got[:m, -4].bool())
-    return rows, expert_ids, decode
+    real = torch.cat([got[:m] for got, m in zip(recv, ctx.peer_rows)])  # [N, bytes]: every rank's real rows
+    total = real.shape[0]
+    rows = real[:, :width].contiguous().view(hidden.dtype).reshape(total, hidden.shape[1])
+    expert_ids = real[:, width : width + 4 * k].contiguous().view(torch.int32).numpy().astype(np.int64)
+    return rows, expert_ids.reshape(total, k), real[:, -4].bool()
 
 
 def _all_gather(ctx: ExpertsContext, payload: torch.Tensor, what: str) -> list[torch.Tensor]:
@@ -288,33 +325,27 @@ def _all_to_all(ctx: ExpertsContext, rows: torch.Tensor, send: list[int], receiv
     return out.view(rows.dtype).reshape(sum(receive), *rows.shape[1:])
 
 
-def _record(ctx: ExpertsContext, counts: torch.Tensor, per_slot: torch.Tensor, per_rank: torch.Tensor) -> None:
-    if not ctx.record:
-        return
-    assert ctx.logical_counts is not None and ctx.physical_counts is not None and ctx.rank_pairs is not None
-    ctx.logical_counts += counts.sum(0)
-    ctx.physical_counts += per_slot
-    ctx.rank_pairs += per_rank
-
-
-def _place(ctx: ExpertsContext, flat: torch.Tensor, pairs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every pair's physical slot and owning rank, for the group's expert ids ``flat`` rank-major
-    (``pairs[r]`` of rank ``r``, each rank's in token, then k order: an expert's pairs in this
-    order are the order :func:`assign` cuts into chunks, so one :func:`pair_slots` places them
-    all); what the slots and ranks take is recorded as the load."""
-    num_logical, size, ranks = ctx.logical_to_physical.shape[0], ctx.slots_per_rank, ctx.num_ranks
-    total = torch.bincount(flat, minlength=num_logical)
-    if bool(((ctx.replica_count > 1) & (total > 0)).any()):
-        physical = pair_slots(flat, 0, total[None], ctx.logical_to_physical, ctx.replica_count, size)
-    else:  # no replicated expert has pairs: every pair goes to its expert's one replica (what pair_slots gives)
-        physical = ctx.logical_to_physical[flat, 0]
-    owner = torch.repeat_interleave(torch.arange(ranks), torch.tensor(pairs))
-    counts = torch.bincount(owner * num_logical + flat, minlength=ranks * num_logical).view(ranks, -1)
-    per_slot = torch.bincount(physical, minlength=size * ranks)  # the group's pairs per physical slot
-    per_rank = per_slot.view(ranks, -1).sum(1)  # and per holding rank
-    _record(ctx, counts, per_slot, per_rank)
+def _place(ctx: ExpertsContext, flat: np.ndarray) -> np.ndarray:
+    """Every pair's physical slot, for the group's expert ids ``flat`` rank-major (each rank's in
+    token, then k order: an expert's pairs in this order are the order :func:`assign` cuts into
+    chunks, so one :func:`_slots` places them all); what the slots and ranks take is recorded as
+    the load (while ``ctx.record``), and this rank's pairs in the stats."""
+    routing = routing_of(ctx)
+    size, ranks = ctx.slots_per_rank, ctx.num_ranks
+    total = np.bincount(flat, minlength=routing.logical_to_physical.shape[0])
+    if any(total[e] for e in routing.replicated):
+        physical = _slots(flat, np.zeros_like(total), total, routing)
+    else:  # no replicated expert has pairs: every pair goes to its expert's one replica (what _slots gives)
+        physical = routing.logical_to_physical[flat, 0]
+    per_slot = np.bincount(physical, minlength=size * ranks)  # the group's pairs per physical slot
+    per_rank = per_slot.reshape(ranks, -1).sum(1)  # and per holding rank
+    if ctx.record:
+        assert ctx.logical_counts is not None and ctx.physical_counts is not None and ctx.rank_pairs is not None
+        ctx.logical_counts += torch.from_numpy(total)
+        ctx.physical_counts += torch.from_numpy(per_slot)
+        ctx.rank_pairs += torch.from_numpy(per_rank)
     ctx.stats["pairs"] += int(per_rank[ctx.rank])
-    return physical, owner
+    return physical
 
 
 def exchange(ctx: ExpertsContext, module: torch.nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
@@ -324,7 +355,7 @@ def exchange(ctx: ExpertsContext, module: torch.nn.Module, hidden: torch.Tensor,
     weights = dict(zip(ctx.names, ctx.weights))
     if ctx.num_ranks == 1:
         ids = top_k_index.reshape(-1).to(torch.int64)
-        physical, _ = _place(ctx, ids, [ids.numel()])
+        physical = torch.from_numpy(_place(ctx, ids.numpy()))
         x = hidden.repeat_interleave(top_k, dim=0)
         started = _clock(ctx)
         decode = None if ctx.decode is None else ctx.decode.repeat_interleave(top_k)
@@ -343,33 +374,35 @@ def exchange(ctx: ExpertsContext, module: torch.nn.Module, hidden: torch.Tensor,
 def _remote(ctx: ExpertsContext, module: torch.nn.Module, weights: dict[str, torch.Tensor], hidden: torch.Tensor,
             top_k_index: torch.Tensor) -> torch.Tensor:
     """Gather every rank's pairs, compute those this rank's slots take, send each owner its outputs.
-    Returns this rank's pairs' outputs ``[n * k, H]`` in pair order."""
+    Returns this rank's pairs' outputs ``[n * k, H]`` in pair order. The bookkeeping is numpy on a
+    few dozen pairs a decode step (a torch op costs several times a numpy one at that size)."""
     rows, expert_ids, decode = _gather_pairs(ctx, hidden, top_k_index)
-    k, size = ctx.peer_top_k, ctx.slots_per_rank
-    pairs = [e.numel() for e in expert_ids]
-    physical, owner = _place(ctx, torch.cat([e.reshape(-1) for e in expert_ids]), pairs)
-    holder = torch.div(physical, size, rounding_mode="floor")
+    k, size, rank = ctx.peer_top_k, ctx.slots_per_rank, ctx.rank
+    pairs = [m * k for m in ctx.peer_rows]
+    physical = _place(ctx, expert_ids.reshape(-1))
+    holder = physical // size
     # this rank's slots' pairs from every owner, owner by owner, each owner's in pair order
-    taken = (holder == ctx.rank).nonzero().flatten()
-    row_of = torch.div(taken, k, rounding_mode="floor")  # pair j is row j // k of the group's rows
-    x = torch.cat(rows)[row_of]
+    taken = np.flatnonzero(holder == rank)
+    row_of = torch.from_numpy(taken // k)  # pair j is row j // k of the group's rows
+    x = rows[row_of]
     if x.shape[0]:
         started = _clock(ctx)
-        result = pair_forward(module, weights, x, physical[taken] - ctx.rank * size, min_rows=ctx.min_rows,
-                              decode=torch.cat(decode)[row_of], decode_rows=ctx.decode_rows)
+        result = pair_forward(module, weights, x, torch.from_numpy(physical[taken] - rank * size),
+                              min_rows=ctx.min_rows, decode=decode[row_of], decode_rows=ctx.decode_rows)
         result = result.to(hidden.dtype)
         _charge(ctx, "expert_cpu_s", started)
     else:
         result = x
     # combine: each owner gets its pairs' outputs from every holder, in rank order, each in pair order
-    first = sum(pairs[: ctx.rank])
-    mine = holder[first : first + pairs[ctx.rank]]
-    send = torch.bincount(owner[taken], minlength=ctx.num_ranks).tolist()
-    receive = torch.bincount(mine, minlength=ctx.num_ranks).tolist()
-    largest = int(torch.bincount(holder, minlength=ctx.num_ranks).max())  # the most pairs a holder sends back
+    ends = np.cumsum(pairs)
+    first = int(ends[rank]) - pairs[rank]
+    mine = holder[first : first + pairs[rank]]
+    send = np.bincount(np.searchsorted(ends, taken, side="right"), minlength=ctx.num_ranks).tolist()
+    receive = np.bincount(mine, minlength=ctx.num_ranks).tolist()
+    largest = int(np.bincount(holder, minlength=ctx.num_ranks).max())  # the most pairs a holder sends back
     back = _all_to_all(ctx, result, send, receive, "the expert combine all_to_all", largest)
-    out = torch.empty(mine.numel(), hidden.shape[1], dtype=hidden.dtype)
-    out[torch.argsort(mine, stable=True)] = back
+    out = torch.empty(mine.shape[0], hidden.shape[1], dtype=hidden.dtype)
+    out[torch.from_numpy(np.argsort(mine, kind="stable"))] = back
     return out
 
 

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = ["KERNEL_NAME", "ExpertsContext", "ReplicaDivergence", "check_row_independent", "pair_forward",
@@ -67,6 +68,7 @@ class ExpertsContext:
     min_rows: int = 1  # a slot's prefill rows are padded to at least this many (the machine's row_floor)
     decode_rows: int = 1  # a slot's decode rows go in groups of at most this many, unpadded (decode_rows)
     placement_print: int = 0  # a fingerprint of this layer's placement row: the ranks must agree on it
+    routing: Any = None  # the placement row as the dispatch reads it (dispatch.routing_of; built at the first step)
     rows: int | None = None  # real token rows of the packed step being run (None: outside forward_batch)
     decode: torch.Tensor | None = None  # [rows] bool: the row is a request's one new token (None: all prefill)
     peer_rows: tuple[int, ...] = ()  # every rank's real rows this step (dispatch.step_header)
@@ -107,62 +109,62 @@ def pair_forward(module: torch.nn.Module, weights: dict[str, torch.Tensor], x: t
     num_slots = next(iter(weights.values())).shape[0]
     if decode is None or min_rows == 1 or not bool(decode.any()):
         return _grouped_forward(module, weights, x, slots, min_rows)
-    big = ~decode
-    has_big = torch.bincount(slots[big], minlength=num_slots) > 0
-    small = decode.nonzero().flatten()
-    small_slots = slots[small]
-    order = torch.argsort(small_slots, stable=True)
-    per_slot = torch.bincount(small_slots, minlength=num_slots)
-    within = torch.empty_like(small)
-    within[order] = torch.arange(small.numel()) - (torch.cumsum(per_slot, 0) - per_slot)[small_slots[order]]
-    unit = torch.zeros_like(slots)  # a row's group among its slot's: the prefill group first, then decode chunks
-    unit[small] = torch.div(within, decode_rows, rounding_mode="floor") + has_big[small_slots].long()
+    # the index arithmetic in numpy: a decode step's few dozen rows cost a torch op several numpy ones
+    slot_of, is_decode = slots.numpy(), decode.numpy()
+    has_big = np.bincount(slot_of[~is_decode], minlength=num_slots) > 0
+    small = np.flatnonzero(is_decode)
+    small_slots = slot_of[small]
+    order = np.argsort(small_slots, kind="stable")
+    per_slot = np.bincount(small_slots, minlength=num_slots)
+    within = np.empty_like(small)
+    within[order] = np.arange(small.shape[0]) - (np.cumsum(per_slot) - per_slot)[small_slots[order]]
+    unit = np.zeros_like(slot_of)  # a row's group among its slot's: the prefill group first, then decode chunks
+    unit[small] = within // decode_rows + has_big[small_slots]
     out = torch.empty(0)
     for u in range(int(unit.max()) + 1):
-        rows = (unit == u).nonzero().flatten()
-        if not rows.numel():
+        rows = np.flatnonzero(unit == u)
+        if not rows.shape[0]:
             continue
-        pad = torch.where(has_big, min_rows, 1) if u == 0 else 1
-        part = _grouped_forward(module, weights, x[rows], slots[rows], pad)
+        pad = np.where(has_big, min_rows, 1) if u == 0 else 1
+        index = torch.from_numpy(rows)
+        part = _grouped_forward(module, weights, x[index], slots[index], pad)
         if not out.numel():
             out = part.new_empty(x.shape[0], part.shape[1])
-        out[rows] = part
+        out[index] = part
     return out
 
 
 def _grouped_forward(module: torch.nn.Module, weights: dict[str, torch.Tensor], x: torch.Tensor,
-                     slots: torch.Tensor, min_rows: int | torch.Tensor) -> torch.Tensor:
+                     slots: torch.Tensor, min_rows: int | np.ndarray) -> torch.Tensor:
     """Each slot's rows as one group, padded with zero rows to ``min_rows`` (per slot, or one for all)."""
     has_gate = getattr(module, "has_gate", True)
     num_slots = next(iter(weights.values())).shape[0]
-    order = torch.argsort(slots, stable=True)
-    counts = torch.bincount(slots, minlength=num_slots)
-    padded = torch.where(counts > 0, torch.maximum(counts, torch.as_tensor(min_rows)), 0)
-    ends = torch.cumsum(padded, 0)
-    sorted_slots = slots[order]
-    within = torch.arange(slots.numel()) - (torch.cumsum(counts, 0) - counts)[sorted_slots]
-    dest = (ends - padded)[sorted_slots] + within  # each sorted row's place among the padded groups
-    offsets = ends.to(torch.int32)
-    row_slot = torch.repeat_interleave(torch.arange(num_slots), padded)
+    slot_of = slots.numpy()
+    order = np.argsort(slot_of, kind="stable")
+    counts = np.bincount(slot_of, minlength=num_slots)
+    padded = np.where(counts > 0, np.maximum(counts, min_rows), 0)
+    ends = np.cumsum(padded)
+    sorted_slots = slot_of[order]
+    within = np.arange(slot_of.shape[0]) - (np.cumsum(counts) - counts)[sorted_slots]
+    dest = torch.from_numpy((ends - padded)[sorted_slots] + within)  # each sorted row's place among the padded groups
+    source = torch.from_numpy(order)
+    offsets = torch.from_numpy(ends.astype(np.int32))
 
     def linear(inp: torch.Tensor, name: str) -> torch.Tensor:
         w_all, bias = weights[name], weights.get(name + "_bias")
         out = torch._grouped_mm(inp, w_all, offs=offsets)
-        return out if bias is None else out + bias[row_slot]
+        return out if bias is None else out + bias[torch.from_numpy(np.repeat(np.arange(num_slots), padded))]
 
-    rows = x.new_empty(int(ends[-1]), x.shape[1])
-    if rows.shape[0] > x.shape[0]:  # padding rows: zeros (the real rows are all written below)
-        pad = torch.ones(rows.shape[0], dtype=torch.bool)
-        pad[dest] = False
-        rows[pad] = 0
-    rows[dest] = x[order]
+    total = int(ends[-1])
+    rows = x.new_zeros(total, x.shape[1]) if total > x.shape[0] else x.new_empty(total, x.shape[1])  # padding: zeros
+    rows[dest] = x[source]
     h = linear(rows, "gate_up_proj" if has_gate else "up_proj")
     h = _activate(module, h, has_gate)
     h = linear(h, "down_proj")
     if getattr(module, "has_post_expert_norm", False):
         h = _module_fn(module, "post_expert_norm")(h)
     out = torch.empty(x.shape[0], h.shape[1], dtype=h.dtype)
-    out[order] = h[dest]
+    out[source] = h[dest]
     return out
 
 
