@@ -20,6 +20,10 @@
    descendants in ``/proc``, forkserver children included; every rank's pid from ``GET /state``
    must be among them), from before the first request is sent to after the last answer.
    Idle CPU: the same sum over ``--idle-s`` seconds with no request, divided by the ranks.
+   Every EP size's deployment is up at once (an idle one sleeps) and their runs are interleaved:
+   ``--repeats`` rounds, each serving every concurrency on every EP size in turn, then the
+   reference again; a run's figures are its median round's (this machine's speed drifts by 1.5x
+   over minutes: interleaving puts the sizes compared in the same minutes).
 4. Checks the served tokens of every request against the reference's (1 at a time), and prints
    one table with every figure and the issue's targets (PASS/FAIL). A figure that cannot be
    measured (a failed request, a missing process) ends the bench with an error, never a blank.
@@ -62,7 +66,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -475,31 +479,63 @@ def mismatches(served: Sequence[list[int]], expected: Sequence[list[int]]) -> li
     return [i for i, (s, e) in enumerate(zip(served, expected)) if s != e]
 
 
-def measure_ep(model_dir: Path, ep: int, args: argparse.Namespace, expected: list[list[int]],
-               workdir: Path) -> dict[str, Any]:
-    """Idle CPU, then every concurrency's run, on one deployment of ``ep`` ranks."""
-    out: dict[str, Any] = {"ep": ep, "runs": {}}
-    samples = workdir / f"samples-ep{ep}" if args.profile else None
-    with serve(model_dir, ep, args, workdir, samples) as d:
-        asyncio.run(_send_all(d, args.prompts_all[:2], 4, 2))  # warm-up: the first requests' set-up
+def median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median CPU per token among a concurrency's repeats (the lower middle of an even
+    count), with every repeat's CPU per token and tokens/s beside it, and every repeat's mismatched
+    requests (none may differ in any)."""
+    ordered = sorted(runs, key=lambda r: r["cpu_per_token_ms"])
+    chosen = dict(ordered[(len(ordered) - 1) // 2])
+    chosen["repeats"] = [{"cpu_per_token_ms": r["cpu_per_token_ms"], "tokens_per_s": r["tokens_per_s"]} for r in runs]
+    chosen["mismatched"] = sorted({i for r in runs for i in r["mismatched"]})
+    return chosen
+
+
+def measure_eps(model_dir: Path, args: argparse.Namespace, expected: list[list[int]], workdir: Path
+                ) -> tuple[dict[int, dict[str, Any]], list[RunFigures]]:
+    """Every EP size's deployment up at once (an idle one sleeps: 0.01 cores a rank), each one's idle
+    CPU, then ``--repeats`` rounds; in each round every deployment serves every concurrency's run in
+    turn (the EP sizes ascending in even rounds, descending in odd ones), and the reference runs
+    after it. A run's figures are the median repeat's (:func:`median_run`): this machine's speed
+    drifts by 1.5x over minutes, and interleaving puts the EP sizes' runs in the same minutes.
+    Returns the figures per EP size and the reference's runs."""
+    out: dict[int, dict[str, Any]] = {ep: {"ep": ep, "runs": {}} for ep in args.ep}
+    raw: dict[int, dict[int, list[dict[str, Any]]]] = {ep: {c: [] for c in args.concurrency} for ep in args.ep}
+    references: list[RunFigures] = []
+    with ExitStack() as stack:
+        deployments: dict[int, tuple[Deployment, Path | None]] = {}
+        for ep in args.ep:
+            samples = workdir / f"samples-ep{ep}" if args.profile else None
+            d = stack.enter_context(serve(model_dir, ep, args, workdir, samples))
+            asyncio.run(_send_all(d, args.prompts_all[:2], 4, 2))  # warm-up: the first requests' set-up
+            deployments[ep] = (d, samples)
         time.sleep(args.settle_s)
-        idle, by_process = idle_cores(d, args.idle_s)
-        out |= {"idle_cores": idle, "idle_cores_per_rank": idle / ep, "idle_by_process": by_process,
-                "processes": len(d.cpu())}
-        print(f"EP {ep}, idle: {idle:.3f} cores ({_cores(by_process)})", file=sys.stderr)
-        for concurrency in args.concurrency:
-            prompts = args.prompts_all if concurrency > 1 else args.prompts_all[:args.single_requests]
-            profiled = samples is not None and concurrency == max(args.concurrency)
-            if profiled:
-                (samples / "on").touch()  # type: ignore[operator]
-            figures, outputs, by_process = served_run(d, prompts, args.new_tokens, concurrency)
-            out["runs"][concurrency] = figures.as_dict() | {"requests": len(prompts), "cores_by_process": by_process,
-                                                            "mismatched": mismatches(outputs, expected)}
-            print(f"EP {ep}, concurrency {concurrency}: {figures.tokens_per_s:.1f} tokens/s, "
-                  f"{figures.cpu_per_token_ms:.2f} ms CPU/token ({_cores(by_process)})", file=sys.stderr)
-            if profiled:
-                out["profile"] = _collect_profile(d, samples)  # type: ignore[arg-type]
-    return out
+        for ep, (d, _) in deployments.items():
+            idle, by_process = idle_cores(d, args.idle_s)
+            out[ep] |= {"idle_cores": idle, "idle_cores_per_rank": idle / ep, "idle_by_process": by_process,
+                        "processes": len(d.cpu())}
+            print(f"EP {ep}, idle: {idle:.3f} cores ({_cores(by_process)})", file=sys.stderr)
+        for round_ in range(args.repeats):
+            for ep in (args.ep if round_ % 2 == 0 else list(reversed(args.ep))):
+                d, samples = deployments[ep]
+                for concurrency in args.concurrency:
+                    prompts = args.prompts_all if concurrency > 1 else args.prompts_all[:args.single_requests]
+                    profiled = samples is not None and concurrency == max(args.concurrency) and round_ == args.repeats - 1
+                    if profiled:
+                        (samples / "on").touch()  # type: ignore[operator]
+                    figures, outputs, by_process = served_run(d, prompts, args.new_tokens, concurrency)
+                    raw[ep][concurrency].append(figures.as_dict() | {
+                        "requests": len(prompts), "cores_by_process": by_process,
+                        "mismatched": mismatches(outputs, expected)})
+                    print(f"EP {ep}, concurrency {concurrency}, round {round_ + 1}: {figures.tokens_per_s:.1f} tokens/s, "
+                          f"{figures.cpu_per_token_ms:.2f} ms CPU/token ({_cores(by_process)})", file=sys.stderr)
+                    if profiled:
+                        out[ep]["profile"] = _collect_profile(d, samples)  # type: ignore[arg-type]
+            # the reference again after each round, so every ratio is taken to the reference's runs around the served ones
+            again, _ = reference(model_dir, args.prompts_all, args.new_tokens, args.ref_batch)
+            references.append(again)
+    for ep in args.ep:
+        out[ep]["runs"] = {c: median_run(raw[ep][c]) for c in args.concurrency}
+    return out, references
 
 
 # -- skewed routing, EPLB on and off (--skew) ----------------------------------------------------------
@@ -962,6 +998,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--ref-batch", type=int, default=16, help="the reference's batch (16 at once) beside 1 at a time")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of every concurrency's run on every EP size, "
+                    "interleaved; a run's figures are the median round's")
     ap.add_argument("--idle-s", type=float, default=10.0)
     ap.add_argument("--settle-s", type=float, default=2.0, help="wait after the warm-up before the idle measure")
     ap.add_argument("--start-timeout", type=float, default=900.0)
@@ -992,6 +1030,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.skew and args.skew_interval <= args.skew_window:
         raise SystemExit(f"--skew-interval {args.skew_interval} must exceed --skew-window {args.skew_window}: the "
                          "window before the first rebalance would not be whole")
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be at least 1, got {args.repeats}")
     args.ep = [int(x) for x in args.ep.split(",")]
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
     bad = [e for e in args.ep if e < 1 or (args.experts + args.redundant) % e]
@@ -1031,13 +1071,8 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
               f"{', '.join(f'{x:.2f}' for x in figures['reference_hot_over_mean'])} (per layer)", file=sys.stderr)
         figures["skew"] = run_skew(model_dir, args, expected, workdir)
         return figures
-    runs = [batched]
-    for ep in args.ep:
-        figures["ep"][ep] = measure_ep(model_dir, ep, args, expected, workdir)
-        # the reference again after each EP size: this machine's speed drifts by 1.5x over minutes (other
-        # jobs, clocks), so every ratio is taken to the mean of the reference's runs around the served ones
-        again, _ = reference(model_dir, args.prompts_all, args.new_tokens, args.ref_batch)
-        runs.append(again)
+    figures["ep"], again = measure_eps(model_dir, args, expected, workdir)
+    runs = [batched, *again]
     figures["reference"]["batched_runs"] = [r.cpu_per_token_ms for r in runs]
     figures["reference"]["batched"] |= {
         "cpu_per_token_ms": statistics.fmean(r.cpu_per_token_ms for r in runs),
@@ -1077,8 +1112,9 @@ def main(argv: list[str] | None = None) -> int:
     caption = (f"CPU: every process of the deployment (server, coordinator, ranks). Reference: "
                f"{100 * figures['reference_matmul_share']:.0f}% of its operator time in matrix multiplications; "
                f"batch {args.ref_batch} and 1 differ on {len(figures['reference_batched_unlike_single'])} requests. "
-               + (f"Batch {args.ref_batch}: the mean of {len(figures['reference']['batched_runs'])} runs, before and after "
-                  f"each EP size ({', '.join(_fmt(x) for x in figures['reference']['batched_runs'])} ms CPU/token). "
+               + (f"Batch {args.ref_batch}: the mean of {len(figures['reference']['batched_runs'])} runs, before the "
+                  f"served runs and after each round of them "
+                  f"({', '.join(_fmt(x) for x in figures['reference']['batched_runs'])} ms CPU/token). "
                   if "batched_runs" in figures["reference"] else "") +
                f"Load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after.")
     if args.skew:

@@ -327,3 +327,16 @@ def test_step_ceiling_is_the_sampling_limit_of_a_placement() -> None:
     # the dispatch's cut: spread evenly over the expert's ranks (rank 1's two slots count once)
     assert step_ceiling(one, 24, 2, draws=5) == pytest.approx(1.0)
     assert step_ceiling(one, 1, 1, draws=5) == pytest.approx(0.5)  # 1 pair: whole, to one rank
+
+
+def test_a_run_s_figures_are_its_median_repeat_and_a_mismatch_in_any_repeat_counts() -> None:
+    from bench.bench_capacity import median_run
+
+    def run(cpu: float, tps: float, mismatched: list[int]) -> dict:
+        return {"cpu_per_token_ms": cpu, "tokens_per_s": tps, "mismatched": mismatched}
+
+    chosen = median_run([run(9.0, 100.0, []), run(5.0, 300.0, [3]), run(6.0, 200.0, [])])
+    assert (chosen["cpu_per_token_ms"], chosen["tokens_per_s"]) == (6.0, 200.0)  # the middle by CPU, whole
+    assert [r["cpu_per_token_ms"] for r in chosen["repeats"]] == [9.0, 5.0, 6.0]  # every round, in order
+    assert chosen["mismatched"] == [3]  # a request unlike the reference in one round is a mismatch
+    assert median_run([run(4.0, 1.0, []), run(2.0, 2.0, [])])["cpu_per_token_ms"] == 2.0  # even: the lower middle
