@@ -41,10 +41,10 @@ rebalance (the on run's phases, by round, for both). Per phase: CPU/token, token
 checked, the dispatch's balancedness per step (``GET /state``'s, sampled every 0.1 s: mean over
 layers of mean / max pairs per rank of the rank's last step) and over the load window at the phase's
 end (``GET /placement``: the window's pairs per expert under the placement, split evenly over an
-expert's replicas: the EPLB's model; the dispatch sends an expert's pairs whole to one replica
-unless spreading them lowers the busiest rank, so a step reaches it only as far as its few pairs
-allow), with an estimate of a decode step's (:func:`step_ceiling`: pairs drawn
-from the window, cut as the dispatch cuts them). Targets: balancedness after the first rebalance with
+expert's replicas: the EPLB's model; the dispatch cuts an expert's pairs over its replicas only
+where that lowers the busiest rank, so a step reaches it only as far as its few pairs allow),
+with an estimate of a decode step's (:func:`step_ceiling`: pairs drawn from the window, cut as
+the dispatch cuts them). Targets: balancedness after the first rebalance with
 the EPLB on at least 0.9 (window and per step), the tokens/s after it on over off (reported), no
 token unlike the reference's.
 
