@@ -205,6 +205,54 @@ def test_no_cut_of_the_replicated_experts_has_a_less_busy_busiest_rank(total):
     assert per_logical.tolist() == total
 
 
+def _least_busiest(total: list[int], physical_to_logical: list[int], slots_per_rank: int, ranks: int) -> int:
+    """The lowest busiest rank over every way to cut each expert's pairs over its replicas' ranks:
+    the least ``limit`` for which a max-flow (source -> expert: its pairs; expert -> each rank
+    holding it; rank -> sink: ``limit``) carries every pair. Plain augmenting paths: the graphs are tiny."""
+    holders = [sorted({s // slots_per_rank for s, e in enumerate(physical_to_logical) if e == x}) for x in range(len(total))]
+
+    def augment(x: int, given: list[list[int]], limit: int, seen: set[int]) -> bool:
+        """Place one more pair of expert ``x``, moving other experts' pairs along if need be."""
+        for r in holders[x]:
+            if r in seen:
+                continue
+            seen.add(r)
+            if sum(g[r] for g in given) < limit:
+                given[x][r] += 1
+                return True
+            for y in range(len(total)):  # make room on r: one of y's pairs there moves elsewhere
+                if given[y][r] and augment(y, given, limit, seen):
+                    given[y][r] -= 1
+                    given[x][r] += 1
+                    return True
+        return False
+
+    for limit in range(-(-sum(total) // ranks), sum(total) + 1):
+        given = [[0] * ranks for _ in total]  # pairs of expert x on rank r
+        if all(augment(x, given, limit, set()) for x in range(len(total)) for _ in range(total[x])):
+            return limit
+    raise AssertionError("unreachable: every pair fits at the total")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_the_dispatch_s_busiest_rank_is_the_least_any_cut_allows(data):
+    """Property: on random placements of 6 experts in 12 slots over 4 ranks (replicas anywhere,
+    two of one expert on one rank too) and random pair counts, the busiest rank holds as few pairs
+    as the best cut of every expert's pairs over its replicas (found by max-flow)."""
+    from eplb.models.dispatch import assign
+
+    extra = data.draw(st.lists(st.integers(0, 5), min_size=6, max_size=6))
+    order = data.draw(st.permutations(list(range(12))))
+    p2l = [(list(range(6)) + extra)[i] for i in order]
+    total = data.draw(st.lists(st.integers(0, 9), min_size=6, max_size=6))
+    placement = Placement.from_physical_to_logical(torch.tensor([p2l]), 6)
+    sent = assign(torch.tensor([total]), placement.logical_to_physical[0], placement.replica_count[0], 12, 4)
+    assert int(sent.sum(0).view(4, 3).sum(1).max()) == _least_busiest(total, p2l, 3, 4)
+    per_logical = torch.zeros(6, dtype=torch.int64).scatter_add_(0, placement.physical_to_logical[0], sent.sum(0))
+    assert per_logical.tolist() == total
+
+
 def test_the_start_up_check_trips_on_an_op_that_depends_on_the_batch(qwen):
     from eplb.models.packed import check_batch_invariant
 
