@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from eplb.models.kernel import KERNEL_NAME, ExpertsContext, ReplicaDivergence, pair_forward
+from eplb.models.kernel import KERNEL_NAME, ExpertsContext, ReplicaDivergence, group_positions, pair_forward
 
 __all__ = ["Routing", "assign", "ep_experts_forward", "exchange", "pair_slots", "register", "routing_of", "step_header"]
 
@@ -204,10 +204,8 @@ def pair_slots(ids: torch.Tensor, rank: int, counts: torch.Tensor, logical_to_ph
 def _slots(ids: np.ndarray, first: np.ndarray, total: np.ndarray, routing: Routing) -> np.ndarray:
     """:func:`pair_slots` on numpy: ``first [L]`` is where these pairs start in each expert's
     order over all ranks, ``total [L]`` the group's pairs per expert."""
-    order = np.argsort(ids, kind="stable")
+    order, _, within = group_positions(ids, total.shape[0])
     sorted_ids = ids[order]
-    mine = np.bincount(ids, minlength=total.shape[0])
-    within = np.arange(ids.shape[0]) - (np.cumsum(mine) - mine)[sorted_ids]
     position = first[sorted_ids] + within  # in the expert's pair order over all ranks
     starts = _chunks(total, routing)
     chunk = (position[:, None] >= starts[sorted_ids, 1:]).sum(1)

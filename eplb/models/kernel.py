@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["KERNEL_NAME", "ExpertsContext", "ReplicaDivergence", "check_row_independent", "pair_forward",
+__all__ = ["KERNEL_NAME", "ExpertsContext", "ReplicaDivergence", "check_row_independent", "group_positions", "pair_forward",
            "decode_rows", "placement_print", "row_floor"]
 
 KERNEL_NAME = "eplb_rowwise"
@@ -114,10 +114,9 @@ def pair_forward(module: torch.nn.Module, weights: dict[str, torch.Tensor], x: t
     has_big = np.bincount(slot_of[~is_decode], minlength=num_slots) > 0
     small = np.flatnonzero(is_decode)
     small_slots = slot_of[small]
-    order = np.argsort(small_slots, kind="stable")
-    per_slot = np.bincount(small_slots, minlength=num_slots)
+    order, _, sorted_within = group_positions(small_slots, num_slots)
     within = np.empty_like(small)
-    within[order] = np.arange(small.shape[0]) - (np.cumsum(per_slot) - per_slot)[small_slots[order]]
+    within[order] = sorted_within
     unit = np.zeros_like(slot_of)  # a row's group among its slot's: the prefill group first, then decode chunks
     unit[small] = within // decode_rows + has_big[small_slots]
     out = torch.empty(0)
@@ -134,26 +133,33 @@ def pair_forward(module: torch.nn.Module, weights: dict[str, torch.Tensor], x: t
     return out
 
 
+def group_positions(keys: np.ndarray, num_keys: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For ``keys [n]`` (each in ``[0, num_keys)``): the stable order that groups them by key, each
+    key's count ``[num_keys]``, and each element's position within its key's group, in that order."""
+    order = np.argsort(keys, kind="stable")
+    counts = np.bincount(keys, minlength=num_keys)
+    return order, counts, np.arange(keys.shape[0]) - (np.cumsum(counts) - counts)[keys[order]]
+
+
 def _grouped_forward(module: torch.nn.Module, weights: dict[str, torch.Tensor], x: torch.Tensor,
                      slots: torch.Tensor, min_rows: int | np.ndarray) -> torch.Tensor:
     """Each slot's rows as one group, padded with zero rows to ``min_rows`` (per slot, or one for all)."""
     has_gate = getattr(module, "has_gate", True)
     num_slots = next(iter(weights.values())).shape[0]
     slot_of = slots.numpy()
-    order = np.argsort(slot_of, kind="stable")
-    counts = np.bincount(slot_of, minlength=num_slots)
+    order, counts, within = group_positions(slot_of, num_slots)
     padded = np.where(counts > 0, np.maximum(counts, min_rows), 0)
     ends = np.cumsum(padded)
-    sorted_slots = slot_of[order]
-    within = np.arange(slot_of.shape[0]) - (np.cumsum(counts) - counts)[sorted_slots]
-    dest = torch.from_numpy((ends - padded)[sorted_slots] + within)  # each sorted row's place among the padded groups
+    dest = torch.from_numpy((ends - padded)[slot_of[order]] + within)  # each sorted row's place among the padded groups
     source = torch.from_numpy(order)
     offsets = torch.from_numpy(ends.astype(np.int32))
+    has_bias = any(name.endswith("_bias") for name in weights)
+    row_slot = torch.from_numpy(np.repeat(np.arange(num_slots), padded)) if has_bias else None
 
     def linear(inp: torch.Tensor, name: str) -> torch.Tensor:
         w_all, bias = weights[name], weights.get(name + "_bias")
         out = torch._grouped_mm(inp, w_all, offs=offsets)
-        return out if bias is None else out + bias[torch.from_numpy(np.repeat(np.arange(num_slots), padded))]
+        return out if bias is None else out + bias[row_slot]
 
     total = int(ends[-1])
     rows = x.new_zeros(total, x.shape[1]) if total > x.shape[0] else x.new_empty(total, x.shape[1])  # padding: zeros
