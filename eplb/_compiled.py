@@ -240,8 +240,9 @@ def _swap_one(slot_load, slot_expert, max_steps, stop_below):  # pragma: no cove
         gl[bx] += li - lj
         _slot_range(slot_load, h, lo, hi)
         _slot_range(slot_load, bx, lo, hi)
-        # re-sort: h got lighter (moves left), bx heavier (moves right)
-        _resort_one(order, gl, h)
+        # re-sort: h got lighter (moves left; it was last), bx heavier (moves right; it is among the
+        # lightest, so the search from the left finds it soon)
+        _resort_from(order, gl, g - 1)
         _resort_one(order, gl, bx)
     return gl.max()
 
@@ -308,10 +309,17 @@ def _heaviest_swap(slot_load, slot_expert, gl, order, h, peak, lo, hi):  # pragm
 @numba.njit(cache=True)
 def _resort_one(order, gl, y):  # pragma: no cover - compiled
     """Move GPU ``y`` to its place in ``order`` (ascending ``gl``) after its load changed."""
-    g = order.shape[0]
     z = 0
     while order[z] != y:
         z += 1
+    _resort_from(order, gl, z)
+
+
+@numba.njit(cache=True)
+def _resort_from(order, gl, z):  # pragma: no cover - compiled
+    """Move the GPU at ``order[z]`` to its place in ``order`` (ascending ``gl``) after its load changed."""
+    g = order.shape[0]
+    y = order[z]
     while z > 0 and gl[order[z - 1]] > gl[y]:
         order[z] = order[z - 1]
         z -= 1
@@ -488,11 +496,9 @@ def logical_to_physical(p2l, counts, width):  # pragma: no cover - compiled
     nxt = np.empty(n, np.int64)
     for r in range(b):
         row = out[r]
+        row[:] = -1  # one pass (a fill of all-ones bytes), then the slots over it
         for e in range(n):
-            base = e * width
-            for k in range(counts[r, e], width):
-                row[base + k] = -1
-            nxt[e] = base
+            nxt[e] = e * width
         for t in range(p):
             e = p2l[r, t]
             row[nxt[e]] = t
@@ -1429,3 +1435,82 @@ def _apply_move(w, cnt, pl, hc, hold, se, gl, gl_new, h, i, x, t, swap, peak):  
         hc[h, f] += 1
         hc[h, e] -= 1
     return True
+
+
+@numba.njit(cache=True)
+def sorted_items(per, order, counts, p):  # pragma: no cover - compiled
+    """The replicas ``[B, P]`` in descending load, ``(item_load, item_expert)``, from each expert's load
+    per replica ``per [B, L]``, its order ``order [B, L]`` (numpy's ``argsort(-per)``: ties as numpy
+    breaks them) and its replicas ``counts [B, L]``: expert ``order[r, k]`` repeated ``counts`` times,
+    as ``eplb.algorithm._sorted_items`` built them with ``np.repeat`` (``p``: the replicas of a layer)."""
+    b, n = per.shape
+    item_load = np.empty((b, p))
+    item_expert = np.empty((b, p), np.int64)
+    for r in range(b):
+        q = 0
+        for k in range(n):
+            e = order[r, k]
+            v = per[r, e]
+            for _ in range(counts[r, e]):
+                item_load[r, q] = v
+                item_expert[r, q] = e
+                q += 1
+    return item_load, item_expert
+
+
+@numba.njit(cache=True)
+def moved_counts(load, counts, slot_load, slot_expert, rows, gpu_load, top, above):  # pragma: no cover - compiled
+    """``eplb.algorithm._moved_counts`` on the layers ``rows`` of ``slot_* [B, G, S]``: for the heaviest
+    GPU, and the next ones in ``top [R, W]`` (numpy's order of ``-gpu_load``) while above ``above [R]``,
+    the expert of its largest replica that may gain one (fewer than ``G`` replicas, none lost) gains
+    one, and the expert that loses least by giving one (smallest ``w / (c - 1)``, not gained) gives
+    it. ``load [R, L]`` and ``counts [R, L]`` are the rows' own; the same choices, first maxima and
+    minima, as the numpy version. Returns ``(counts [R, L], moved [R])``."""
+    nr, n = load.shape
+    g = slot_load.shape[1]
+    s = slot_load.shape[2]
+    width = top.shape[1]
+    c = counts.copy()
+    moved = np.zeros(nr, np.bool_)
+    gained = np.zeros(n, np.bool_)
+    lost = np.zeros(n, np.bool_)
+    for i in range(nr):
+        row = rows[i]
+        for e in range(n):
+            gained[e] = False
+            lost[e] = False
+        for j in range(width):
+            h = top[i, j]
+            # the largest replica of h whose expert may gain one (np.argmax: the first maximum)
+            best = -1.0
+            k_best = 0
+            for k in range(s):
+                e = slot_expert[row, h, k]
+                v = slot_load[row, h, k] if (c[i, e] < g and not lost[e]) else -1.0
+                if k == 0 or v > best:
+                    best = v
+                    k_best = k
+            recv = slot_expert[row, h, k_best]
+            # the donor: the smallest w / (c - 1) among experts with two replicas or more, not
+            # gained, not the receiver (np.argmin: the first minimum; all inf -> 0, then refused)
+            don = 0
+            low = np.inf
+            for e in range(n):
+                if c[i, e] >= 2 and not gained[e] and e != recv:
+                    w = load[i, e] / max(c[i, e] - 1, 1)
+                else:
+                    w = np.inf
+                if e == 0 or w < low:
+                    low = w
+                    don = e
+            go = best >= 0 and np.isfinite(low)
+            if j > 0:
+                go = go and gpu_load[i, h] > above[i]
+            if go:
+                c[i, recv] += 1
+                c[i, don] -= 1
+                gained[recv] = True
+                lost[don] = True
+                moved[i] = True
+    return c, moved
+

@@ -376,6 +376,7 @@ def warm_up() -> None:
     _compiled.gate_draws(load, _normals(load.shape), 2.0)
     _compiled.copies_vs(p2l, p2l, 2, 6)
     _compiled.keep_idle(p2l.copy(), p2l, load == 0, 2)
+    _moved_counts(load, counts, slot_load, slot_expert, 2, 2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -639,13 +640,12 @@ def _holds_count(slot_expert: np.ndarray, num_logical: int) -> np.ndarray:
 
 def _sorted_items(load: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The replicas ``[B, P]`` in descending load: ``(item_load, item_expert)``; the replicas of
-    an expert are adjacent."""
-    b = load.shape[0]
+    an expert are adjacent. numpy sorts (its ties, deterministic for a given input); the compiled
+    :func:`eplb._compiled.sorted_items` repeats each expert ``counts`` times, as ``np.repeat`` did."""
     per = load / counts
     order = np.argsort(-per, axis=1)  # deterministic for a given input
-    times = np.take_along_axis(counts, order, axis=1).ravel()
-    item_expert = np.repeat(order.ravel(), times).reshape(b, -1)
-    return np.repeat(np.take_along_axis(per, order, axis=1).ravel(), times).reshape(b, -1), item_expert
+    c = np.ascontiguousarray(counts, dtype=np.int64)
+    return _compiled.sorted_items(per, order, c, int(c[0].sum()) if c.shape[0] else 0)
 
 
 def _fill_pack(load: np.ndarray, counts: np.ndarray, num_gpus: int) -> tuple[np.ndarray, np.ndarray]:
@@ -665,40 +665,27 @@ def _fill_pack(load: np.ndarray, counts: np.ndarray, num_gpus: int) -> tuple[np.
 
 
 def _moved_counts(
-    load: np.ndarray, counts: np.ndarray, slot_load: np.ndarray, slot_expert: np.ndarray, num_gpus: int, width: int
+    load: np.ndarray, counts: np.ndarray, slot_load: np.ndarray, slot_expert: np.ndarray, num_gpus: int, width: int,
+    rows: np.ndarray | None = None, gpu_load: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Counts with up to ``width`` replicas moved, read off a packing. Returns ``(counts, moved [B])``.
 
     For the heaviest GPU, and the next ``width - 1`` heaviest while they are more than
     ``_RECOUNT_GPU_ABOVE`` above the mean: the expert of its largest replica gains a replica (at
     most one per GPU), and the expert that loses least by giving one up (smallest
-    ``w / (c - 1)``) gives it; no expert both gains and gives."""
-    b, g = load.shape[0], num_gpus
-    r = np.arange(b)
-    c = counts.copy()
-    gpu_load = slot_load.sum(axis=2)
-    order = np.argsort(-gpu_load, axis=1)[:, :width]
+    ``w / (c - 1)``) gives it; no expert both gains and gives. ``load`` and ``counts`` are the
+    layers ``rows`` of ``slot_* [B', G, S]`` (default: all of them), ``gpu_load`` their GPU loads
+    (``slot_load[rows].sum(axis=2)``) when the caller has them. numpy orders the GPUs (its ties);
+    the steps run compiled (:func:`eplb._compiled.moved_counts`, the numpy version's choices)."""
+    g = num_gpus
+    if rows is None:
+        rows = np.arange(load.shape[0])
+    if gpu_load is None:
+        gpu_load = slot_load[rows].sum(axis=2)
+    order = np.ascontiguousarray(np.argsort(-gpu_load, axis=1)[:, :width])
     above = gpu_load.sum(axis=1) / g * _RECOUNT_GPU_ABOVE
-    gained = np.zeros(c.shape, dtype=bool)
-    lost = np.zeros(c.shape, dtype=bool)
-    moved = np.zeros(b, dtype=bool)
-    for j in range(order.shape[1]):
-        h = order[:, j]
-        on_h = slot_expert[r, h]  # [B, S]
-        size = np.where((c[r[:, None], on_h] < g) & ~lost[r[:, None], on_h], slot_load[r, h], -1.0)
-        recv = on_h[r, size.argmax(axis=1)]
-        grown = np.where((c >= 2) & ~gained, load / np.maximum(c - 1, 1), np.inf)
-        grown[r, recv] = np.inf
-        don = grown.argmin(axis=1)
-        go = (size.max(axis=1) >= 0) & np.isfinite(grown[r, don])
-        if j:
-            go &= gpu_load[r, h] > above
-        c[r[go], recv[go]] += 1
-        c[r[go], don[go]] -= 1
-        gained[r[go], recv[go]] = True
-        lost[r[go], don[go]] = True
-        moved |= go
-    return c, moved
+    return _compiled.moved_counts(np.ascontiguousarray(load, dtype=np.float64), np.ascontiguousarray(counts, dtype=np.int64),
+                                  slot_load, slot_expert, np.asarray(rows, dtype=np.int64), gpu_load, order, above)
 
 
 def _paired_counts(load: np.ndarray, counts: np.ndarray, num_gpus: int) -> tuple[np.ndarray, np.ndarray]:
@@ -775,17 +762,18 @@ def _recount(
     """
     g = num_gpus
     c, sparse = _paired_counts(load, counts, g)
-    best = slot_load.sum(axis=2).max(axis=1)
+    gpu_load = slot_load.sum(axis=2)
+    best = gpu_load.max(axis=1)
     mean = load.sum(axis=1) / g
     # pairing helps where the heaviest GPU holds three loaded replicas or more (sparse layers
     # close to the mean gain little and cost the most: many of them)
     r = np.arange(load.shape[0])
-    h = slot_load.sum(axis=2).argmax(axis=1)
+    h = gpu_load.argmax(axis=1)
     paired = sparse & ((slot_load[r, h] > 0).sum(axis=1) >= 3) & (best * _RECOUNT_BELOW_SPARSE > mean)
     rows_list, counts_list = [np.nonzero(paired)[0]], [c[paired]]
     rest = np.nonzero(~sparse)[0]  # (sparse layers rarely gain by moved replicas)
     for width in _RECOUNT_WIDTHS if rest.size else ():
-        c, moved = _moved_counts(load[rest], counts[rest], slot_load[rest], slot_expert[rest], g, width)
+        c, moved = _moved_counts(load[rest], counts[rest], slot_load, slot_expert, g, width, rest, gpu_load[rest])
         rows_list.append(rest[moved])
         counts_list.append(c[moved])
     # anchor-and-filler counts where the layer is far from the mean
@@ -1468,6 +1456,8 @@ _AIM_NOISE = 1.55
 # 0.9 -0.0039 / -0.0066 at 1.37% / 1.62%; 0.6 -0.0035 / -0.0058 at 1.68% / 2.12%; 0.3 (the tolerance's
 # floor) -0.0034 / -0.0060 at 1.67% / 2.24%. The other families have no such layers (unchanged)
 _AIM_NOISE_SPARSE = 0.6
+# ... and at most this far short of default's balance on the load (B search; inf: no cap)
+_AIM_CAP = np.inf
 
 
 # migration_aware fits a hedged load (issue 31): the next window's load on a GPU varies by the sum over its
@@ -1545,7 +1535,8 @@ class _MoveGate:
                 # estimate's share of the next window's variance (the last window alone: 1)
                 spread = np.sqrt(min(max(noise_var - 1.0, 0.0), 1.0) / np.maximum(real.sum(axis=1) / g, 1e-9))
                 sparse = (real == 0).sum(axis=1) >= _BFD_IDLE * g  # default packs these by best fit (bfd_pack)
-                ceiling = bal_default - np.maximum(tolerance, np.where(sparse, _AIM_NOISE_SPARSE, _AIM_NOISE) * spread)
+                short = np.minimum(np.where(sparse, _AIM_NOISE_SPARSE, _AIM_NOISE) * spread, _AIM_CAP)
+                ceiling = bal_default - np.maximum(tolerance, short)
         move = (judged < expected - gate - 1e-9) & gain
         far = judged < expected - 5.0 * tolerance
         far_aim = ceiling if not same_gpus else (expected + ceiling) / 2

@@ -924,3 +924,120 @@ def test_migration_aware_steers_replica_counts_towards_defaults(monkeypatch):
     assert steered < plain
     assert steered_copies <= plain_copies * 1.25
     assert steered_bal.mean() >= plain_bal.mean() - 0.01
+
+
+# ---------------------------------------------------------------------------------------------
+# compiled glue of default (issue 31): equal to the numpy steps it replaced
+# ---------------------------------------------------------------------------------------------
+
+
+def _sorted_items_numpy(load: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``_sorted_items`` as it was in numpy (np.repeat of numpy's order)."""
+    b = load.shape[0]
+    per = load / counts
+    order = np.argsort(-per, axis=1)
+    times = np.take_along_axis(counts, order, axis=1).ravel()
+    item_expert = np.repeat(order.ravel(), times).reshape(b, -1)
+    return np.repeat(np.take_along_axis(per, order, axis=1).ravel(), times).reshape(b, -1), item_expert
+
+
+def _moved_counts_numpy(load, counts, slot_load, slot_expert, num_gpus, width):
+    """``_moved_counts`` as it was in numpy, vectorized over the layers."""
+    b, g = load.shape[0], num_gpus
+    r = np.arange(b)
+    c = counts.copy()
+    gpu_load = slot_load.sum(axis=2)
+    order = np.argsort(-gpu_load, axis=1)[:, :width]
+    above = gpu_load.sum(axis=1) / g * alg._RECOUNT_GPU_ABOVE
+    gained = np.zeros(c.shape, dtype=bool)
+    lost = np.zeros(c.shape, dtype=bool)
+    moved = np.zeros(b, dtype=bool)
+    for j in range(order.shape[1]):
+        h = order[:, j]
+        on_h = slot_expert[r, h]
+        size = np.where((c[r[:, None], on_h] < g) & ~lost[r[:, None], on_h], slot_load[r, h], -1.0)
+        recv = on_h[r, size.argmax(axis=1)]
+        grown = np.where((c >= 2) & ~gained, load / np.maximum(c - 1, 1), np.inf)
+        grown[r, recv] = np.inf
+        don = grown.argmin(axis=1)
+        go = (size.max(axis=1) >= 0) & np.isfinite(grown[r, don])
+        if j:
+            go &= gpu_load[r, h] > above
+        c[r[go], recv[go]] += 1
+        c[r[go], don[go]] -= 1
+        gained[r[go], recv[go]] = True
+        lost[r[go], don[go]] = True
+        moved |= go
+    return c, moved
+
+
+def _tied_or_heavy(rng: np.random.Generator, rows: int, n: int, ties: bool) -> np.ndarray:
+    """Integer loads with many ties (and idle experts), or heavy-tailed real ones."""
+    if ties:
+        return rng.integers(0, 6, (rows, n)).astype(np.float64)
+    return np.where(rng.random((rows, n)) < 0.2, 0.0, rng.pareto(1.2, (rows, n)) * 100)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 12), st.integers(1, 6), st.booleans())
+def test_compiled_sorted_items_equal_numpys_repeat(seed, gpus, per_gpu, ties):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, gpus * per_gpu + 1))
+    load = _tied_or_heavy(rng, 4, n, ties)
+    counts = alg._replica_counts(load, gpus * per_gpu, gpus)
+    got, want = alg._sorted_items(load, counts), _sorted_items_numpy(load, counts)
+    assert got[0].dtype == want[0].dtype and got[1].dtype == want[1].dtype
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.integers(0, 10_000), st.integers(2, 12), st.integers(1, 6), st.integers(1, 6), st.booleans())
+def test_compiled_moved_counts_equal_the_numpy_steps(seed, gpus, per_gpu, width, ties):
+    # every layer and a subset of them (the rows _recount passes), on integer loads with ties
+    # (equal replicas, equal GPU loads: numpy's argmax / argmin / argsort picks) and real ones
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, gpus * per_gpu + 1))
+    load = _tied_or_heavy(rng, 6, n, ties)
+    counts = alg._replica_counts(load, gpus * per_gpu, gpus)
+    slot_load, slot_expert = alg._fill_pack(load, counts, gpus)
+    if rng.random() < 0.5:
+        alg._compiled.swap_refine(slot_load, slot_expert, 4, np.full(6, 0.999))
+    want = _moved_counts_numpy(load, counts, slot_load, slot_expert, gpus, width)
+    got = alg._moved_counts(load, counts, slot_load, slot_expert, gpus, width)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    rows = np.sort(rng.choice(6, size=int(rng.integers(1, 7)), replace=False))
+    want = _moved_counts_numpy(load[rows], counts[rows], slot_load[rows], slot_expert[rows], gpus, width)
+    got = alg._moved_counts(load[rows], counts[rows], slot_load, slot_expert, gpus, width, rows,
+                            slot_load.sum(axis=2)[rows])
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 8), st.integers(1, 40), st.integers(0, 40))
+def test_compiled_logical_to_physical_equals_build_logical_to_physical(seed, layers, experts, extra):
+    rng = np.random.default_rng(seed)
+    slots = experts + extra
+    p2l = np.stack([rng.permutation(np.r_[np.arange(experts), rng.integers(0, experts, extra)]) for _ in range(layers)])
+    counts = np.stack([np.bincount(row, minlength=experts) for row in p2l]).astype(np.int64)
+    width = slots - experts + 1
+    got = alg._compiled.logical_to_physical(p2l, counts, width).reshape(layers, experts, width)
+    want, want_counts = build_logical_to_physical(torch.from_numpy(p2l), experts, width)
+    assert np.array_equal(got, want.numpy()) and np.array_equal(counts, want_counts.numpy())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 20))
+def test_swap_order_resort_from_a_known_place_equals_the_search(seed, gpus):
+    # _swap_one re-sorts the heaviest GPU from its known place (the last); the same order as
+    # finding it first (_resort_one), and the order stays ascending
+    rng = np.random.default_rng(seed)
+    gl = rng.integers(0, 4, gpus).astype(np.float64)
+    order = np.argsort(gl, kind="mergesort")
+    for _ in range(20):
+        z = int(rng.integers(0, gpus))
+        gl[order[z]] = float(rng.integers(0, 4))
+        a, b = order.copy(), order.copy()
+        alg._compiled._resort_from(a, gl, z)
+        alg._compiled._resort_one(b, gl, int(order[z]))
+        assert np.array_equal(a, b) and (np.diff(gl[a]) >= 0).all() and np.array_equal(np.sort(a), np.arange(gpus))
+        order = a

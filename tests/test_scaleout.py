@@ -58,7 +58,8 @@ def test_a_later_reference_deployment_does_not_narrow_the_forkserver_preload():
 
 # the compiled kernels eplb.algorithm.warm_up loads (a new kernel belongs here and in warm_up)
 EVERY_KERNEL = ("add_replicas", "balancedness", "bfd_pack", "copies_vs", "fill_pack", "gate_draws", "improve", "keep_idle",
-                "logical_to_physical", "on_draws", "repair_counts", "replica_counts", "swap_refine", "take_counts")
+                "logical_to_physical", "moved_counts", "on_draws", "repair_counts", "replica_counts", "sorted_items",
+                "swap_refine", "take_counts")
 
 
 def _what_a_forked_worker_finds_loaded(answers) -> None:
