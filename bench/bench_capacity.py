@@ -71,7 +71,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine_info, write_json
+from bench.common import descendants, machine_info, stat_fields, write_json
 
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 #: transformers' own ops that do the model's arithmetic (the "compute" share of the reference)
@@ -178,36 +178,9 @@ def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 # -- CPU time of a process tree (Linux /proc) ---------------------------------------------------------
 
-def _stat_fields(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            text = f.read()
-    except OSError:  # gone
-        return None
-    return text[text.rindex(")") + 2:].split()  # after "pid (comm) ": state is field 0 here
-
-
-def descendants(root: int) -> list[int]:
-    """``root`` and every process below it (children of children: forkserver workers too)."""
-    parent_of: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            fields = _stat_fields(int(entry))
-            if fields is not None:
-                parent_of[int(entry)] = int(fields[1])
-    tree, frontier = {root} if root in parent_of else set(), [root]
-    while frontier:
-        parent = frontier.pop()
-        for pid, ppid in parent_of.items():
-            if ppid == parent and pid not in tree:
-                tree.add(pid)
-                frontier.append(pid)
-    return sorted(tree)
-
-
 def process_cpu(pid: int) -> tuple[tuple[int, int], float] | None:
     """``((pid, start time), CPU seconds)``: user + system of the process and its reaped children."""
-    fields = _stat_fields(pid)
+    fields = stat_fields(pid)
     if fields is None:
         return None
     utime, stime, cutime, cstime = (int(fields[i]) for i in (11, 12, 13, 14))
@@ -406,7 +379,7 @@ def _stop(process: subprocess.Popen) -> None:
             process.kill()
             process.wait(30)
     for pid in tree:
-        if _stat_fields(pid) is not None and pid != process.pid:
+        if stat_fields(pid) is not None and pid != process.pid:
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:

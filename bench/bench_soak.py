@@ -31,7 +31,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from bench.common import BENCH_TIMEOUTS, write_json
+from bench.common import BENCH_TIMEOUTS, parent_of, write_json
 from elastic.control.coordinator import Coordinator, OperationStatus
 from elastic.deployment import DeploymentConfig
 from eplb.communicator import resolve_communicator
@@ -42,17 +42,8 @@ FLAT = {"rss_bytes": 256 * 1024, "worker_rss_bytes": 256 * 1024}
 
 
 def _children() -> int:
-    me = str(os.getpid())
-    count = 0
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    if stat.read().rsplit(")", 1)[1].split()[1] == me:
-                        count += 1
-            except OSError:
-                continue
-    return count
+    me = os.getpid()
+    return sum(ppid == me for ppid in parent_of().values())
 
 
 def _rss() -> int:

@@ -96,6 +96,42 @@ def summary(values: Sequence[float]) -> dict[str, float]:
             "max": max(values) if values else math.nan, "mean": sum(values) / len(values) if values else math.nan}
 
 
+# -- processes (Linux /proc) ---------------------------------------------------------------------
+
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after "pid (comm) " (the state is field 0); None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:  # gone
+        return None
+    return text[text.rindex(")") + 2:].split()
+
+
+def parent_of() -> dict[int, int]:
+    """Every live process's parent pid, by pid."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = stat_fields(int(entry))
+            if fields is not None:
+                out[int(entry)] = int(fields[1])
+    return out
+
+
+def descendants(root: int) -> list[int]:
+    """``root`` and every process below it (children of children: forkserver workers too)."""
+    parents = parent_of()
+    tree, frontier = {root} if root in parents else set(), [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, ppid in parents.items():
+            if ppid == parent and pid not in tree:
+                tree.add(pid)
+                frontier.append(pid)
+    return sorted(tree)
+
+
 # -- memory ------------------------------------------------------------------------------------
 
 def proc_memory(pid: int) -> dict[str, int]:

@@ -15,7 +15,6 @@ import pytest
 from bench.bench_capacity import (
     BenchError,
     cpu_between,
-    descendants,
     hot_over_mean,
     make_prompts,
     mismatches,
@@ -29,6 +28,7 @@ from bench.bench_capacity import (
     tree_cpu,
     window_figures,
 )
+from bench.common import descendants
 
 
 def _figures(ep2_cpu: float = 1.5, ep4_cpu: float = 2.0, ep2_tps16: float = 600.0, ep2_tps1: float = 100.0,

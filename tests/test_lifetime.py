@@ -25,6 +25,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.common import descendants as processes_below
+from bench.common import parent_of
+
 ROOT = Path(__file__).resolve().parent.parent
 STOP_WITHIN_S = 10.0  # what issue 13 requires, from the signal to the last process gone
 
@@ -60,28 +63,9 @@ if __name__ == "__main__":
 """
 
 
-def parents() -> dict[int, int]:
-    out = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                stat = Path(f"/proc/{name}/stat").read_bytes()
-            except OSError:
-                continue
-            out[int(name)] = int(stat[stat.rfind(b")") + 2:].split()[1])
-    return out
-
-
 def descendants(root: int) -> set[int]:
-    by_parent: dict[int, list[int]] = {}
-    for pid, ppid in parents().items():
-        by_parent.setdefault(ppid, []).append(pid)
-    found, todo = set(), [root]
-    while todo:
-        children = by_parent.get(todo.pop(), [])
-        found.update(children)
-        todo.extend(children)
-    return found
+    """Every process below ``root``, ``root`` not included."""
+    return set(processes_below(root)) - {root}
 
 
 def alive(pid: int) -> bool:
@@ -237,7 +221,7 @@ def test_serve_stopped_while_its_workers_start_leaves_no_process(tmp_path):
             nonlocal tree
             tree = descendants(proc.pid)
             forkservers = {pid for pid in tree if "multiprocessing.forkserver" in cmdline(pid)}
-            return {pid for pid in tree if parents().get(pid) in forkservers} if forkservers else set()
+            return {pid for pid in tree if parent_of().get(pid) in forkservers} if forkservers else set()
 
         workers = wait_for(lambda: len(w := workers_forked()) >= 2 and w, 120, "forked workers", proc, log)
         # a worker needs seconds to form its group and report Started; the API comes after that

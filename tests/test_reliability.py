@@ -129,21 +129,25 @@ SSH_LIKE = ["ip", "netns", "exec", "{host}", "{python}", "-m", "tests.ssh_like",
             "--orphan-timeout", str(ORPHAN_S)]
 
 
-def _pid_of_worker(worker_id: int) -> int:
+def _pid_of_worker(worker_id: int, host: str) -> int:
+    """The remote worker process of ``worker_id`` in network namespace ``host`` (another test
+    process, ``pytest -n``, may run remote workers with the same ids, outside the namespaces)."""
     import os
 
+    inside = f"net:[{os.stat(f'/run/netns/{host}').st_ino}]"
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 argv = f.read().split(b"\0")
+            namespace = os.readlink(f"/proc/{entry}/ns/net")
         except OSError:
             continue
-        if b"elastic.launch.remote_worker" in argv and b"tests.ssh_like" not in argv \
+        if namespace == inside and b"elastic.launch.remote_worker" in argv and b"tests.ssh_like" not in argv \
                 and argv[argv.index(b"--worker-id") + 1] == str(worker_id).encode():
             return int(entry)
-    raise AssertionError(f"no process of worker {worker_id}")
+    raise AssertionError(f"no process of worker {worker_id} on {host}")
 
 
 def _running(pid: int) -> bool:
@@ -179,7 +183,7 @@ def test_a_worker_cut_off_by_a_partition_leaves_once_it_heals(two_hosts):  # noq
         c.wait_for_step(5)
         victim = c.live_workers()[1].handle
         assert victim.host == NETNS[1]
-        pid = _pid_of_worker(victim.worker_id)
+        pid = _pid_of_worker(victim.worker_id, victim.host)
         try:
             generation = c.machine.generation
             cut = time.monotonic()

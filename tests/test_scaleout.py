@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import os
 import queue
@@ -16,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -321,11 +323,20 @@ def _clean_netns() -> None:
 
 @pytest.fixture
 def two_hosts():
-    """Two namespaces, 10.77.0.2 and .3, joined through a bridge that holds 10.77.0.1 (the store)."""
+    """Two namespaces, 10.77.0.2 and .3, joined through a bridge that holds 10.77.0.1 (the store).
+
+    The names and addresses are the machine's, not the test's: a host-wide lock keeps two test
+    processes (``pytest -n``) from making them at once."""
     if os.geteuid() != 0:
         pytest.skip("needs root to make network namespaces (ip netns add)")
     if shutil.which("ip") is None:
         pytest.skip("needs iproute2's ip (apt-get install iproute2; .ci/run installs it)")
+    with open(os.path.join(tempfile.gettempdir(), "elastic-ep-netns.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield from _made_hosts()
+
+
+def _made_hosts():
     _clean_netns()
     try:
         _ip("netns", "add", NETNS[0])
