@@ -83,7 +83,9 @@ def test_a_launch_that_runs_out_of_descriptors_or_breaks_the_forkserver_leaves_t
     import os
     import socket
 
-    config = small_config(timeouts=FAST_LOSS)
+    # draining 90 s: the last scale starts a new forkserver, which loads torch and the models before
+    # the joiner can prepare (over 30 s on two cores busy with another test process)
+    config = small_config(timeouts=dict(FAST_LOSS, draining=90))
     with running(config) as c:
         c.wait_for_step(5)
         workers = [w.handle for w in c.live_workers()]
@@ -111,7 +113,7 @@ def test_a_launch_that_runs_out_of_descriptors_or_breaks_the_forkserver_leaves_t
         assert c.machine.state.value == "running", c.machine.failure_reason
         step = c.snapshot()["step"]
         c.wait_for_step(step + 5, timeout=20)
-        op = c.scale(3, timeout=90)
+        op = c.scale(3, timeout=120)
         assert op.status == "succeeded", op.error
         assert _forkserver_pid() not in (None, before)
         assert_consistent(c, 3)
