@@ -1456,8 +1456,6 @@ _AIM_NOISE = 1.55
 # 0.9 -0.0039 / -0.0066 at 1.37% / 1.62%; 0.6 -0.0035 / -0.0058 at 1.68% / 2.12%; 0.3 (the tolerance's
 # floor) -0.0034 / -0.0060 at 1.67% / 2.24%. The other families have no such layers (unchanged)
 _AIM_NOISE_SPARSE = 0.6
-# ... and at most this far short of default's balance on the load (B search; inf: no cap)
-_AIM_CAP = np.inf
 
 
 # migration_aware fits a hedged load (issue 31): the next window's load on a GPU varies by the sum over its
@@ -1535,8 +1533,7 @@ class _MoveGate:
                 # estimate's share of the next window's variance (the last window alone: 1)
                 spread = np.sqrt(min(max(noise_var - 1.0, 0.0), 1.0) / np.maximum(real.sum(axis=1) / g, 1e-9))
                 sparse = (real == 0).sum(axis=1) >= _BFD_IDLE * g  # default packs these by best fit (bfd_pack)
-                short = np.minimum(np.where(sparse, _AIM_NOISE_SPARSE, _AIM_NOISE) * spread, _AIM_CAP)
-                ceiling = bal_default - np.maximum(tolerance, short)
+                ceiling = bal_default - np.maximum(tolerance, np.where(sparse, _AIM_NOISE_SPARSE, _AIM_NOISE) * spread)
         move = (judged < expected - gate - 1e-9) & gain
         far = judged < expected - 5.0 * tolerance
         far_aim = ceiling if not same_gpus else (expected + ceiling) / 2

@@ -26,6 +26,7 @@ def body_ops(rank: int, world: int) -> dict:
     from eplb.models.local_exchange import LocalExchange
 
     before = set(glob.glob("/dev/shm/eplb-x-*"))
+    pids = _group_pids(world)
     ex = LocalExchange.create(None, rank, world, timeout=20)
     assert ex is not None
     g = torch.Generator().manual_seed(rank)
@@ -55,18 +56,23 @@ def body_ops(rank: int, world: int) -> dict:
         if not torch.equal(ex.all_reduce_max(words, 10, "test max"), reduced):
             mismatches.append(("max", op))
     dist.barrier()  # rank 0 removed the directory before its first op
-    left = _of_group(set(glob.glob("/dev/shm/eplb-x-*")) - before, world)
+    left = _made_by(set(glob.glob("/dev/shm/eplb-x-*")) - before, pids)
     ex.close()
     return {"mismatches": mismatches, "left": sorted(left)}
 
 
-def _of_group(paths: set[str], world: int) -> set[str]:
-    """The exchange directories among ``paths`` that a rank of this group made (``eplb-x-<pid>-*``):
-    another test process (``pytest -n``) may be serving a model over its own exchange meanwhile."""
+def _group_pids(world: int) -> list[int]:
+    """Every rank's pid (a collective: before a rank may die)."""
     import torch.distributed as dist
 
     pids: list[int] = [0] * world
     dist.all_gather_object(pids, os.getpid())
+    return pids
+
+
+def _made_by(paths: set[str], pids: list[int]) -> set[str]:
+    """The exchange directories among ``paths`` that one of ``pids`` made (``eplb-x-<pid>-*``):
+    another test process (``pytest -n``) may be serving a model over its own exchange meanwhile."""
     return {p for p in paths if int(os.path.basename(p).split("-")[2]) in pids}
 
 
@@ -167,14 +173,10 @@ def test_an_ep_model_gives_the_same_bits_over_shared_memory_and_over_gloo():
 
 
 def body_rank0_dies_in_set_up(rank: int, world: int) -> dict:
-    import torch.distributed as dist
-
     from eplb.models.local_exchange import LocalExchange
 
     before = set(glob.glob("/dev/shm/eplb-x-*"))
-    pids: list[int] = [0] * world
-    dist.all_gather_object(pids, os.getpid())
-    creator = pids[0]
+    pids = _group_pids(world)
     if rank == 0:
         def die(*args, **kwargs):  # after every rank made its file and FIFOs, before rank 0 removes them
             os._exit(0)
@@ -191,9 +193,7 @@ def body_rank0_dies_in_set_up(rank: int, world: int) -> dict:
             fds.append(os.readlink(f"/proc/self/fd/{fd}"))
         except OSError:  # the listing's own descriptor, closed by now
             pass
-    mine = {p for p in set(glob.glob("/dev/shm/eplb-x-*")) - before  # this group's: its rank 0 made it
-            if int(os.path.basename(p).split("-")[2]) == creator}
-    return {"error": error, "left": sorted(mine),
+    return {"error": error, "left": sorted(_made_by(set(glob.glob("/dev/shm/eplb-x-*")) - before, pids)),
             "fds": [fd for fd in fds if "eplb-x-" in fd]}
 
 
