@@ -304,11 +304,18 @@ def test_the_api_answers_422_to_oversized_and_deeply_nested_bodies():
     answers = [client.post("/scale", content=big, headers=json_type),
                client.post("/scale", content=chunks(), headers=json_type),
                client.post("/scale", content=b"[" * 5000 + b"]" * 5000, headers=json_type),
-               client.post("/scale", content=b"\xff\xfe", headers=json_type)]
-    assert [r.status_code for r in answers] == [422] * 4, [r.text for r in answers]
+               client.post("/scale", content=b'{"ep_size": "\xff"}', headers=json_type),
+               client.post("/scale", content=b'{"ep_size": 4,}', headers=json_type),
+               client.post("/scale", content=b'{"ep_size": 4}', headers={"content-type": "text/plain"})]
+    assert [r.status_code for r in answers] == [422] * 6, [r.text for r in answers]
     assert "larger than the 64.0 KiB a request may have" in answers[0].json()["message"]
     assert "larger than the 64.0 KiB a request may have" in answers[1].json()["message"]
     assert answers[2].json()["message"] == "body: JSON nested too deeply; send a flat object"
+    # each says what is wrong with the body (they were "There was an error parsing the body" and "body.14: JSON
+    # decode error")
+    assert answers[3].json()["message"] == "body: not UTF-8 text (byte 13); send JSON in UTF-8"
+    assert answers[4].json()["message"].startswith("body: not valid JSON at character 14 (Expecting property name")
+    assert "Content-Type: application/json" in answers[5].json()["message"]
     assert all(r.json()["error"] == "invalid_request" for r in answers)
     assert controller.scaled == []
     assert client.get("/healthz").status_code == 200  # small requests still pass

@@ -138,6 +138,57 @@ def test_an_error_reaches_the_openai_client_with_its_message_and_changes_nothing
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_body_that_is_not_a_request_gets_a_400_in_openais_shape_saying_what_is_wrong(served):
+    """Bodies refused before their fields are read (not JSON, nested too deeply, not UTF-8, too large,
+    not an object) are answered like every other bad body of these routes: 400 in OpenAI's shape,
+    with a message that names the problem (they were "There was an error parsing the body", a
+    character position as the param, or a 422 in the control plane's shape)."""
+    before = served.coordinator.requests.stats()
+    json_type = {"content-type": "application/json"}
+    limit = (1 << 20) + 16 * 128 * 24  # the /v1 limit at max_model_len 128
+
+    def chunks():
+        for _ in range(12):
+            yield b"x" * (limit // 10)
+
+    cases = [
+        ("/v1/completions", b'{"model": "m", "prompt": [1, 2,}', json_type, "body: not valid JSON at character 31 (Expecting value)"),
+        ("/v1/completions", b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", json_type, "JSON nested too deeply"),
+        ("/v1/chat/completions", b'{"model": "\xff\xfe"}', json_type,
+         "not UTF-8"),
+        ("/v1/completions", b'{"model": "m", "prompt": "' + b"w1 " * (limit // 3) + b'"}', json_type,
+         "larger than the 1.0 MiB"),
+        ("/v1/completions", chunks(), json_type, "larger than the 1.0 MiB"),
+        ("/v1/completions", json.dumps({"model": served.model, "prompt": "w1"}).encode(), {"content-type": "text/plain"},
+         "Content-Type: application/json"),
+        ("/v1/completions", b"", json_type, "body: empty"),
+        ("/tokenize", b'{"prompt": "' + b"w1 " * 30_000 + b'"}', json_type, None),  # a prompt /v1 takes (90 KB)
+    ]
+    for path, content, headers, message in cases:
+        r = served.http.post(path, content=content, headers=headers)
+        if message is None:
+            assert r.status_code == 200 and r.json()["count"] == 30_000, r.text[:300]
+            continue
+        assert r.status_code == 400, (path, message, r.status_code, r.text[:300])
+        error = r.json()["error"]
+        assert message in error["message"] and error["type"] == "invalid_request_error", (message, error)
+        assert error["param"] is None, error
+    # fields vLLM refuses: min_tokens past max_tokens, an empty stop string; another model on /tokenize
+    base = {"model": served.model, "prompt": "w1", "max_tokens": 2, "temperature": 0}
+    r = served.http.post("/v1/completions", json={**base, "min_tokens": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+    assert "at most max_tokens (2)" in r.json()["error"]["message"]
+    r = served.http.post("/v1/completions", json={**base, "stop": ["w3", ""]})
+    assert r.status_code == 400 and "a stop string is empty" in r.json()["error"]["message"], r.text
+    for path, body in (("/tokenize", {"model": "gpt-4", "prompt": "w1"}), ("/detokenize", {"model": "gpt-4", "tokens": [3]})):
+        r = served.http.post(path, json=body)
+        assert r.status_code == 404 and "gpt-4" in r.json()["error"]["message"], r.text
+    after = served.coordinator.requests.stats()
+    assert (after["running"], after["queued"], after["ok"]) == (before["running"], before["queued"], before["ok"])
+
+
+@pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_a_request_stops_at_the_checkpoints_eos_unless_it_ignores_it(served):
     ids = served.tokenizer.encode(EOS_PROMPT)

@@ -59,7 +59,7 @@ from elastic.core.phases import SERVING_PHASES
 from elastic.service.autoscaler import Autoscaler
 from elastic.service.hooks import ScaleHooks
 from elastic.service.metrics import ServingMetrics, build_registry
-from elastic.service.preflight import BodyLimit, BodyTooLarge
+from elastic.service.preflight import BodyLimit, Refusal, invalid_body, unparsable_body
 
 __all__ = ["CONTROL_THREADS", "create_app"]
 
@@ -279,7 +279,8 @@ def create_app(controller: ControlPlane, *, autoscaler: Autoscaler | None = None
     serving_metrics = ServingMetrics(registry)  # exported (at 0) even without a model to serve: one dashboard
     app.state.controller, app.state.autoscaler, app.state.hooks, app.state.registry = controller, autoscaler, hooks, registry
     body_limits: dict[str, int] = {}  # a path prefix's own limit (/v1/: the model's context, set by its routes)
-    app.add_middleware(BodyLimit, prefixes=body_limits)  # an oversized body is refused before it is read and parsed
+    body_refusals: dict[str, Refusal] = {}  # a path prefix's own refusal of a body past it (/v1/: OpenAI's shape)
+    app.add_middleware(BodyLimit, prefixes=body_limits, refusals=body_refusals)  # an oversized body is refused before it is read and parsed
     if api_key:
         app.add_middleware(RequireApiKey, key=api_key)  # outermost: checked before the body is read
 
@@ -290,7 +291,7 @@ def create_app(controller: ControlPlane, *, autoscaler: Autoscaler | None = None
     if controller.requests is not None:
         from elastic.service.completions import RequestIdHeader, completion_routes
 
-        app.include_router(completion_routes(controller, serving_metrics, body_limits))
+        app.include_router(completion_routes(controller, serving_metrics, body_limits, body_refusals))
         app.add_middleware(RequestIdHeader)  # x-request-id on every response
 
     _add_autoscaler_routes(app, autoscaler)
@@ -309,20 +310,18 @@ def _add_error_handlers(app: FastAPI) -> None:
     # one body shape everywhere ----------------------------------------------
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = _validation_errors(list(exc.errors()))
+        raw = list(exc.errors())
+        errors = _validation_errors(raw)
         first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
         where = ".".join(first["loc"]) or "request"
-        return _error(422, "invalid_request", f"{where}: {first['msg']}", errors=errors)
+        message = (invalid_body(raw[0]) if raw else None) or f"{where}: {first['msg']}"
+        return _error(422, "invalid_request", message, errors=errors)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400:  # FastAPI could not parse the body (e.g. not UTF-8): an invalid body, like the rest
-            cause = exc.__cause__
-            if isinstance(cause, BodyTooLarge):  # a chunked body past the limit (elastic.service.preflight.BodyLimit)
-                return _error(422, "invalid_request", str(cause), errors=[])
-            if isinstance(cause, RecursionError):
-                return _error(422, "invalid_request", "body: JSON nested too deeply; send a flat object", errors=[])
-            return _error(422, "invalid_request", f"body: {exc.detail}", errors=[])
+            # a chunked body past the limit (elastic.service.preflight.BodyLimit), JSON nested too deeply, not UTF-8
+            return _error(422, "invalid_request", unparsable_body(exc.__cause__, str(exc.detail)), errors=[])
         codes = {404: "not_found", 405: "method_not_allowed"}
         body = {"error": codes.get(exc.status_code, "http_error"),
                 "message": f"{request.method} {request.url.path}: {exc.detail}"}

@@ -37,6 +37,7 @@ from elastic.core import protocol as p
 from elastic.core.errors import ElasticError, InvalidCompletionRequest, ModelNotFound, Overloaded, RequestNotServed
 from elastic.service.metrics import RequestTimer, ServingMetrics
 from elastic.service.openai_protocol import UNSUPPORTED, ChatRequest, CompletionRequest, OpenAIError, SamplingFields, error_response
+from elastic.service.preflight import Refusal, invalid_body, unparsable_body
 from elastic.service.served_model import ServedModel, TextView
 from eplb.trace import seed_for
 
@@ -56,6 +57,9 @@ def _openai_error(exc: Exception) -> OpenAIError | None:
     if isinstance(exc, RequestValidationError):
         errors = list(exc.errors())
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        whole = invalid_body(first)  # the body as a whole: not JSON, empty, not an object
+        if whole is not None:
+            return OpenAIError(400, whole, code="invalid_request")
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
         where = ".".join(loc) or "body"
         return OpenAIError(400, f"{where}: {first.get('msg', '')}", param=loc[0] if loc else None, code="invalid_request")
@@ -66,8 +70,8 @@ def _openai_error(exc: Exception) -> OpenAIError | None:
     if isinstance(exc, RequestNotServed):
         return OpenAIError(429 if isinstance(exc, Overloaded) else 503, exc.message, code=exc.code,
                            headers={"Retry-After": str(exc.retry_after_s)})
-    if isinstance(exc, StarletteHTTPException) and exc.status_code == 400:
-        return OpenAIError(400, f"body: {exc.detail}", code="invalid_request")
+    if isinstance(exc, StarletteHTTPException) and exc.status_code == 400:  # a body FastAPI could not parse
+        return OpenAIError(400, unparsable_body(exc.__cause__, str(exc.detail)), code="invalid_request")
     if isinstance(exc, ElasticError):
         return OpenAIError(400, exc.message, code=exc.code)
     return None
@@ -188,6 +192,9 @@ def _specs(body: SamplingFields, prompts: list[list[int]], served: ServedModel, 
     out = []
     for i, prompt in enumerate(prompts):
         max_tokens = _max_tokens(body, prompt, served, engine.config.max_tokens_limit)
+        if (body.min_tokens or 0) > max_tokens:  # as vLLM: never more tokens than max_tokens
+            raise InvalidCompletionRequest("min_tokens", f"must be at most max_tokens ({max_tokens})",
+                                           value=body.min_tokens)
         for j in range(n):
             rid = engine.new_id()
             seed = (body.seed if j == 0 else seed_for(body.seed, "choice", j)) if body.seed is not None else seed_for(
@@ -371,6 +378,7 @@ class Routes:
     def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
         """``{"prompt": text}`` or ``{"messages": [...]}`` to token ids (vLLM's ``/tokenize``)."""
         self._need_tokenizer("prompt")
+        self._same_model(body)
         if "messages" in body:
             chat = ChatRequest.model_validate({"model": self.served.name, **body})
             text = self._chat_text(chat)
@@ -384,11 +392,17 @@ class Routes:
     def detokenize(self, body: dict[str, Any]) -> dict[str, Any]:
         """``{"tokens": [ids]}`` to text (vLLM's ``/detokenize``)."""
         self._need_tokenizer("tokens")
+        self._same_model(body)
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise InvalidCompletionRequest("tokens", "a list of token ids")
         _prompt_ids(tokens or [0], self.served)
         return {"prompt": self.served.detokenize(tokens)}
+
+    def _same_model(self, body: dict[str, Any]) -> None:
+        """As vLLM's /tokenize and /detokenize: a body that names another model is a 404."""
+        if body.get("model") is not None and body["model"] != self.served.name:
+            raise ModelNotFound(str(body["model"]), self.served.name)
 
     def _need_tokenizer(self, field: str) -> None:
         if self.served.tokenizer is None:
@@ -590,15 +604,29 @@ def sse(data: Any) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
-def completion_routes(controller: Any, metrics: ServingMetrics | None = None,
-                      body_limits: dict[str, int] | None = None) -> APIRouter:
+#: the paths of these routes, for the body limit (a prompt /v1 takes can be tokenized too)
+PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+def _oversized(message: str) -> tuple[int, dict[str, Any]]:
+    """An oversized body on these routes: 400 in OpenAI's shape, as every other bad body here."""
+    return 400, OpenAIError(400, message, code="invalid_request").body()
+
+
+def completion_routes(controller: Any, metrics: ServingMetrics | None = None, body_limits: dict[str, int] | None = None,
+                      body_refusals: dict[str, Refusal] | None = None) -> APIRouter:
     """The OpenAI routes over ``controller.requests`` (a :class:`RequestEngine`); ``body_limits``
-    (the app's :class:`~elastic.service.preflight.BodyLimit` table) gets the limit of ``/v1/``."""
+    and ``body_refusals`` (the app's :class:`~elastic.service.preflight.BodyLimit` tables) get the
+    limit of these routes (it follows the model's context) and their refusal (OpenAI's shape)."""
     engine: RequestEngine = controller.requests
     served = ServedModel.of(controller.config.model, controller.config.serving.model_name)
     engine.detokenize = served.detokenize if served.tokenizer is not None else None
-    if body_limits is not None:
-        body_limits["/v1/"] = max(body_limits.get("/v1/", 0), (1 << 20) + 16 * served.max_model_len * BYTES_PER_TOKEN)
+    limit = (1 << 20) + 16 * served.max_model_len * BYTES_PER_TOKEN
+    for prefix in PREFIXES:
+        if body_limits is not None:
+            body_limits[prefix] = max(body_limits.get(prefix, 0), limit)
+        if body_refusals is not None:
+            body_refusals[prefix] = _oversized
     return Routes(controller, engine, served, metrics).router()
 
 

@@ -90,8 +90,10 @@ class SamplingFields(BaseModel):
     @classmethod
     def _stop(cls, value: str | list[str] | None) -> str | list[str] | None:
         stops = [value] if isinstance(value, str) else value or []
-        if len(stops) > 16 or any(not s for s in stops):
-            raise ValueError("at most 16 non-empty stop strings")
+        if any(not s for s in stops):
+            raise ValueError("a stop string is empty")
+        if len(stops) > 16:
+            raise ValueError(f"at most 16 stop strings, got {len(stops)}")
         return value
 
     @field_validator("logit_bias")

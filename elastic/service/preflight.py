@@ -48,9 +48,10 @@ if TYPE_CHECKING:  # deployment imports nothing from here at run time, so no cyc
 
 __all__ = [
     "LIMITS", "MAX_BODY_BYTES", "MAX_FILE_BYTES", "MAX_YAML_DEPTH", "MAX_YAML_NODES", "BodyLimit",
-    "BodyTooLarge", "InputError", "InputProblem", "Limit", "MemoryEstimate", "available_memory",
-    "bound_problems", "checkpoint_problems", "estimate_worker_memory", "format_bytes", "hook_problems",
+    "BodyTooLarge", "InputError", "InputProblem", "Limit", "MemoryEstimate", "Refusal", "available_memory",
+    "bound_problems", "checkpoint_problems", "estimate_worker_memory", "format_bytes", "hook_problems", "invalid_body",
     "load_yaml", "memory_budget", "memory_problems", "one_line", "policy_problems", "read_text", "read_yaml",
+    "unparsable_body",
 ]
 
 #: config files (scenarios, deployments) are a few KiB; a larger one is a mistake (a log, a checkpoint)
@@ -653,14 +654,56 @@ class BodyTooLarge(ValueError):
     """A streamed (chunked) request body passed the limit; FastAPI chains it to its 400, the API says 422."""
 
 
+def unparsable_body(cause: BaseException | None, detail: str) -> str:
+    """What was wrong with a body FastAPI could not parse (its 400 "There was an error parsing the
+    body", raised ``from`` the cause): a chunked body past the limit, JSON nested too deeply, bytes
+    that are not UTF-8."""
+    if isinstance(cause, BodyTooLarge):
+        return str(cause)
+    if isinstance(cause, RecursionError):
+        return "body: JSON nested too deeply; send a flat object"
+    if isinstance(cause, UnicodeDecodeError):
+        return f"body: not UTF-8 text (byte {cause.start}); send JSON in UTF-8"
+    return f"body: {detail}"
+
+
+def invalid_body(error: dict[str, Any]) -> str | None:
+    """A clearer message for a validation error about the body as a whole (``loc`` ``("body", ...)``):
+    JSON that does not parse (FastAPI's "JSON decode error" at a character position), no body, or a
+    body that is not a JSON object (e.g. sent without ``Content-Type: application/json``); None for
+    an error about one field."""
+    loc = tuple(error.get("loc") or ())
+    kind = error.get("type")
+    if kind == "json_invalid":
+        where = f" at character {loc[1]}" if len(loc) > 1 else ""
+        why = (error.get("ctx") or {}).get("error")
+        return f"body: not valid JSON{where}" + (f" ({why})" if why else "")
+    if loc == ("body",) and kind == "missing":
+        return "body: empty; send the request as a JSON object"
+    if loc == ("body",) and kind in ("model_attributes_type", "dict_type"):
+        return f"body: a JSON object is expected, sent with Content-Type: application/json ({error.get('msg')})"
+    return None
+
+
+#: how a path's refusal of an oversized body reads: ``message -> (status, JSON body)``
+Refusal = Callable[[str], tuple[int, dict[str, Any]]]
+
+
+def _api_refusal(message: str) -> tuple[int, dict[str, Any]]:
+    return 422, {"error": "invalid_request", "message": message, "errors": []}
+
+
 class BodyLimit:
     """ASGI middleware: a request body over ``limit`` bytes gets 422 before it is read (Content-Length)
-    or as soon as the streamed part passes the limit (chunked), in the API's error shape."""
+    or as soon as the streamed part passes the limit (chunked), in the API's error shape (or, under
+    a prefix of ``refusals``, in that prefix's: the OpenAI routes answer 400 in OpenAI's shape)."""
 
-    def __init__(self, app: Any, limit: int = MAX_BODY_BYTES, prefixes: dict[str, int] | None = None):
+    def __init__(self, app: Any, limit: int = MAX_BODY_BYTES, prefixes: dict[str, int] | None = None,
+                 refusals: dict[str, Refusal] | None = None):
         self.app = app
         self.default = limit
         self.prefixes = prefixes if prefixes is not None else {}  # path prefix -> its own limit (read per request)
+        self.refusals = refusals if refusals is not None else {}  # path prefix -> its refusal (read per request)
         self.limit = limit  # the default (the message names it)
 
     def limit_for(self, path: str) -> int:
@@ -670,11 +713,13 @@ class BodyLimit:
         return (f"body: larger than the {format_bytes(limit or self.limit)} a request may have; send the fields of the "
                 "request only")
 
-    async def _refuse(self, send: Any, limit: int | None = None) -> None:
+    async def _refuse(self, send: Any, limit: int | None = None, path: str = "") -> None:
         import json
 
-        body = json.dumps({"error": "invalid_request", "message": self.message(limit), "errors": []}).encode()
-        await send({"type": "http.response.start", "status": 422,
+        refusal = next((v for k, v in self.refusals.items() if path.startswith(k)), _api_refusal)
+        status, answer = refusal(self.message(limit))
+        body = json.dumps(answer).encode()
+        await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
 
@@ -683,9 +728,10 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         length = dict(scope.get("headers") or []).get(b"content-length")
-        limit = self.limit_for(scope.get("path", ""))
+        path = scope.get("path", "")
+        limit = self.limit_for(path)
         if length is not None and (not length.isdigit() or int(length) > limit):
-            await self._refuse(send, limit)
+            await self._refuse(send, limit, path)
             return
         received = 0
         started = False
@@ -708,4 +754,4 @@ class BodyLimit:
             await self.app(scope, limited_receive, watched_send)
         except BodyTooLarge:  # raised before FastAPI read the body (it converts those into a 400 itself)
             if not started:
-                await self._refuse(send, limit)
+                await self._refuse(send, limit, path)
