@@ -114,6 +114,11 @@ def test_the_openai_client_gets_chat_completions_from_the_chat_template_streamed
                                                         temperature=0, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == answer.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == answer.choices[0].finish_reason
+    # without max_tokens a chat answer goes on to EOS or the context, as vLLM's (it was cut at 16 tokens)
+    untold = served.http.post("/v1/chat/completions", json={"model": served.model, "messages": messages,
+                                                             "temperature": 0, "ignore_eos": True}).json()
+    assert untold["usage"]["completion_tokens"] == min(64, 128 - len(ids)), untold  # serving.max_tokens_limit 64
+    assert untold["choices"][0]["finish_reason"] == "length"
 
 
 @pytest.mark.multiprocess

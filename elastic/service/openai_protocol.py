@@ -143,6 +143,9 @@ class ChatRequest(SamplingFields):
         "examples": [{"model": "qwen3_moe-tiny-seed0", "messages": [{"role": "user", "content": "hi"}]}]})
 
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=256)
+    # vLLM's and OpenAI's chat default: no cap but the context (completions default to 16)
+    max_tokens: StrictInt | None = Field(None, ge=1, description="tokens to generate (default: what the context "
+                                                                 "leaves, up to serving.max_tokens_limit)")
     max_completion_tokens: StrictInt | None = Field(None, ge=1, description="OpenAI's newer name of max_tokens")
     logprobs: StrictBool | None = Field(False, description="the chosen tokens' log-probabilities")
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20, description="and the top n alternatives")
