@@ -141,6 +141,25 @@ def test_serve_refuses_a_worker_that_does_not_fit_before_any_process_starts(tmp_
     assert "fix: a smaller eplb.num_redundant_experts" in line
 
 
+def test_serve_on_a_port_in_use_exits_2_before_any_process_starts(no_workers):
+    """It started the whole deployment, then failed to bind and stopped it again (exit 3)."""
+    import socket
+
+    from elastic.service.server import register_cli
+
+    typer_app = typer.Typer()
+    register_cli(typer_app)
+    typer_app.command("other")(lambda: None)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = runner.invoke(typer_app, ["serve", "--port", str(port)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (f"error: --host 127.0.0.1 --port {port}: cannot listen there (Address already in "
+                                     "use); fix: another --port, or stop what listens on it")
+
+
 def test_max_memory_is_the_budget_when_set(tmp_path):
     path = tmp_path / "deployment.yaml"
     path.write_text("ep_size: 2\nmax_memory: 300MiB\nmodel: {num_experts: 16, hidden_size: 1024, intermediate_size: 2048}\n")

@@ -20,6 +20,7 @@ import gc
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -299,6 +300,23 @@ def serve(config: DeploymentConfig, host: str = "127.0.0.1", port: int = 8000, *
             log.info("deployment shut down in %.1fs", time.monotonic() - started)
 
 
+def port_problem(host: str, port: int) -> str | None:
+    """Why ``serve`` cannot listen on ``host:port``, or None: the address bound (and let go) the
+    way uvicorn binds it, before any worker starts. A port in use was found only once the
+    deployment was up (its workers started, then stopped: 20-90 s for a tiny model on 2 cores)."""
+    if port == 0:  # any free port
+        return None
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError as exc:
+        return (f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc}); fix: another --port, "
+                "or stop what listens on it")
+    return None
+
+
 #: the coordinator that ``serve`` runs, for the log context
 _SERVING: dict[str, Any] = {}
 
@@ -352,6 +370,10 @@ def register_cli(app: Any) -> None:
             for line in exc.lines():
                 typer.echo(f"error: {line}", err=True)
             raise typer.Exit(2) from None
+        problem = port_problem(host, port)  # before any worker starts, as the checks above
+        if problem is not None:
+            typer.echo(f"error: {problem}", err=True)
+            raise typer.Exit(2)
         scaler = loaded.autoscaler
         if observe_only and scaler is not None:
             scaler = scaler.model_copy(update={"observe_only": True})
