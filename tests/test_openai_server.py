@@ -7,6 +7,7 @@ word-level tokenizer that carries a chat template and a ``generation_config.json
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 
@@ -191,6 +192,38 @@ def test_a_body_that_is_not_a_request_gets_a_400_in_openais_shape_saying_what_is
         assert r.status_code == 404 and "gpt-4" in r.json()["error"]["message"], r.text
     after = served.coordinator.requests.stats()
     assert (after["running"], after["queued"], after["ok"]) == (before["running"], before["queued"], before["ok"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_prompts_are_tokenized_off_the_event_loop(served, monkeypatch):
+    """Tokenizing takes about 1 s for a prompt near the 1 MiB body limit: on the event loop, four
+    clients posting such prompts held /healthz, /state and /scale for 5-6 s (measured, from 7 ms)."""
+    from elastic.service.served_model import ServedModel
+
+    on_the_loop: list[int] = []
+    encode = ServedModel.encode
+
+    def watched(self, text, add_special_tokens=True):
+        try:
+            asyncio.get_running_loop()
+            on_the_loop.append(len(text))
+        except RuntimeError:  # no event loop in this thread: a worker thread
+            pass
+        return encode(self, text, add_special_tokens)
+
+    monkeypatch.setattr(ServedModel, "encode", watched)
+    big = "w1 " * 100_000
+    r = served.http.post("/v1/completions", json={"model": served.model, "prompt": big, "max_tokens": 2})
+    assert r.status_code == 400 and "100000 tokens leave no room" in r.json()["error"]["message"], r.text[:300]
+    r = served.http.post("/v1/chat/completions", json={"model": served.model, "max_tokens": 2,
+                                                       "messages": [{"role": "user", "content": big}]})
+    assert r.status_code == 400 and "leave no room" in r.json()["error"]["message"], r.text[:300]
+    for path, body in (("/v1/completions", {"prompt": ["w1 w2", "w3"]}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w4"}]})):
+        r = served.http.post(path, json={"model": served.model, "max_tokens": 2, "temperature": 0, **body})
+        assert r.status_code == 200, r.text
+    assert on_the_loop == [], f"prompts of {on_the_loop} characters were tokenized on the event loop"
 
 
 @pytest.mark.multiprocess

@@ -30,6 +30,7 @@ from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from elastic.control.requests import Completion, RequestEngine
@@ -408,6 +409,9 @@ class Routes:
         if self.served.tokenizer is None:
             raise InvalidCompletionRequest(field, "this model has no tokenizer")
 
+    def _chat_ids(self, body: ChatRequest) -> list[int]:
+        return self.served.encode(self._chat_text(body), add_special_tokens=False)
+
     def _chat_text(self, body: ChatRequest) -> str:
         messages = [_content(m) for m in body.messages]
         try:
@@ -443,7 +447,9 @@ class Routes:
         if body.echo and body.logprobs is not None:
             raise InvalidCompletionRequest("echo", "echo with logprobs needs the prompt's log-probabilities, which this "
                                            "server does not compute")
-        prompts, texts = _prompts(body.prompt, self.served)
+        # tokenizing is CPU work (1 s for a 1 MiB text prompt): on a thread, not the event loop, which
+        # answers every other request (/healthz and /scale too) meanwhile
+        prompts, texts = await run_in_threadpool(_prompts, body.prompt, self.served)
         choices, headers, timer = self._start(body, prompts, body.logprobs, request)
         echoes = [self._echo(texts[ch.prompt_index], prompts[ch.prompt_index]) if body.echo else "" for ch in choices]
         if body.stream:
@@ -550,8 +556,7 @@ class Routes:
         """The messages rendered with the tokenizer's chat template, completed; ``stream`` sends
         ``chat.completion.chunk`` deltas."""
         self._need_tokenizer("messages")
-        text = self._chat_text(body)
-        ids = self.served.encode(text, add_special_tokens=False)
+        ids = await run_in_threadpool(self._chat_ids, body)  # the template and the tokenizer: off the event loop
         if not ids:
             raise InvalidCompletionRequest("messages", "the rendered conversation encodes to no tokens")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
