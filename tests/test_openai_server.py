@@ -139,6 +139,12 @@ def test_an_error_reaches_the_openai_client_with_its_message_and_changes_nothing
     r = served.http.post("/v1/completions", json={"model": served.model, "prompt": "w1", "max_tokens": 2,
                                                   "temperature": 0, "ignore_eos": True, "frobnicate": 1})
     assert r.status_code == 200 and r.headers["x-ignored-fields"] == "frobnicate"
+    # named in printable ASCII, whatever the name (one in Cyrillic was a 500, one with CR LF or NUL no answer)
+    r = served.http.post("/v1/completions", json={"model": served.model, "prompt": "w1", "max_tokens": 2,
+                                                  "ключ": 1, "a\r\nSet-Cookie: x=1": 2, "b\x00": 3})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-ignored-fields"] == "\\u043a\\u043b\\u044e\\u0447,a\\r\\nSet-Cookie: x=1,b\\x00"
+    assert "set-cookie" not in r.headers
     after = served.coordinator.requests.stats()
     assert (after["running"], after["queued"]) == (before["running"], before["queued"])
 

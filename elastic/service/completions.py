@@ -126,9 +126,17 @@ def _check_supported(body: SamplingFields) -> list[str]:
             raise InvalidCompletionRequest(name, "not supported by this server (see README: what differs from vLLM)")
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise InvalidCompletionRequest("best_of", "only best_of equal to n is supported", value=body.best_of)
-    if extra:
-        log.warning("ignored request fields: %s", ", ".join(sorted(extra)))
-    return sorted(extra)
+    names = sorted(printable(name) for name in extra)
+    if names:
+        log.warning("ignored request fields: %s", ", ".join(names))
+    return names
+
+
+def printable(text: str) -> str:
+    """``text`` in printable ASCII, anything else escaped (``\\u043a``, ``\\r``): a client's field
+    name in a response header (latin-1, no control characters) or a log line. A name in Cyrillic
+    was a 500 after the request had been decoded in full, one with a CR, LF or NUL no answer at all."""
+    return "".join(ch if " " <= ch <= "~" else ch.encode("unicode_escape").decode("ascii") for ch in text)
 
 
 def _prompt_ids(prompt: list[int] | str, served: ServedModel) -> list[int]:
