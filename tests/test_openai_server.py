@@ -193,6 +193,9 @@ def test_a_body_that_is_not_a_request_gets_a_400_in_openais_shape_saying_what_is
     assert "at most max_tokens (2)" in r.json()["error"]["message"]
     r = served.http.post("/v1/completions", json={**base, "stop": ["w3", ""]})
     assert r.status_code == 400 and "a stop string is empty" in r.json()["error"]["message"], r.text
+    r = served.http.post("/tokenize", json={"messages": 34})  # was a 500 (the chat body's validation error)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert "valid list" in r.json()["error"]["message"]
     for path, body in (("/tokenize", {"model": "gpt-4", "prompt": "w1"}), ("/detokenize", {"model": "gpt-4", "tokens": [3]})):
         r = served.http.post(path, json=body)
         assert r.status_code == 404 and "gpt-4" in r.json()["error"]["message"], r.text

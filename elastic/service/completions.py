@@ -30,6 +30,7 @@ from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -389,7 +390,10 @@ class Routes:
         self._need_tokenizer("prompt")
         self._same_model(body)
         if "messages" in body:
-            chat = ChatRequest.model_validate({"model": self.served.name, **body})
+            try:
+                chat = ChatRequest.model_validate({"model": self.served.name, **body})
+            except ValidationError as exc:  # a 400 naming the field, as on /v1/chat/completions (it was a 500)
+                raise RequestValidationError(exc.errors()) from None
             text = self._chat_text(chat)
             ids = self.served.encode(text, add_special_tokens=False)
         else:
