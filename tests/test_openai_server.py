@@ -193,6 +193,16 @@ def test_a_body_that_is_not_a_request_gets_a_400_in_openais_shape_saying_what_is
     assert "at most max_tokens (2)" in r.json()["error"]["message"]
     r = served.http.post("/v1/completions", json={**base, "stop": ["w3", ""]})
     assert r.status_code == 400 and "a stop string is empty" in r.json()["error"]["message"], r.text
+    # a chat template sent with the request is not run (it was: a Jinja template of the client's, in the server)
+    chat = {"messages": [{"role": "user", "content": "w1"}], "chat_template_kwargs": {"chat_template": "w7 w7 w7"}}
+    for path, body in (("/v1/chat/completions", {"model": served.model, "max_tokens": 2, **chat}), ("/tokenize", chat)):
+        r = served.http.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
+        assert "remove chat_template" in r.json()["error"]["message"]
+    r = served.http.post("/tokenize", json={**chat, "chat_template_kwargs": {"tokenize": True, "enable_thinking": True}})
+    assert r.status_code == 400 and "tokenize: not a template variable" in r.json()["error"]["message"], r.text
+    r = served.http.post("/tokenize", json={**chat, "chat_template_kwargs": {"enable_thinking": True}})  # a variable
+    assert r.status_code == 200 and r.json()["tokens"] == served.tokenizer.encode("w1 w0"), r.text
     r = served.http.post("/tokenize", json={"messages": 34})  # was a 500 (the chat body's validation error)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
     assert "valid list" in r.json()["error"]["message"]

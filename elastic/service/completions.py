@@ -140,6 +140,26 @@ def printable(text: str) -> str:
     return "".join(ch if " " <= ch <= "~" else ch.encode("unicode_escape").decode("ascii") for ch in text)
 
 
+#: ``apply_chat_template``'s own parameters: not template variables. ``chat_template`` would run a
+#: Jinja template the client wrote in this process (a CPU or memory bomb: ``{{ "x" * 10**9 }}``),
+#: which vLLM refuses unless started with ``--trust-request-chat-template``; the others change what
+#: it returns or repeat an argument this server sets
+TEMPLATE_PARAMETERS = frozenset({
+    "chat_template", "conversation", "tokenize", "add_generation_prompt", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def _check_template_kwargs(kwargs: dict[str, Any]) -> None:
+    """400 for a key of ``chat_template_kwargs`` that is not a template variable (nothing is rendered)."""
+    bad = sorted(TEMPLATE_PARAMETERS.intersection(kwargs))
+    if "chat_template" in bad:
+        raise InvalidCompletionRequest("chat_template_kwargs", "a chat template sent with the request is not run "
+                                       "(the checkpoint's is); remove chat_template")
+    if bad:
+        raise InvalidCompletionRequest("chat_template_kwargs", f"{', '.join(bad)}: not a template variable "
+                                       "(this server sets how the template is applied)")
+
+
 def _prompt_ids(prompt: list[int] | str, served: ServedModel) -> list[int]:
     if isinstance(prompt, str):
         if served.tokenizer is None:
@@ -426,8 +446,10 @@ class Routes:
 
     def _chat_text(self, body: ChatRequest) -> str:
         messages = [_content(m) for m in body.messages]
+        kwargs = body.chat_template_kwargs or {}
+        _check_template_kwargs(kwargs)
         try:
-            return self.served.chat_prompt(messages, body.add_generation_prompt is not False, body.chat_template_kwargs or {})
+            return self.served.chat_prompt(messages, body.add_generation_prompt is not False, kwargs)
         except ValueError as exc:
             raise InvalidCompletionRequest("messages", str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - a template's own error (jinja) names what it wanted
