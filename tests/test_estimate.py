@@ -171,7 +171,7 @@ def test_the_compiled_moves_never_raise_the_peak_stay_in_budget_and_keep_every_e
     se = p2l.reshape(2, gpus, per_gpu).copy()
     pref = _counts_of(p2l, n)[:, ::-1].copy() if prefer else np.zeros((2, 0), np.int64)
     target = load.sum(axis=1) / gpus  # the mean: out of reach, so every layer moves while it can
-    made = _compiled.improve(se, load, target, np.full(2, budget, np.int64), 4 * slots, 8, pref, 0.2)
+    made = _compiled.improve(se, load, target, np.full(2, budget, np.int64), 4 * slots, 8, pref, 0.2, np.zeros((2, 0, 2)))
     out = se.reshape(2, slots)
     assert (_counts_of(out, n) >= 1).all()
     assert (made <= budget).all()
