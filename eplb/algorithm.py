@@ -1601,6 +1601,9 @@ class _Mover:
            heaviest first) from where they got stuck, stopping at the aim, kept when they reach the
            trigger level within the budget; failing that, default's placement, its GPUs matched to
            keep the most experts in place, when that is better and fits the budget.
+
+        The layers the gate let through at a gap at the noise's level (``_MoveGate.noisy``) are held
+        to the call's copy budget (``_COPY_BUDGET``; :func:`_budgeted_aims`) and take no fallback.
         """
         gate, load, g, low = self.gate, self.load, self.g, self.gate.expected - self.tolerance
         target_peak = np.where(moving & ~self.refit, gate.mean / np.maximum(gate.aim, 1e-9), np.inf)
@@ -1619,7 +1622,7 @@ class _Mover:
                                 prefer=self.fresh_counts)
                 out[changed] = redo[changed]
         bal_out = self._balance(out)  # per layer: a row's balance depends on that row alone
-        held = moving & (aim != gate.aim)  # the budget's: no fallback spends what it held back
+        held = noise if np.isfinite(_COPY_BUDGET) else np.zeros_like(noise)  # budgeted: no fallback for them
         short = moving & ~self.refit & ~held & (bal_out < low)
         if short.any():
             rows = np.nonzero(short)[0]
