@@ -1670,10 +1670,12 @@ def _budgeted_aims(trace: np.ndarray, noise: np.ndarray, gate: _MoveGate, budget
     if steps.max(initial=0) == 0:
         return gate.aim
     t = int(steps.max())
-    peaks, copies = peaks[:, :t], copies[:, :t]
-    done = np.arange(t)[None, :] >= steps[:, None]
     final = np.where(steps > 0, copies[np.arange(rows.size), np.maximum(steps - 1, 0)], 0.0)
-    peaks[done] = -np.inf  # past the last move: where it stopped
+    # one more column than the longest path: past a layer's last move, where it stopped (any target)
+    peaks = np.concatenate([peaks[:, :t], np.full((rows.size, 1), -np.inf)], axis=1)
+    copies = np.concatenate([copies[:, :t], final[:, None]], axis=1)
+    done = np.arange(t + 1)[None, :] >= steps[:, None]
+    peaks[done] = -np.inf
     copies = np.where(done, final[:, None], copies)
     mean, aim = gate.mean[rows], gate.aim[rows]
 

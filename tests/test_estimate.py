@@ -167,10 +167,6 @@ def _held_to_the_budget(monkeypatch, seed, gpus, budget, noise):
     new = rebalance_experts(second, slots, 1, 1, gpus, policy="migration_aware", previous=prev, noise=noise)[0]
     copies = cross_gpu_copies(prev, new, gpus).numpy()
     assert int(copies[seen[-1]].sum()) <= budget * layers * slots
-    monkeypatch.setattr(algorithm, "_COPY_BUDGET", float("inf"))
-    free = rebalance_experts(second, slots, 1, 1, gpus, policy="migration_aware", previous=prev, noise=noise)[0]
-    if int(cross_gpu_copies(prev, free, gpus).numpy()[seen[-1]].sum()) <= budget * layers * slots:
-        assert torch.equal(new, free)  # a budget that does not bind changes nothing on these layers' moves
 
 
 def test_the_copy_budget_binds_on_a_noisy_load(monkeypatch):
