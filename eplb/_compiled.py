@@ -1250,7 +1250,8 @@ def improve(slot_expert, load, target_peak, budget, max_steps, width, prefer, pr
     no more, ranks as if ``prefer_share`` of the peak higher, each (among those that lower the
     peak). A move is kept only if every GPU it changed ends below the old peak, recomputed exactly.
     With ``trace [R, T, 2]`` (``T`` 0: none), ``trace[r, j]`` is the peak and the copies made after
-    ``j`` moves (``j`` 0: the start), for the first ``T`` (left as given after the last move): the
+    ``j`` moves (``j`` 0: the start; left as given after the last move), the last column after the
+    last move where there were more (so a target it does not reach costs at most its copies): the
     path does not depend on ``target_peak`` or ``budget``, which only stop it, so a looser target
     stops at a prefix of it. Returns the copies made per layer."""
     rows, g, s = slot_expert.shape
@@ -1327,9 +1328,10 @@ def improve(slot_expert, load, target_peak, budget, max_steps, width, prefer, pr
             cost = 2 if swap else 1
             left -= cost
             made[r] += cost
-            if step + 1 < trace.shape[1]:
-                trace[r, step + 1, 0] = gl[order[g - 1]]
-                trace[r, step + 1, 1] = made[r]
+            if trace.shape[1] > 1:
+                col = min(step + 1, trace.shape[1] - 1)
+                trace[r, col, 0] = gl[order[g - 1]]
+                trace[r, col, 1] = made[r]
             if left < 1:
                 break
         _clear_holdings(se, cnt, hc)

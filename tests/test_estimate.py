@@ -287,6 +287,10 @@ def test_the_traced_moves_stop_at_a_prefix_of_their_path_for_a_looser_target(see
     assert made2[0] == trace[0, first, 1]
     peak = 1 / np.maximum(_balancedness(se2.reshape(1, slots), load, gpus), 1e-300) * load.sum() / gpus
     assert np.isclose(peak[0], trace[0, first, 0], rtol=1e-9)
+    short = np.full((1, 3, 2), np.inf)  # two columns for the moves: the last is where the path ended
+    _compiled.improve(p2l.reshape(1, gpus, per_gpu).copy(), load, target, np.full(1, 10**6, np.int64), 4 * slots, 8, pref,
+                      0.2, short)
+    assert np.array_equal(short[0, :min(steps, 3)], trace[0, [*range(min(steps, 3) - 1), steps - 1]])
 
 
 @settings(max_examples=60, deadline=None)
