@@ -1491,9 +1491,10 @@ _HEDGE = 3.0
 # 0.25x default's copies, burst within 0.01; then the best mean of the 18 stationary cells; docs/design.md):
 # no budget, aim 1.55 (before): worst -0.0044, mean -0.0026, copies at most 2.83%; aim 1.2 with the budget
 # 2.5%: worst -0.0050 (EP64 pareto), mean -0.0022; 2.75% (kept): worst -0.0047, mean -0.0020, at most 2.74%,
-# EP32 mn-1k -0.0041 -> -0.0021. Holding back whole layers instead (the best drawn gain per copy first) lost
+# EP32 mn-1k -0.0041 -> -0.0022. Holding back whole layers instead (the best drawn gain per copy first) lost
 # more: EP64 pareto -0.0072 at 2.5%; cutting each layer's path where its fitted gain per copy falls below a
-# common level: -0.0052 at 2.5%, mean -0.0020 at 2.75%
+# common level: -0.0052 at 2.5%, mean -0.0020 at 2.75%. Held-out seeds (run once): EP32 mn-1k -0.0058 ->
+# -0.0045 (met), EP64 pareto -0.0049 -> -0.0051 (not met), mean of the 18 stationary cells -0.0029 -> -0.0023
 _COPY_BUDGET = 0.0275
 _NOISE_GAP = 5.0
 # the moves traced per layer (a longer path's last column is where it ended: its copies bound any target
