@@ -89,8 +89,11 @@ Policies (registry :data:`POLICIES`, chosen by name, extended with :func:`regist
     that varies most; ``default``'s refit, the balances judged on the load and the moves all use
     it (and a layer as balanced on the load itself as the refit still stays). A layer that moves
     makes the fewest copies that bring it within ``tolerance``
-    of ``default``'s balance on this load (with a noise model, 1.55 relative spreads of the load's
-    noise on a GPU, if more): each step
+    of ``default``'s balance on this load (with a noise model, 1.2 relative spreads of the load's
+    noise on a GPU, if more; the layers whose gap is at the noise's level, at most five spreads,
+    together copy at most 2.75% of the call's slots: where their aims would cost more, each such
+    layer's distance to ``default``'s balance grows by one factor, the least that fits, and they
+    take none of the fallbacks below and no recount): each step
     one copy (a slot of a light GPU whose expert has other replicas takes an
     expert of the heaviest GPU; preferably one to which ``default``'s counts give more replicas,
     evicting one they give fewer) or two (a swap), the largest drop of the peak per copy first; a
@@ -100,7 +103,7 @@ Policies (registry :data:`POLICIES`, chosen by name, extended with :func:`regist
     that, ``default``'s placement with its GPUs matched to the old ones (a GPU permutation keeps
     the balance) is taken when better. A layer the load left far behind (more than five
     tolerances short: its hot set moved; not after a scale, nor a layer still on the static
-    placement) first takes ``default``'s replica counts, by one-copy
+    placement, nor one whose gap is at the noise's level) first takes ``default``'s replica counts, by one-copy
     replace moves (each short expert, the largest replica first, into a slot of an expert with
     surplus replicas, wherever that leaves the lowest peak; :func:`eplb._compiled.take_counts`),
     then moves as above: on a drifting load the next window's balance follows the counts more
