@@ -1668,6 +1668,7 @@ class _Mover:
         out[back] = plain[back]
         return out
 
+
 def _budgeted_aims(trace: np.ndarray, noise: np.ndarray, gate: _MoveGate, budget: float) -> np.ndarray:
     """The aims with the ``noise`` layers' moves (their path in ``trace [B, T, 2]``, see
     :func:`eplb._compiled.improve`) held to ``budget`` copies in all (see ``_COPY_BUDGET``)."""
