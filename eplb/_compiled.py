@@ -1239,7 +1239,7 @@ def _best_swap(pl, hc, se, gl, h, light, bound):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True)
-def improve(slot_expert, load, target_peak, budget, max_steps, width, prefer, prefer_share):  # pragma: no cover - compiled
+def improve(slot_expert, load, target_peak, budget, max_steps, width, prefer, prefer_share, trace):  # pragma: no cover - compiled
     """``migration_aware``'s greedy moves, per layer of ``slot_expert [R, G, S]`` (in place), until
     the peak is at most ``target_peak [R]``, the layer's ``budget [R]`` of copies is spent, no move
     lowers the peak or ``max_steps`` moves are made. Each step, the heaviest GPU ``h`` against the
@@ -1249,7 +1249,11 @@ def improve(slot_expert, load, target_peak, budget, max_steps, width, prefer, pr
     none) a replace that copies an expert with no fewer replicas than preferred, or evicts one with
     no more, ranks as if ``prefer_share`` of the peak higher, each (among those that lower the
     peak). A move is kept only if every GPU it changed ends below the old peak, recomputed exactly.
-    Returns the copies made per layer."""
+    With ``trace [R, T, 2]`` (``T`` 0: none), ``trace[r, j]`` is the peak and the copies made after
+    ``j`` moves (``j`` 0: the start; left as given after the last move), the last column after the
+    last move where there were more (so a target it does not reach costs at most its copies): the
+    path does not depend on ``target_peak`` or ``budget``, which only stop it, so a looser target
+    stops at a prefix of it. Returns the copies made per layer."""
     rows, g, s = slot_expert.shape
     n = load.shape[1]
     k = max(1, min(width, g - 1))
@@ -1286,7 +1290,10 @@ def improve(slot_expert, load, target_peak, budget, max_steps, width, prefer, pr
         order[:] = np.argsort(gl, kind="mergesort")  # kept sorted as loads change (_sift)
         for z in range(g):
             pos[order[z]] = z
-        for _ in range(max_steps):
+        if trace.shape[1] > 0:
+            trace[r, 0, 0] = gl[order[g - 1]]
+            trace[r, 0, 1] = 0.0
+        for step in range(max_steps):
             h = _heaviest_lightest(gl, order, k, light)
             peak = gl[h]
             if peak <= target_peak[r] * (1 + 1e-12):
@@ -1321,6 +1328,10 @@ def improve(slot_expert, load, target_peak, budget, max_steps, width, prefer, pr
             cost = 2 if swap else 1
             left -= cost
             made[r] += cost
+            if trace.shape[1] > 1:
+                col = min(step + 1, trace.shape[1] - 1)
+                trace[r, col, 0] = gl[order[g - 1]]
+                trace[r, col, 1] = made[r]
             if left < 1:
                 break
         _clear_holdings(se, cnt, hc)

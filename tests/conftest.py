@@ -82,7 +82,7 @@ def compile_kernels_on_two_cores() -> None:
         slot_load, slot_expert = _fill_pack(load, counts, 2)
         _compiled.swap_refine(slot_load, slot_expert, 1, np.ones(1))
         _compiled.take_counts(slot_expert, load, counts)
-        _compiled.improve(slot_expert.copy(), load, np.array([0.0]), np.array([2]), 4, 8, counts, 0.2)
+        _compiled.improve(slot_expert.copy(), load, np.array([0.0]), np.array([2]), 4, 8, counts, 0.2, np.zeros((1, 0, 2)))
         helper.wait(timeout=300)
     finally:
         if helper.poll() is None:

@@ -8,7 +8,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from eplb import _compiled
+from eplb import _compiled, algorithm
 from eplb.algorithm import InvalidOptionError, _balancedness, _counts_of, cross_gpu_copies, rebalance_experts
 from eplb.estimate import smoothed_load, smoothed_noise
 
@@ -131,6 +131,86 @@ def test_migration_aware_moves_after_a_step_change_in_the_load(seed, gpus, noise
     assert (copies[shifted] > 0).all() and (moved[shifted] > stay[shifted] + 0.05).all()
 
 
+def _noise_layers(monkeypatch) -> list[np.ndarray]:
+    """Record, per migration_aware call, the layers its gate let through at a noise-level gap."""
+    seen: list[np.ndarray] = []
+    of = algorithm._MoveGate.of
+
+    def recorded(*args, **kwargs):
+        gate = of(*args, **kwargs)
+        seen.append(gate.move & gate.noisy)
+        return gate
+
+    monkeypatch.setattr(algorithm._MoveGate, "of", staticmethod(recorded))
+    return seen
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), gpus=st.sampled_from([4, 8]), budget=st.sampled_from([0.0, 0.005, 0.01, 0.03]),
+       noise=st.sampled_from(["counts", 1 + 0.3 / 1.7]))
+def test_migration_aware_holds_noise_level_moves_to_the_copy_budget(seed, gpus, budget, noise):
+    # a stationary load, the next window another sample of it: the layers the gate lets through at the
+    # noise's level together copy at most the budget's share of the call's slots
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _held_to_the_budget(monkeypatch, seed, gpus, budget, noise)
+
+
+def _held_to_the_budget(monkeypatch, seed, gpus, budget, noise):
+    rng = np.random.default_rng(seed)
+    layers, experts, slots = 12, 32, 32 + 2 * gpus
+    profile = np.arange(1, experts + 1, dtype=np.float64)[None, :] ** -rng.uniform(0.6, 1.4, (layers, 1))
+    profile = np.stack([rng.permutation(row / row.sum()) for row in profile])
+    first, second = (torch.from_numpy(np.stack([rng.multinomial(3000, row) for row in profile])) for _ in range(2))
+    prev = rebalance_experts(first, slots, 1, 1, gpus)[0]
+    seen = _noise_layers(monkeypatch)
+    monkeypatch.setattr(algorithm, "_COPY_BUDGET", budget)
+    new = rebalance_experts(second, slots, 1, 1, gpus, policy="migration_aware", previous=prev, noise=noise)[0]
+    copies = cross_gpu_copies(prev, new, gpus).numpy()
+    assert int(copies[seen[-1]].sum()) <= budget * layers * slots
+
+
+def test_the_copy_budget_binds_on_a_noisy_load(monkeypatch):
+    # not vacuous: without it, the noise-level moves of this case copy more than 1% of the slots
+    rng = np.random.default_rng(11)
+    layers, experts, gpus, slots = 12, 32, 8, 48
+    profile = np.stack([rng.permutation(np.arange(1, experts + 1, dtype=np.float64) ** -1.0) for _ in range(layers)])
+    profile /= profile.sum(axis=1, keepdims=True)
+    first, second = (torch.from_numpy(np.stack([rng.multinomial(3000, row) for row in profile])) for _ in range(2))
+    prev = rebalance_experts(first, slots, 1, 1, gpus)[0]
+    seen = _noise_layers(monkeypatch)
+    copies = {}
+    for budget in (float("inf"), 0.01):
+        monkeypatch.setattr(algorithm, "_COPY_BUDGET", budget)
+        new = rebalance_experts(second, slots, 1, 1, gpus, policy="migration_aware", previous=prev)[0]
+        copies[budget] = int(cross_gpu_copies(prev, new, gpus).numpy()[seen[-1]].sum())
+    assert copies[float("inf")] > 0.01 * layers * slots >= copies[0.01] > 0
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), gpus=st.sampled_from([4, 8]), noise=st.sampled_from(["counts", 4 / 3]))
+def test_a_step_change_is_not_held_back_by_the_copy_budget(seed, gpus, noise):
+    # a budget of nothing: the layers whose hot set moved still move (their gap is far above the noise)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(algorithm, "_COPY_BUDGET", 0.0)
+        _step_change_moves(seed, gpus, noise)
+
+
+def _step_change_moves(seed, gpus, noise):
+    rng = np.random.default_rng(seed)
+    before = _zipf_counts(rng, 4, 32, 8000)
+    after = np.stack([rng.permutation(row) for row in before])
+    slots = 32 + gpus
+    prev = rebalance_experts(torch.from_numpy(before), slots, 1, 1, gpus)[0]
+    load = torch.from_numpy(after)
+    new = rebalance_experts(load, slots, 1, 1, gpus, policy="migration_aware", previous=prev, noise=noise)[0]
+    stay = _balancedness(prev.numpy(), after.astype(np.float64), gpus)
+    moved = _balancedness(new.numpy(), after.astype(np.float64), gpus)
+    shifted = stay < _balancedness(rebalance_experts(load, slots, 1, 1, gpus)[0].numpy(), after.astype(np.float64), gpus) - 0.15
+    assert shifted.any()
+    copies = cross_gpu_copies(prev, new, gpus).numpy()
+    assert (copies[shifted] > 0).all() and (moved[shifted] > stay[shifted] + 0.05).all()
+
+
 # --- the hedged fit -------------------------------------------------------------------------
 
 
@@ -171,7 +251,7 @@ def test_the_compiled_moves_never_raise_the_peak_stay_in_budget_and_keep_every_e
     se = p2l.reshape(2, gpus, per_gpu).copy()
     pref = _counts_of(p2l, n)[:, ::-1].copy() if prefer else np.zeros((2, 0), np.int64)
     target = load.sum(axis=1) / gpus  # the mean: out of reach, so every layer moves while it can
-    made = _compiled.improve(se, load, target, np.full(2, budget, np.int64), 4 * slots, 8, pref, 0.2)
+    made = _compiled.improve(se, load, target, np.full(2, budget, np.int64), 4 * slots, 8, pref, 0.2, np.zeros((2, 0, 2)))
     out = se.reshape(2, slots)
     assert (_counts_of(out, n) >= 1).all()
     assert (made <= budget).all()
@@ -180,6 +260,37 @@ def test_the_compiled_moves_never_raise_the_peak_stay_in_budget_and_keep_every_e
     peak_after = 1 / np.maximum(_balancedness(out, load, gpus), 1e-300)
     assert (peak_after <= peak_before * (1 + 1e-12)).all()
 
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), gpus=st.integers(2, 8), per_gpu=st.integers(1, 5), pick=st.floats(0.0, 1.0))
+def test_the_traced_moves_stop_at_a_prefix_of_their_path_for_a_looser_target(seed, gpus, per_gpu, pick):
+    # the copy budget reads every aim's copies off one traced run: a looser target (any traced peak)
+    # stops the same moves at the first step that reaches it, with the traced copies
+    rng = np.random.default_rng(seed)
+    slots = gpus * per_gpu
+    n = int(rng.integers(max(1, slots // 2), slots + 1))
+    load = rng.pareto(1.3, (1, n)) * 100
+    p2l = np.concatenate([rng.permutation(n), rng.integers(0, n, slots - n)])[None]
+    pref = _counts_of(p2l, n)[:, ::-1].copy()
+    target = load.sum(axis=1) / gpus
+    trace = np.full((1, 4 * slots + 1, 2), np.inf)
+    se = p2l.reshape(1, gpus, per_gpu).copy()
+    made = _compiled.improve(se, load, target, np.full(1, 10**6, np.int64), 4 * slots, 8, pref, 0.2, trace)
+    steps = int(np.isfinite(trace[0, :, 0]).sum())
+    assert steps >= 1 and trace[0, steps - 1, 1] == made[0] and (np.diff(trace[0, :steps, 0]) <= 1e-9 * trace[0, 0, 0]).all()
+    j = int(pick * (steps - 1))
+    first = int(np.argmax(trace[0, :steps, 0] <= trace[0, j, 0] * (1 + 1e-12)))
+    se2 = p2l.reshape(1, gpus, per_gpu).copy()
+    made2 = _compiled.improve(se2, load, trace[0, j:j + 1, 0].copy(), np.full(1, 10**6, np.int64), 4 * slots, 8, pref, 0.2,
+                              np.zeros((1, 0, 2)))
+    assert made2[0] == trace[0, first, 1]
+    peak = 1 / np.maximum(_balancedness(se2.reshape(1, slots), load, gpus), 1e-300) * load.sum() / gpus
+    assert np.isclose(peak[0], trace[0, first, 0], rtol=1e-9)
+    short = np.full((1, 3, 2), np.inf)  # two columns for the moves: the last is where the path ended
+    _compiled.improve(p2l.reshape(1, gpus, per_gpu).copy(), load, target, np.full(1, 10**6, np.int64), 4 * slots, 8, pref,
+                      0.2, short)
+    assert np.array_equal(short[0, :min(steps, 3)], trace[0, [*range(min(steps, 3) - 1), steps - 1]])
 
 
 @settings(max_examples=60, deadline=None)
