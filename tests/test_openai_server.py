@@ -8,8 +8,11 @@ word-level tokenizer that carries a chat template and a ``generation_config.json
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
+import threading
+import time
 
 import httpx
 import openai
@@ -222,6 +225,8 @@ def test_prompts_are_tokenized_off_the_event_loop(served, monkeypatch):
 
     on_the_loop: list[int] = []
     encode = ServedModel.encode
+    at_once = [0, 0]  # now, most
+    lock = threading.Lock()
 
     def watched(self, text, add_special_tokens=True):
         try:
@@ -229,7 +234,16 @@ def test_prompts_are_tokenized_off_the_event_loop(served, monkeypatch):
             on_the_loop.append(len(text))
         except RuntimeError:  # no event loop in this thread: a worker thread
             pass
-        return encode(self, text, add_special_tokens)
+        with lock:
+            at_once[0] += 1
+            at_once[1] = max(at_once)
+        try:
+            if len(text) > 1000:
+                time.sleep(0.3)  # a long prompt's tokenizing, long enough that the requests below overlap
+            return encode(self, text, add_special_tokens)
+        finally:
+            with lock:
+                at_once[0] -= 1
 
     monkeypatch.setattr(ServedModel, "encode", watched)
     big = "w1 " * 100_000
@@ -243,6 +257,17 @@ def test_prompts_are_tokenized_off_the_event_loop(served, monkeypatch):
         r = served.http.post(path, json={"model": served.model, "max_tokens": 2, "temperature": 0, **body})
         assert r.status_code == 200, r.text
     assert on_the_loop == [], f"prompts of {on_the_loop} characters were tokenized on the event loop"
+    # and at most two at once (each ~170 MB at its peak near the body limit): six clients, /tokenize too
+    paths = ["/v1/completions", "/v1/chat/completions", "/tokenize"] * 2
+    bodies = {"/v1/completions": {"model": served.model, "prompt": big, "max_tokens": 2},
+              "/v1/chat/completions": {"model": served.model, "max_tokens": 2,
+                                       "messages": [{"role": "user", "content": big}]},
+              "/tokenize": {"prompt": big}}
+    at_once[1] = 0
+    with concurrent.futures.ThreadPoolExecutor(len(paths)) as pool:
+        answers = list(pool.map(lambda path: httpx.post(served.url + path, json=bodies[path], timeout=60), paths))
+    assert sorted(r.status_code for r in answers) == [200, 200, 400, 400, 400, 400], [r.text[:200] for r in answers]
+    assert at_once[1] == 2, f"{at_once[1]} prompts tokenized at once"
 
 
 @pytest.mark.multiprocess

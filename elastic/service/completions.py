@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -26,12 +27,12 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from pydantic import ValidationError
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from elastic.control.requests import Completion, RequestEngine
@@ -48,6 +49,9 @@ __all__ = ["CompletionRequest", "ChatRequest", "ServedModel", "completion_routes
 log = logging.getLogger("elastic.service.completions")
 
 DISCONNECT_CHECK_S = 0.1  # how often a waiting request checks that its client is still there
+# prompts tokenized (and chat templates rendered) at once, each on a worker thread: near the body
+# limit one takes about 1 s of CPU and 170 MB at its peak, so more at once would only add memory
+TOKENIZING_THREADS = 2
 BYTES_PER_TOKEN = 24  # the body limit of /v1: 1 MiB and max_model_len tokens of JSON ids or text for 16 prompts
 
 
@@ -372,6 +376,12 @@ class Routes:
         self.controller, self.engine, self.served, self.metrics = controller, engine, served, metrics
         self.wakeups = Wakeups(engine)
         self.created = int(time.time())
+        self.tokenizing = anyio.CapacityLimiter(TOKENIZING_THREADS)
+
+    async def _off_the_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on one of ``TOKENIZING_THREADS`` worker threads (waiting for one without
+        blocking): tokenizing is CPU work, and the event loop answers every route meanwhile."""
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args), limiter=self.tokenizing)
 
     def router(self) -> APIRouter:
         r = APIRouter(tags=["completions"], route_class=OpenAIRoute)
@@ -405,8 +415,12 @@ class Routes:
 
         return {"version": version("elastic-ep")}
 
-    def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
         """``{"prompt": text}`` or ``{"messages": [...]}`` to token ids (vLLM's ``/tokenize``)."""
+        result: dict[str, Any] = await self._off_the_loop(self._tokenize, body)
+        return result
+
+    def _tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
         self._need_tokenizer("prompt")
         self._same_model(body)
         if "messages" in body:
@@ -422,8 +436,12 @@ class Routes:
             ids = self.served.encode(body["prompt"], add_special_tokens=body.get("add_special_tokens", True) is not False)
         return {"count": len(ids), "max_model_len": self.served.max_model_len, "tokens": ids}
 
-    def detokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def detokenize(self, body: dict[str, Any]) -> dict[str, Any]:
         """``{"tokens": [ids]}`` to text (vLLM's ``/detokenize``)."""
+        result: dict[str, Any] = await self._off_the_loop(self._detokenize, body)
+        return result
+
+    def _detokenize(self, body: dict[str, Any]) -> dict[str, Any]:
         self._need_tokenizer("tokens")
         self._same_model(body)
         tokens = body.get("tokens")
@@ -483,7 +501,7 @@ class Routes:
                                            "server does not compute")
         # tokenizing is CPU work (1 s for a 1 MiB text prompt): on a thread, not the event loop, which
         # answers every other request (/healthz and /scale too) meanwhile
-        prompts, texts = await run_in_threadpool(_prompts, body.prompt, self.served)
+        prompts, texts = await self._off_the_loop(_prompts, body.prompt, self.served)
         choices, headers, timer = self._start(body, prompts, body.logprobs, request)
         echoes = [self._echo(texts[ch.prompt_index], prompts[ch.prompt_index]) if body.echo else "" for ch in choices]
         if body.stream:
@@ -590,7 +608,7 @@ class Routes:
         """The messages rendered with the tokenizer's chat template, completed; ``stream`` sends
         ``chat.completion.chunk`` deltas."""
         self._need_tokenizer("messages")
-        ids = await run_in_threadpool(self._chat_ids, body)  # the template and the tokenizer: off the event loop
+        ids: list[int] = await self._off_the_loop(self._chat_ids, body)  # the template and the tokenizer
         if not ids:
             raise InvalidCompletionRequest("messages", "the rendered conversation encodes to no tokens")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
