@@ -624,6 +624,22 @@ def test_a_full_batch_and_queue_refuse_with_overloaded():
         engine.submit(spec("c"))
 
 
+def test_the_choices_of_one_request_are_queued_all_or_none_and_a_refusal_counts_no_cancel():
+    """A request of n choices that does not fit was refused after its first choices were queued,
+    and those were counted as cancelled (the client left): 10 of a 16-choice request, measured."""
+    from elastic.core.errors import Overloaded
+
+    engine = engine_with(RecordingGate(), max_batch=1, max_queue=3)
+    engine.submit(spec("a"))
+    engine._admit_once()  # a decodes; the queue has room for 3
+    with pytest.raises(Overloaded, match="4 choices at once"):
+        engine.submit_all([spec("b"), spec("c"), spec("d"), spec("e")])
+    stats = engine.stats()
+    assert (stats["queued"], stats["cancelled"], stats["rejected"]) == (0, 0, 1)
+    assert [c.id for c in engine.submit_all([spec("b"), spec("c"), spec("d")])] == ["b", "c", "d"]
+    assert engine.stats()["queued"] == 3
+
+
 # -- the schema, fuzzed ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

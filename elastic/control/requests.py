@@ -149,9 +149,16 @@ class RequestEngine:
 
     def submit(self, spec: p.RequestSpec, *, stop: tuple[str, ...] = ()) -> Completion:
         """Queue a request; raises :class:`Overloaded` (no room) or :class:`ServiceUnavailable`."""
-        if spec.max_tokens > self.config.max_tokens_limit:
-            raise InvalidCompletionRequest("max_tokens", f"at most {self.config.max_tokens_limit} (serving.max_tokens_limit)",
-                                           value=spec.max_tokens)
+        return self.submit_all([spec], stop=stop)[0]
+
+    def submit_all(self, specs: list[p.RequestSpec], *, stop: tuple[str, ...] = ()) -> list[Completion]:
+        """Queue every request (the choices of one HTTP request), or none: the room for all of them is
+        checked at once, so a refusal queues nothing (before, the choices queued ahead of it were
+        counted as cancelled, as if their client had left). Raises as :meth:`submit`."""
+        for spec in specs:
+            if spec.max_tokens > self.config.max_tokens_limit:
+                raise InvalidCompletionRequest("max_tokens", f"at most {self.config.max_tokens_limit} "
+                                               "(serving.max_tokens_limit)", value=spec.max_tokens)
         health = self.gate.serving_health()
         with self._lock:
             if health == "down":
@@ -159,15 +166,17 @@ class RequestEngine:
                 raise ServiceUnavailable("the deployment has failed and no recovery is under way: POST /recover",
                                          retry_after_s=self.config.retry_after_s)
             running = sum(not c.done for c in self._running.values())
-            if len(self._queue) >= self.config.max_queue and running + len(self._queue) >= self.config.max_batch:
+            last = len(self._queue) + len(specs) - 1  # the queue as the last of them would find it
+            if specs and last >= self.config.max_queue and running + last >= self.config.max_batch:
                 self.counts["rejected"] += 1
-                raise Overloaded(f"{running} requests decoding and {len(self._queue)} queued "
+                more = f" (this request's {len(specs)} choices at once)" if len(specs) > 1 else ""
+                raise Overloaded(f"{running} requests decoding and {len(self._queue)} queued{more} "
                                  f"(serving.max_batch {self.config.max_batch}, max_queue {self.config.max_queue})",
                                  retry_after_s=self.config.retry_after_s)
-            completion = Completion(spec, self.clock.monotonic(), stop=stop)
-            self._queue.append(completion)
+            completions = [Completion(spec, self.clock.monotonic(), stop=stop) for spec in specs]
+            self._queue.extend(completions)
         self._wake.set()
-        return completion
+        return completions
 
     def cancel(self, request_id: str) -> None:
         """The client went away: the request leaves the queue, or the batch at the next step."""

@@ -246,19 +246,12 @@ def _specs(body: SamplingFields, prompts: list[list[int]], served: ServedModel, 
 
 def _submit(engine: RequestEngine, served: ServedModel, body: SamplingFields,
             specs: list[tuple[int, p.RequestSpec]]) -> list[Choice]:
-    """Queue every choice, or none (a refusal cancels those already queued)."""
+    """Queue every choice, or none (the engine checks the room for all of them at once)."""
     stops = tuple([body.stop] if isinstance(body.stop, str) else body.stop or [])
     skip = body.skip_special_tokens is not False
-    choices: list[Choice] = []
-    try:
-        for index, (prompt_index, spec) in enumerate(specs):
-            c = engine.submit(spec, stop=stops)
-            choices.append(Choice(index, prompt_index, c, TextView(served, spec.prompt, stops, skip)))
-    except Exception:
-        for ch in choices:
-            engine.cancel(ch.completion.id)
-        raise
-    return choices
+    queued = engine.submit_all([spec for _, spec in specs], stop=stops)
+    return [Choice(index, prompt_index, c, TextView(served, spec.prompt, stops, skip))
+            for index, ((prompt_index, spec), c) in enumerate(zip(specs, queued))]
 
 
 def _finish_reason(c: Completion) -> str | None:
