@@ -116,19 +116,7 @@ def test_migration_aware_keeps_default_s_fit_to_an_unchanged_load_at_the_default
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), gpus=st.sampled_from([4, 8]), noise=st.sampled_from(["counts", 4 / 3]))
 def test_migration_aware_moves_after_a_step_change_in_the_load(seed, gpus, noise):
-    rng = np.random.default_rng(seed)
-    before = _zipf_counts(rng, 4, 32, 8000)
-    after = np.stack([rng.permutation(row) for row in before])  # the hot set moved, same shape of load
-    slots = 32 + gpus
-    prev = rebalance_experts(torch.from_numpy(before), slots, 1, 1, gpus)[0]
-    load = torch.from_numpy(after)
-    new = rebalance_experts(load, slots, 1, 1, gpus, policy="migration_aware", previous=prev, noise=noise)[0]
-    stay = _balancedness(prev.numpy(), after.astype(np.float64), gpus)
-    moved = _balancedness(new.numpy(), after.astype(np.float64), gpus)
-    shifted = stay < _balancedness(rebalance_experts(load, slots, 1, 1, gpus)[0].numpy(), after.astype(np.float64), gpus) - 0.1
-    assert shifted.any()  # the step change left some layer far from a refit
-    copies = cross_gpu_copies(prev, new, gpus).numpy()
-    assert (copies[shifted] > 0).all() and (moved[shifted] > stay[shifted] + 0.05).all()
+    _step_change_moves(seed, gpus, noise, far=0.1)
 
 
 def _noise_layers(monkeypatch) -> list[np.ndarray]:
@@ -195,7 +183,9 @@ def test_a_step_change_is_not_held_back_by_the_copy_budget(seed, gpus, noise):
         _step_change_moves(seed, gpus, noise)
 
 
-def _step_change_moves(seed, gpus, noise):
+def _step_change_moves(seed, gpus, noise, far=0.15):
+    """The hot set of every layer moves (the same shape of load): the layers left more than ``far`` of
+    balance behind a refit copy, and gain at least 0.05."""
     rng = np.random.default_rng(seed)
     before = _zipf_counts(rng, 4, 32, 8000)
     after = np.stack([rng.permutation(row) for row in before])
@@ -205,8 +195,8 @@ def _step_change_moves(seed, gpus, noise):
     new = rebalance_experts(load, slots, 1, 1, gpus, policy="migration_aware", previous=prev, noise=noise)[0]
     stay = _balancedness(prev.numpy(), after.astype(np.float64), gpus)
     moved = _balancedness(new.numpy(), after.astype(np.float64), gpus)
-    shifted = stay < _balancedness(rebalance_experts(load, slots, 1, 1, gpus)[0].numpy(), after.astype(np.float64), gpus) - 0.15
-    assert shifted.any()
+    shifted = stay < _balancedness(rebalance_experts(load, slots, 1, 1, gpus)[0].numpy(), after.astype(np.float64), gpus) - far
+    assert shifted.any()  # the step change left some layer far from a refit
     copies = cross_gpu_copies(prev, new, gpus).numpy()
     assert (copies[shifted] > 0).all() and (moved[shifted] > stay[shifted] + 0.05).all()
 
