@@ -1673,7 +1673,7 @@ def _budgeted_aims(trace: np.ndarray, noise: np.ndarray, gate: _MoveGate, budget
     """The aims with the ``noise`` layers' moves (their path in ``trace [B, T, 2]``, see
     :func:`eplb._compiled.improve`) held to ``budget`` copies in all (see ``_COPY_BUDGET``)."""
     rows = np.nonzero(noise)[0]
-    peaks, copies = trace[rows, :, 0].copy(), trace[rows, :, 1].copy()
+    peaks, copies = trace[rows, :, 0], trace[rows, :, 1]  # fancy indexing: copies of the trace
     steps = np.isfinite(peaks).sum(axis=1)  # the start and each move
     if steps.max(initial=0) == 0:
         return gate.aim

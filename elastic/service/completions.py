@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import time
@@ -374,7 +373,7 @@ class Routes:
     async def _off_the_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on one of ``TOKENIZING_THREADS`` worker threads (waiting for one without
         blocking): tokenizing is CPU work, and the event loop answers every route meanwhile."""
-        return await anyio.to_thread.run_sync(functools.partial(fn, *args), limiter=self.tokenizing)
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self.tokenizing)
 
     def router(self) -> APIRouter:
         r = APIRouter(tags=["completions"], route_class=OpenAIRoute)
@@ -421,8 +420,7 @@ class Routes:
                 chat = ChatRequest.model_validate({"model": self.served.name, **body})
             except ValidationError as exc:  # a 400 naming the field, as on /v1/chat/completions (it was a 500)
                 raise RequestValidationError(exc.errors()) from None
-            text = self._chat_text(chat)
-            ids = self.served.encode(text, add_special_tokens=False)
+            ids = self._chat_ids(chat)
         else:
             if not isinstance(body.get("prompt"), str):
                 raise InvalidCompletionRequest("prompt", "a string")
