@@ -717,7 +717,8 @@ def take_counts(slot_expert, load, target):  # pragma: no cover - compiled
 
     Kept between steps: the short and the surplus experts (ascending; an expert only ever leaves
     either list), each surplus expert's rise of load per replica, and each expert's holders (GPUs
-    ascending, each once)."""
+    ascending, each once), and each GPU's load (summed again only where a move changed a slot or an
+    expert's load per replica: elsewhere the same sum of the same terms, to the bit)."""
     rows, g, s = slot_expert.shape
     n = load.shape[1]
     moves = np.zeros(rows, np.int64)
@@ -726,6 +727,7 @@ def take_counts(slot_expert, load, target):  # pragma: no cover - compiled
     pl = np.empty(n)
     stuck = np.zeros(n, np.bool_)
     gle = np.empty(g)
+    gsum = np.empty(g)  # each GPU's load, sum of pl over its slots in slot order
     m1 = np.empty(n)
     i1 = np.empty(n, np.int64)
     m2 = np.empty(n)
@@ -766,6 +768,8 @@ def take_counts(slot_expert, load, target):  # pragma: no cover - compiled
                 if hn[f] == 0 or hl[f, hn[f] - 1] != x:
                     hl[f, hn[f]] = x
                     hn[f] += 1
+        for x in range(g):
+            gsum[x] = _gpu_load(pl, se, x)
         while True:
             e = -1
             best = -1.0
@@ -779,10 +783,7 @@ def take_counts(slot_expert, load, target):  # pragma: no cover - compiled
             per_e = pl[e]
             new_e = w[e] / (cnt[e] + 1)
             for x in range(g):  # the GPU loads once e has one more replica (not yet placed)
-                acc = 0.0
-                for k in range(s):
-                    acc += pl[se[x, k]]
-                gle[x] = acc - (per_e - new_e) * hc[x, e]
+                gle[x] = gsum[x] - (per_e - new_e) * hc[x, e]
             _surplus_peaks(hc, gle, m1, i1, m2, ssf, top, rs, sur, ns, cnt, hl, hn)
             bx, bk, nsl = _best_take(tr, cnt, pl, hc, se, gle, m1, i1, m2, ssf, e, new_e, rs, sl, nsl)
             if bx < 0:
@@ -800,6 +801,11 @@ def take_counts(slot_expert, load, target):  # pragma: no cover - compiled
             _hl_insert(hl, hn, e, bx)  # bx did not hold e
             if hc[bx, f] == 0:
                 _hl_remove(hl, hn, f, bx)
+            gsum[bx] = _gpu_load(pl, se, bx)  # the loads that changed: bx's, and every holder of e or f
+            for z in range(hn[e]):
+                gsum[hl[e, z]] = _gpu_load(pl, se, hl[e, z])
+            for z in range(hn[f]):
+                gsum[hl[f, z]] = _gpu_load(pl, se, hl[f, z])
             if cnt[e] == tr[e]:
                 nsh = _list_remove(short, nsh, e)
             if cnt[f] == tr[f]:
