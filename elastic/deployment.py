@@ -156,6 +156,9 @@ class DeploymentConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> DeploymentConfig:
+        problem = self._model_problem()
+        if problem:
+            raise ValueError(problem)
         physical = self.num_physical
         if physical % self.ep_size:
             raise ValueError(
@@ -190,6 +193,28 @@ class DeploymentConfig(BaseModel):
             except PlacementFileError as exc:
                 raise ValueError(f"eplb.initial_placement: {self.eplb.initial_placement}: {exc}") from None
         return self
+
+    def _model_problem(self) -> str | None:
+        """Why the model's MoE layout cannot be read (a checkpoint directory that is missing, incomplete
+        or not a MoE model), in one line; None when :attr:`sizes` reads it. Reading it raised whatever
+        transformers or safetensors raise (OSError, IndexError, SafetensorError...): a traceback."""
+        path = getattr(self.model, "path", None)
+        if isinstance(path, str):
+            from elastic.service.preflight import checkpoint_problems  # no cycle: it imports this module for types only
+
+            problems = checkpoint_problems(path)
+            if problems:
+                return "; ".join(f"{p.path}: {p.message}" for p in problems)
+        try:
+            self.sizes  # noqa: B018 - read and kept (cached) before any worker starts
+        except ValueError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever reading a foreign model raises becomes one line
+            where = f"model.path: {path}" if isinstance(path, str) else \
+                f"model.architecture: {getattr(self.model, 'architecture', None)}"
+            return (f"{where}: cannot read the model's MoE layers ({type(exc).__name__}: {' '.join(str(exc).split())}); "
+                    "expected a Mixture-of-Experts model of a supported architecture, as save_pretrained writes it")
+        return None
 
     @property
     def store_bind_host(self) -> str:

@@ -252,6 +252,13 @@ def test_modest_aliases_still_load():
     (("steps: 240", "steps: 240\nrun_timeout_s: .inf"), "run_timeout_s", "expected a finite number"),
     (("tokens_per_step: 64", "tokens_per_step: 64\n    seed: -99999999999999999999"), "trace[0].seed",
      "expected an integer within int64"),
+    # probe 28: a fault record's seconds had no bound (a stall of 1e30 s crashed its worker's sleep)
+    (("steps: 240", "steps: 240\nfaults: [{kind: stall, rank: 0, at_step: 5, seconds: 1e30}]"), "faults[0].seconds",
+     "expected at most 604800 (a wait or a pace"),
+    (("steps: 240", "steps: 240\nfaults: [{kind: delay_transfer, rank: 0, seconds: 1e9}]"), "faults[0].seconds",
+     "expected at most 604800"),
+    (("steps: 240", "steps: 240\nfaults: [{kind: slow_prepare, rank: 0, seconds: 1e9}]"), "faults[0].seconds",
+     "expected at most 604800"),
 ])
 def test_numeric_bounds_name_the_key_and_the_reason(tmp_path, edit, key, message):
     path = tmp_path / "s.yaml"
@@ -515,3 +522,70 @@ def test_an_unknown_eplb_policy_is_refused_before_the_workers_start(tmp_path):
     (problem,) = _serve_config_problems(tmp_path, "ep_size: 2\neplb: {policy: fastest}\n")
     assert problem.path == "eplb.policy" and "expected one of 'default', " in problem.message
     assert problem.message.endswith("got 'fastest'")
+
+
+# -- probe 28: a checkpoint that cannot be read, through the config (serve, validate, replay) --------
+
+@pytest.fixture(scope="module")
+def saved_checkpoints(tmp_path_factory):
+    """A tiny qwen3_moe and a tiny dense qwen3, as save_pretrained writes them (nothing downloaded)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from eplb.models.config import tiny_config
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", **tiny_config("qwen3_moe"))).save_pretrained(
+        root / "moe")
+    dense = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=64, head_dim=8)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3", **dense)).save_pretrained(root / "dense")
+    return root
+
+
+def _broken_checkpoint(saved: Path, tmp_path: Path, case: str) -> Path:
+    import shutil
+
+    if case == "missing":
+        return tmp_path / "nowhere"
+    if case == "a file":
+        (tmp_path / "weights.bin").write_bytes(b"\0" * 64)
+        return tmp_path / "weights.bin"
+    if case == "dense":
+        return saved / "dense"
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved / "moe", ckpt)
+    if case == "config.json garbage":
+        (ckpt / "config.json").write_text("{not json")
+    elif case == "weights truncated":  # the header still fits: only the tensors' bytes are short
+        weights = ckpt / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-4])
+    return ckpt
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", r"model\.path: .*nowhere is not a directory; give the directory save_pretrained wrote"),
+    ("a file", r"model\.path: .*weights\.bin is not a directory"),
+    ("config.json garbage", r"model\.path: config\.json is not valid JSON"),
+    ("weights truncated", r"model\.path: model\.safetensors is not a complete safetensors file \(its tensors take "
+                          r"(\d+) bytes, the file holds (\d+) after its header\); download it again"),
+    ("dense", r"model\.path: .*dense: cannot read the model's MoE layers \(IndexError: .*\); expected a "
+              r"Mixture-of-Experts model"),
+])
+def test_a_checkpoint_that_cannot_be_read_is_one_line_from_serve_and_validate(saved_checkpoints, tmp_path, no_workers,
+                                                                               case, message):
+    """Reading the model's layout when the config is validated raised what transformers or safetensors
+    raise (FileNotFoundError, OSError, SafetensorError, IndexError): a traceback from validate, replay
+    and serve; the checkpoint checks that name the problem came after it. A truncated tensor region
+    behind a header that fits passed those checks and failed in every worker."""
+    ckpt = _broken_checkpoint(saved_checkpoints, tmp_path, case)
+    serve_file = tmp_path / "serve.yaml"
+    serve_file.write_text(yaml.safe_dump({"ep_size": 2, "model": {"kind": "hf", "path": str(ckpt)},
+                                          "eplb": {"num_redundant_experts": 2}}))
+    scenario = tmp_path / "scenario.yaml"
+    scenario.write_text(yaml.safe_dump({"name": "ckpt", "steps": 10, "deployment": {
+        "ep_size": 2, "model": {"kind": "hf", "path": str(ckpt)}, "eplb": {"num_redundant_experts": 2}}}))
+    for args, path in ((["serve", str(serve_file), "--port", "0"], serve_file), (["validate", str(scenario)], scenario),
+                       (["replay", str(scenario)], scenario)):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, (args, result.output)
+        assert re.search(message, one_error_line(result.output, path)), result.output

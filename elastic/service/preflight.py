@@ -276,6 +276,7 @@ LIMITS: dict[str, Limit] = {
     "DeploymentConfig.heartbeat_s": _SECONDS, "DeploymentConfig.step_delay_s": _SECONDS,
     "EPLBConfig.transfer_timeout_s": _SECONDS, "EPLBConfig.watchdog_s": _SECONDS,
     "ScaleEvent.transfer_wait_s": _SECONDS, "StallEvent.seconds": _SECONDS,
+    "StallRank.seconds": _SECONDS, "DelayTransfer.seconds": _SECONDS, "SlowPrepare.seconds": _SECONDS,
     "AutoscalerConfig.up_after_s": _SECONDS, "AutoscalerConfig.down_after_s": _SECONDS,
     "AutoscalerConfig.cooldown_s": _SECONDS,
 }
@@ -554,6 +555,22 @@ def _safetensors_problem(path: Path) -> str | None:
     if length > MAX_SAFETENSORS_HEADER or 8 + length > size:
         return (f"{path.name} is not a complete safetensors file (its header claims {length} bytes, the file has "
                 f"{size}); download it again")
+    # the tensors' bytes must cover the rest of the file exactly (what safetensors checks when it opens it)
+    import json
+
+    try:
+        with path.open("rb") as fh:
+            fh.seek(8)
+            header = json.loads(fh.read(length))
+        ends = [int(entry["data_offsets"][1]) for name, entry in header.items() if name != "__metadata__"]
+    except OSError as exc:
+        return f"{path.name}: cannot read it: {exc.strerror or exc}"
+    except (ValueError, RecursionError, TypeError, KeyError, IndexError, AttributeError):
+        return f"{path.name} has no readable safetensors header (a JSON object of tensors); download it again"
+    data = size - 8 - length
+    if max(ends, default=0) != data:
+        return (f"{path.name} is not a complete safetensors file (its tensors take {max(ends, default=0)} bytes, the "
+                f"file holds {data} after its header); download it again")
     return None
 
 
