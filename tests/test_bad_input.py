@@ -559,6 +559,11 @@ def _broken_checkpoint(saved: Path, tmp_path: Path, case: str) -> Path:
     elif case == "weights truncated":  # the header still fits: only the tensors' bytes are short
         weights = ckpt / "model.safetensors"
         weights.write_bytes(weights.read_bytes()[:-4])
+    elif case == "top_k above the experts":
+        import json
+
+        config = json.loads((ckpt / "config.json").read_text())
+        (ckpt / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 20}))
     return ckpt
 
 
@@ -570,6 +575,9 @@ def _broken_checkpoint(saved: Path, tmp_path: Path, case: str) -> Path:
                           r"(\d+) bytes, the file holds (\d+) after its header\); download it again"),
     ("dense", r"model\.path: .*dense: cannot read the model's MoE layers \(IndexError: .*\); expected a "
               r"Mixture-of-Experts model"),
+    # transformers builds it, and every worker then failed on "selected index k out of range"
+    ("top_k above the experts", r"model\.path: .*ckpt: config\.json: num_experts_per_tok=20, expected 1 to the "
+                                r"model's 8 experts per MoE layer"),
 ])
 def test_a_checkpoint_that_cannot_be_read_is_one_line_from_serve_and_validate(saved_checkpoints, tmp_path, no_workers,
                                                                                case, message):
@@ -589,3 +597,13 @@ def test_a_checkpoint_that_cannot_be_read_is_one_line_from_serve_and_validate(sa
         result = runner.invoke(app, args)
         assert result.exit_code == 2, (args, result.output)
         assert re.search(message, one_error_line(result.output, path)), result.output
+
+
+def test_a_random_model_whose_top_k_exceeds_its_experts_is_refused(tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_text("ep_size: 2\nmodel: {kind: hf, architecture: qwen3_moe, config: {num_experts_per_tok: 9}}\n"
+                    "eplb: {num_redundant_experts: 2}\n")
+    with pytest.raises(InputError) as info:
+        load_serve_config(path)
+    assert info.value.lines() == [f"{path}: model.config: num_experts_per_tok=9, expected 1 to the model's 8 experts "
+                                  "per MoE layer"]
