@@ -607,3 +607,19 @@ def test_a_random_model_whose_top_k_exceeds_its_experts_is_refused(tmp_path):
         load_serve_config(path)
     assert info.value.lines() == [f"{path}: model.config: num_experts_per_tok=9, expected 1 to the model's 8 experts "
                                   "per MoE layer"]
+
+
+def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path):
+    """YAML keeps the last of two equal keys silently: a second timeline: dropped the first's events,
+    a second steps: ran a replay of another length. A key that overrides a merged one (<<) is fine."""
+    path = tmp_path / "twice.yaml"
+    path.write_text(QUICKSTART.replace("timeline:\n", "timeline:\n  - {at_step: 40, action: rebalance}\ntimeline:\n", 1))
+    result = runner.invoke(app, ["validate", str(path)])
+    assert result.exit_code == 2
+    line = one_error_line(result.output, path)
+    first = QUICKSTART.splitlines().index("timeline:") + 1
+    assert line.endswith(f"not valid YAML: line {first + 2}, column 1: key 'timeline' is given twice (first on line "
+                         f"{first}); YAML would keep only the last: remove one"), line
+    assert preflight.load_yaml("base: &b {steps: 10, name: x}\nrun:\n  <<: *b\n  steps: 20\n", "m.yaml") == {
+        "base": {"steps": 10, "name": "x"}, "run": {"steps": 20, "name": "x"}}
+

@@ -169,6 +169,22 @@ class _Bounds:
                               "are followed; write the values out or use fewer aliases")
             raise _TooBig(f"the document has more than {self.max_nodes} values; is it the right file?")
 
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        """A key given twice in one mapping is refused: YAML loaders keep the last silently (a second
+        ``timeline:`` dropped the first's events). Checked before merge keys (``<<``) are laid in, so
+        a key that overrides a merged one is fine."""
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[tuple[str, str], Any] = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                first = seen.setdefault((key_node.tag, key_node.value), key_node.start_mark)
+                if first is not key_node.start_mark:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key_node.value!r} is given twice (first on line {first.line + 1}); "
+                        "YAML would keep only the last: remove one", key_node.start_mark)
+        return super().construct_mapping(node, deep)  # type: ignore[misc]
+
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):  # type: ignore[attr-defined]
             anchor = self.peek_event().anchor  # type: ignore[attr-defined]
