@@ -212,13 +212,13 @@ _MASK_MEMO = 1 << 16
 def _masks(model: Any, kinds: frozenset[str], cache: Any, positions: torch.Tensor, past: int, dtype: torch.dtype
            ) -> dict[str, Any]:
     """:func:`request_masks`, remembered where transformers builds no mask at all (its usual answer for
-    a decode step under sdpa): a mask depends only on the model, its cache's class, how many tokens
-    the request holds and how many it adds, and the dtype, so a step of the same sizes needs none
-    either. Building the answer costs 70-200 us per request and step on this machine."""
+    a decode step under sdpa): a mask depends only on the model, its attention implementation, its
+    cache's class, how many tokens the request holds and how many it adds, and the dtype, so a step
+    of the same sizes needs none either. Building the answer costs 70-200 us per request and step on this machine."""
     memo = getattr(model, "_eplb_maskless", None)
     if memo is None or len(memo) > _MASK_MEMO:
         memo = model._eplb_maskless = set()
-    key = (kinds, type(cache), past, positions.numel(), dtype)
+    key = (kinds, model.config._attn_implementation, type(cache), past, positions.numel(), dtype)
     if key in memo:
         return dict.fromkeys(kinds)
     masks = request_masks(model.config, kinds, cache, positions, dtype)
