@@ -160,6 +160,27 @@ def test_serve_on_a_port_in_use_exits_2_before_any_process_starts(no_workers):
                                      "use); fix: another --port, or stop what listens on it")
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--host", "10.255.255.1", "--port", "0"], "error: --host 10.255.255.1 --port 0: cannot listen there (Cannot assign "
+     "requested address); fix: an address of this machine for --host (127.0.0.1, or 0.0.0.0 for every interface)"),
+    (["--host", "256.1.1.1", "--port", "0"], "error: --host 256.1.1.1 --port 0: cannot listen there ("),
+    (["--log-level", "chatty", "--port", "0"], "error: --log-level: expected one of critical, error, warning, info, "
+     "debug, trace, got 'chatty'"),
+])
+def test_serve_with_a_host_not_of_this_machine_or_an_unknown_log_level_exits_2_before_any_process_starts(
+        no_workers, args, message):
+    """With --port 0 the host was not checked: the deployment started, uvicorn failed to bind and it
+    stopped again (exit 3); an unknown --log-level was uvicorn's KeyError traceback once the workers ran."""
+    from elastic.service.server import register_cli
+
+    typer_app = typer.Typer()
+    register_cli(typer_app)
+    typer_app.command("other")(lambda: None)
+    result = runner.invoke(typer_app, ["serve", *args])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().startswith(message) and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
 def test_max_memory_is_the_budget_when_set(tmp_path):
     path = tmp_path / "deployment.yaml"
     path.write_text("ep_size: 2\nmax_memory: 300MiB\nmodel: {num_experts: 16, hidden_size: 1024, intermediate_size: 2048}\n")
