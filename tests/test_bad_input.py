@@ -181,6 +181,56 @@ def test_serve_with_a_host_not_of_this_machine_or_an_unknown_log_level_exits_2_b
     assert result.stderr.strip().startswith(message) and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
+def test_a_store_host_that_is_no_address_or_nccl_without_a_gpu_is_refused_before_any_process_starts(
+        tmp_path, no_workers):
+    """A store_host that does not resolve was a gaierror traceback once the coordinator started (serve,
+    replay); backend: nccl on this CPU build failed in every worker at its start."""
+    import torch.distributed as dist
+
+    path = tmp_path / "serve.yaml"
+    path.write_text('ep_size: 2\nstore_host: "nosuch.invalid"\n' + ("" if dist.is_nccl_available() else "backend: nccl\n"))
+    with pytest.raises(InputError) as info:
+        load_serve_config(path)
+    lines = info.value.lines()
+    assert lines[0].startswith(f"{path}: store_host: the coordinator's store cannot listen on 'nosuch.invalid', which "
+                               "is not an address (")
+    assert lines[0].endswith("); give an address of this machine")
+    if not dist.is_nccl_available():
+        assert lines[1] == (f"{path}: backend: nccl needs NCCL and a GPU, and this machine's torch has no NCCL (a CPU "
+                            "build); local workers on CPU use backend: gloo")
+    scenario = tmp_path / "scenario.yaml"
+    scenario.write_text(QUICKSTART.replace("  ep_size: 2\n", "  ep_size: 2\n  store_host: not a host!!\n", 1))
+    result = runner.invoke(app, ["validate", str(scenario)])
+    assert result.exit_code == 2
+    assert "deployment.store_host: the coordinator's store cannot listen on 'not a host!!', which is not an address" \
+        in one_error_line(result.output, scenario)
+
+
+def test_serve_whose_workers_fail_to_start_says_so_in_one_line(monkeypatch):
+    """A worker that failed at its start (a checkpoint missing an expert's weights, a hung import) was
+    an OperationFailed traceback from serve, after the deployment had shut down."""
+    from elastic.control.coordinator import Coordinator, OperationFailed
+    from elastic.service import server
+    from elastic.service.server import register_cli
+
+    def failing_start(self):
+        raise OperationFailed("Started", "rank 0 failed in worker: KeyError: 'checkpoint /c has no down_proj of "
+                                         "expert 3 in layer 0'")
+
+    monkeypatch.setattr(Coordinator, "start", failing_start)
+    monkeypatch.setattr(server, "configure_logging", lambda *a, **k: None)  # the root logger stays pytest's
+    monkeypatch.setenv(server.ENV_FORMAT, "text")
+    typer_app = typer.Typer()
+    register_cli(typer_app)
+    typer_app.command("other")(lambda: None)
+    result = runner.invoke(typer_app, ["serve", "--port", "0"])
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: the deployment did not start: Started: rank 0 failed in worker: KeyError: 'checkpoint /c has no "
+        "down_proj of expert 3 in layer 0'")
+
+
 def test_max_memory_is_the_budget_when_set(tmp_path):
     path = tmp_path / "deployment.yaml"
     path.write_text("ep_size: 2\nmax_memory: 300MiB\nmodel: {num_experts: 16, hidden_size: 1024, intermediate_size: 2048}\n")

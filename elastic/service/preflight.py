@@ -49,7 +49,8 @@ if TYPE_CHECKING:  # deployment imports nothing from here at run time, so no cyc
 __all__ = [
     "LIMITS", "MAX_BODY_BYTES", "MAX_FILE_BYTES", "MAX_YAML_DEPTH", "MAX_YAML_NODES", "BodyLimit",
     "BodyTooLarge", "InputError", "InputProblem", "Limit", "MemoryEstimate", "Refusal", "available_memory",
-    "bound_problems", "checkpoint_problems", "estimate_worker_memory", "format_bytes", "hook_problems", "invalid_body",
+    "bound_problems", "checkpoint_problems", "estimate_worker_memory", "format_bytes", "hook_problems", "host_problems",
+    "invalid_body",
     "load_yaml", "memory_budget", "memory_problems", "one_line", "policy_problems", "read_text", "read_yaml",
     "unparsable_body",
 ]
@@ -487,6 +488,35 @@ def memory_budget(config: DeploymentConfig, *, available: Callable[[], int | Non
     ranks = config.ep_size
     return MemoryBudget(free // ranks, f"this machine has {format_bytes(free)} available for {ranks} local "
                         f"rank(s), {format_bytes(free // ranks)} each")
+
+
+def host_problems(config: DeploymentConfig, *, rename: Callable[[str], str] = lambda p: p) -> list[InputProblem]:
+    """What cannot work for the deployment, before any worker starts: a store address that is no
+    address at all (a name that does not resolve was a ``gaierror`` traceback once the coordinator
+    started; an address of another machine is left alone, as a deployment file may be checked away
+    from the machine it runs on), and, for local workers, ``backend: nccl`` without NCCL and a GPU
+    here (every worker failed at its start)."""
+    import socket
+
+    problems = []
+    host = config.store_bind_host
+    key = rename("launcher.bind_host" if config.launcher.bind_host else "store_host")
+    if host not in ("", "*"):
+        try:
+            socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as exc:
+            problems.append(InputProblem(key, f"the coordinator's store cannot listen on {host!r}, which is not an "
+                                         f"address ({getattr(exc, 'strerror', None) or exc}); give an address of "
+                                         "this machine"))
+    if config.backend == "nccl" and config.launcher.kind == "local":
+        import torch
+        import torch.distributed as dist
+
+        if not (dist.is_nccl_available() and torch.cuda.is_available()):
+            problems.append(InputProblem(rename("backend"), "nccl needs NCCL and a GPU, and this machine's torch has "
+                                         f"{'no GPU' if dist.is_nccl_available() else 'no NCCL (a CPU build)'}; "
+                                         "local workers on CPU use backend: gloo"))
+    return problems
 
 
 def memory_problems(config: DeploymentConfig, *, rename: Callable[[str], str] = lambda p: p,

@@ -31,6 +31,7 @@ from typing import Any
 import uvicorn
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from elastic.core.errors import ElasticError
 from elastic.deployment import DEFAULT_DEPLOYMENT, DeploymentConfig
 from elastic.service.api import create_app
 from elastic.service.autoscaler import Autoscaler, AutoscalerConfig
@@ -46,6 +47,7 @@ from elastic.service.preflight import (
     bound_problems,
     checkpoint_problems,
     hook_problems,
+    host_problems,
     memory_problems,
     policy_problems,
     read_yaml,
@@ -193,7 +195,8 @@ def load_serve_config(path: str | Path | None, *, overrides: dict[str, Any] | No
                                                                             p.message)
                 for p in bound_problems(loaded)]
     if not problems:
-        problems = policy_problems(loaded.deployment) + memory_problems(loaded.deployment, available=available)
+        problems = (policy_problems(loaded.deployment) + memory_problems(loaded.deployment, available=available)
+                    + host_problems(loaded.deployment))
     checkpoint = getattr(loaded.deployment.model, "path", None)  # a model served from a checkpoint directory
     if isinstance(checkpoint, str):
         problems += checkpoint_problems(checkpoint, key="model.path")
@@ -389,7 +392,12 @@ def register_cli(app: Any) -> None:
         os.environ[ENV_FORMAT] = log_format  # workers inherit it (the forkserver starts after this)
         configure_logging(log_format, logging.INFO, context=_serving_context)
         logging.getLogger("transitions").setLevel(logging.WARNING)  # the machine logs each transition itself
-        serve(loaded.deployment, host, port, autoscaler=scaler, hooks=loaded.hooks, log_level=log_level, api_key=api_key)
+        try:
+            serve(loaded.deployment, host, port, autoscaler=scaler, hooks=loaded.hooks, log_level=log_level,
+                  api_key=api_key)
+        except ElasticError as exc:  # the workers did not start (a checkpoint's weights, a hung worker): shut down
+            typer.echo(f"error: the deployment did not start: {' '.join(str(exc).split())}", err=True)
+            raise typer.Exit(1) from None
         # the deployment is down: the process only exits now. Its heap (torch, transformers, the
         # unsharded reference model) is large, and the interpreter's last garbage collections
         # walked it for 6-10 s on 2 busy cores before the process was gone (measured on a
