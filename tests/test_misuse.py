@@ -117,3 +117,28 @@ def test_deployments_one_after_another_keep_no_descriptor_or_thread_of_the_last(
 
     first = one()
     assert one() == first
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_timeout_that_is_not_a_positive_number_is_refused_before_anything_is_sent():
+    """rebalance(timeout=-1) sent the rebalance to every rank (it ran) and then reported it failed,
+    'did not finish within -1.0s'; a NaN timeout never timed out."""
+    from elastic.core.errors import InvalidScaleRequest
+
+    with Coordinator(small_config()) as c:
+        c.wait_for_step(2)
+        send, sent = c.registry.bus.send, []
+        c.registry.bus.send = lambda *a, **k: sent.append(a) or send(*a, **k)  # type: ignore[method-assign]
+        calls = {"rebalance": lambda t: c.rebalance(timeout=t), "verify": lambda t: c.verify(timeout=t),
+                 "export the placement": lambda t: c.export_placement(timeout=t),
+                 "wait for step 5": lambda t: c.wait_for_step(5, timeout=t)}
+        for action, call in calls.items():
+            for timeout in (-1, 0, float("nan"), float("inf"), "30"):
+                started = time.monotonic()
+                with pytest.raises(InvalidScaleRequest, match=f"invalid timeout: {action}: expected a finite number "
+                                                              "of seconds > 0"):
+                    call(timeout)
+                assert time.monotonic() - started < 1
+        assert not sent  # no command went out
+        assert c.rebalance(timeout=30) is True and c.machine.state.value == "running"

@@ -19,6 +19,7 @@ by ``DeploymentConfig.operation_history``.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import uuid
@@ -179,9 +180,13 @@ class Coordinator:
             self.shutdown()  # a with statement does not call __exit__ when __enter__ raises: nothing outlives it
             raise
 
-    def _require_started(self, action: str) -> None:
+    def _require_started(self, action: str, timeout: Any = 1.0) -> None:
         if self._lifecycle != "started":
             raise LifecycleError(action, self._lifecycle)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+            # before anything is sent: a rebalance asked with timeout=-1 started on every rank and was reported
+            # failed ("did not finish within -1.0s"); a NaN one never timed out
+            raise InvalidScaleRequest("timeout", f"{action}: expected a finite number of seconds > 0", value=timeout)
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
@@ -543,7 +548,7 @@ class Coordinator:
     def rebalance(self, timeout: float = 30.0) -> bool:
         """Ask every rank to start a rebalance at the next step boundary; True if one is under way on
         every rank then (this one, or one that was already running)."""
-        self._require_started("rebalance")
+        self._require_started("rebalance", timeout)
         self._require_running("rebalance")
         seq, pids = self.registry.broadcast(p.RebalanceNow)
         try:
@@ -556,7 +561,7 @@ class Coordinator:
 
     def verify(self, timeout: float = 60.0) -> dict[int, dict[str, Any]]:
         """Every rank checks every local slot bit-exactly; returns rank -> its verdict."""
-        self._require_started("verify")
+        self._require_started("verify", timeout)
         seq, pids = self.registry.broadcast(p.Verify)
         reports = self.registry.await_done(seq, pids, "verify", timeout, fail_machine=False)
         return {r.rank: {**r.detail, "generation": r.generation, "step": r.step} for r in reports.values()}
@@ -567,7 +572,7 @@ class Coordinator:
     def probe(self, timeout: float = 60.0) -> dict[str, Any]:
         """Every rank decodes the fixed probe batch; the digests must equal the unsharded model's
         (:meth:`elastic.control.outputs.OutputCheck.probe`)."""
-        self._require_started("probe")
+        self._require_started("probe", timeout)
         return self.outputs.probe(timeout)
 
     def export_placement(self, timeout: float = 30.0) -> dict[str, Any]:
@@ -577,7 +582,7 @@ class Coordinator:
         Only while ``running`` (during an operation the placement is about to change): else
         :class:`ScaleConflict`. Ranks that disagree (they never should) raise ``OperationFailed``.
         """
-        self._require_started("export the placement")
+        self._require_started("export the placement", timeout)
         self._require_running("export the placement")
         seq, pids = self.registry.broadcast(p.ExportPlacement)
         reports = self.registry.await_done(seq, pids, "export placement", timeout, fail_machine=False)
@@ -598,7 +603,7 @@ class Coordinator:
         """Block until every live worker has passed ``step``, or sleeps in an idle group (a real
         model with no request and no background load: no step comes until a request or a
         command); returns the slowest worker's step."""
-        self._require_started(f"wait for step {step}")
+        self._require_started(f"wait for step {step}", timeout)
         deadline = self.clock.monotonic() + timeout
         with self._reports:
             while True:
