@@ -142,3 +142,16 @@ def test_a_timeout_that_is_not_a_positive_number_is_refused_before_anything_is_s
                 assert time.monotonic() - started < 1
         assert not sent  # no command went out
         assert c.rebalance(timeout=30) is True and c.machine.state.value == "running"
+
+
+def test_a_fault_that_is_not_a_fault_record_is_refused_naming_its_position():
+    """A dict or a name in faults= was never fired by any worker (they pick records by type) and
+    fired_faults() did not list it: the test or drill ran without its fault, silently."""
+    from elastic.core.errors import InvalidScaleRequest
+    from elastic.faults import KillRank
+
+    with pytest.raises(InvalidScaleRequest, match=r"invalid faults\[1\]: expected a record of elastic.faults "
+                                                  r"\(KillRank\(rank=1, at_step=50\), StallRank, DelayTransfer, \.\.\.\), "
+                                                  r"got dict"):
+        Coordinator(small_config(), faults=(KillRank(rank=0, at_step=5), {"kind": "kill", "rank": 1, "at_step": 5}))
+    assert Coordinator(small_config(), faults=[KillRank(rank=0, at_step=5)]).faults == (KillRank(rank=0, at_step=5),)

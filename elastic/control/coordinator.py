@@ -62,7 +62,7 @@ from elastic.core.errors import (
 from elastic.core.machine import ScaleMachine, Trigger
 from elastic.core.phases import SERVING_PHASES, OperationKind, OperationStage, Phase
 from elastic.deployment import DeploymentConfig
-from elastic.faults import fires_once
+from elastic.faults import _Fault, fires_once
 from elastic.launch.factory import make_launcher
 from elastic.launch.launchers import Launcher, note_lost_worker, plan_mapping
 from elastic.worker.groups import open_store
@@ -84,7 +84,12 @@ class Coordinator:
         self.config = config
         self.launcher = launcher or make_launcher(config)  # config.launcher: local, command or ray
         self.clock = as_clock(clock)
-        self.faults = faults
+        for i, fault in enumerate(faults):  # anything else was silently never fired by the workers
+            if not isinstance(fault, _Fault):
+                raise InvalidScaleRequest(f"faults[{i}]", "expected a record of elastic.faults (KillRank(rank=1, "
+                                          f"at_step=50), StallRank, DelayTransfer, ...), got {type(fault).__name__}",
+                                          value=fault)
+        self.faults = tuple(faults)
         self.machine = ScaleMachine(timeouts=config.timeouts, clock=self.clock)
         self._stop = threading.Event()
         history = config.operation_history
