@@ -64,6 +64,21 @@ def _print_scenario_error(console: Console, exc: InputError) -> None:
         console.print(f"[red]error[/] {escape(problem.line(exc.source))}", highlight=False)
 
 
+def _unwritable(directory: Path) -> str | None:
+    """Why the report cannot be written in ``directory`` (made here if missing), or None."""
+    import os
+
+    if directory.exists() and not directory.is_dir():
+        return "a file is there, not a directory"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot make the directory ({exc.strerror or exc})"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return "cannot write there (permission denied)"
+    return None
+
+
 @app.command()
 def replay(
     file: Path = typer.Argument(..., help="the scenario (YAML)", show_default=False),
@@ -87,6 +102,11 @@ def replay(
     from elastic.replay.runner import replay as run_replay  # after the checks: a refused file imports none of it
 
     out_dir = report_dir if report_dir is not None else Path("reports") / scenario.name
+    problem = _unwritable(out_dir)  # before the run: the report was lost to a traceback once it had run
+    if problem is not None:
+        what = "--report-dir" if report_dir is not None else "the report directory (reports/<name>; give --report-dir)"
+        err.print(f"[red]error[/] {escape(f'{what} {out_dir}: {problem}')}", highlight=False)
+        raise typer.Exit(EXIT_INVALID)
     console = _console()
     if json_only:
         result = run_replay(scenario, report_dir=out_dir, source=str(file))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from functools import cached_property
 from typing import Any, Literal
 
@@ -9,7 +11,7 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 
 from elastic.core.config import ScalingConfig, ServingConfig, TimeoutsConfig
 from eplb.config import EPLBConfig
-from eplb.models.config import ModelSpec
+from eplb.models.config import HFModelConfig, ModelSpec, tiny_config
 from eplb.models.serving import ModelSizes, model_info
 from eplb.placement import Placement
 from eplb.placement_file import PlacementFileError, read_placement_file
@@ -156,6 +158,9 @@ class DeploymentConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> DeploymentConfig:
+        problem = self._model_problem()
+        if problem:
+            raise ValueError(problem)
         physical = self.num_physical
         if physical % self.ep_size:
             raise ValueError(
@@ -190,6 +195,46 @@ class DeploymentConfig(BaseModel):
             except PlacementFileError as exc:
                 raise ValueError(f"eplb.initial_placement: {self.eplb.initial_placement}: {exc}") from None
         return self
+
+    def _model_problem(self) -> str | None:
+        """Why the model's MoE layout cannot be read (a checkpoint directory that is missing, incomplete
+        or not a MoE model), in one line; None when :attr:`sizes` reads it. Reading it raised whatever
+        transformers or safetensors raise (OSError, IndexError, SafetensorError...): a traceback."""
+        path = getattr(self.model, "path", None)
+        if isinstance(path, str):
+            from elastic.service.preflight import checkpoint_problems  # no cycle: it imports this module for types only
+
+            problems = checkpoint_problems(path)
+            if problems:
+                return "; ".join(f"{p.path}: {p.message}" for p in problems)
+        try:
+            self.sizes  # noqa: B018 - read and kept (cached) before any worker starts
+        except ValueError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever reading a foreign model raises becomes one line
+            where = f"model.path: {path}" if isinstance(path, str) else \
+                f"model.architecture: {getattr(self.model, 'architecture', None)}"
+            return (f"{where}: cannot read the model's MoE layers ({type(exc).__name__}: {' '.join(str(exc).split())}); "
+                    "expected a Mixture-of-Experts model of a supported architecture, as save_pretrained writes it")
+        top_k, experts = self._model_top_k(), self.sizes.num_logical_experts
+        if top_k is not None and not 1 <= top_k <= experts:  # transformers builds it; its router fails on every token
+            where = f"model.path: {path}: config.json" if isinstance(path, str) else "model.config"
+            return f"{where}: num_experts_per_tok={top_k}, expected 1 to the model's {experts} experts per MoE layer"
+        return None
+
+    def _model_top_k(self) -> int | None:
+        """A Hugging Face model's experts per token (``num_experts_per_tok``, the name every supported
+        architecture uses), when its config gives one."""
+        if not isinstance(self.model, HFModelConfig):
+            return None
+        if self.model.path is not None:
+            with open(os.path.join(self.model.path, "config.json"), encoding="utf-8") as f:  # checked: a JSON object
+                config = json.load(f)
+        else:
+            assert self.model.architecture is not None  # HFModelConfig: a path or an architecture
+            config = tiny_config(self.model.architecture, self.model.config)
+        value = config.get("num_experts_per_tok")
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     @property
     def store_bind_host(self) -> str:

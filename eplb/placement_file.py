@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import math
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ __all__ = [
 FORMAT = "elastic-ep placement"
 VERSION = 1
 MAX_BYTES = 64 * 1024 * 1024  # a file past this is refused before it is read
+INT64_MAX = (1 << 63) - 1  # counts are kept as int64 (torch)
 
 
 class PlacementFileError(ValueError):
@@ -104,6 +106,14 @@ class PlacementFile:
         except AlgorithmError as exc:
             raise PlacementFileError(f"{sizes}; recomputing it from the load window failed: {exc}") from None
         return placement, f"recomputed from the load window ({self.window_steps} steps): {sizes}"
+
+
+def _finite(value: int | float) -> bool:
+    """Finite as a float64 (the window is one): an integer of 400 digits is not (float() overflows)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _int(value: Any) -> bool:
@@ -189,8 +199,8 @@ def _parse_window(window: Any, layers: int, experts: int) -> tuple[int, torch.Te
     if not isinstance(window, dict):
         raise PlacementFileError("missing key load_window (an object with steps and logical_load)")
     steps = window.get("steps", 0)
-    if not _int(steps) or steps < 0:
-        raise PlacementFileError(f"load_window.steps must be an integer >= 0, got {steps!r}")
+    if not _int(steps) or not 0 <= steps <= INT64_MAX:
+        raise PlacementFileError(f"load_window.steps must be an integer in [0, {INT64_MAX}], got {steps!r}")
     loads = window.get("logical_load")
     if not isinstance(loads, list) or len(loads) != layers:
         got = f"{len(loads)} layers" if isinstance(loads, list) else repr(type(loads).__name__)
@@ -200,7 +210,7 @@ def _parse_window(window: Any, layers: int, experts: int) -> tuple[int, torch.Te
             got = f"{len(row)} experts" if isinstance(row, list) else type(row).__name__
             raise PlacementFileError(f"load_window.logical_load layer {layer} has {got}, expected {experts}")
         for expert, value in enumerate(row):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value) or value < 0:
                 raise PlacementFileError(f"load_window.logical_load layer {layer}, expert {expert}: expected a finite "
                                          f"number >= 0, got {value!r}")
     return steps, torch.tensor(loads, dtype=torch.float64)
@@ -209,11 +219,18 @@ def _parse_window(window: Any, layers: int, experts: int) -> tuple[int, torch.Te
 def read_placement_file(path: str | Path) -> PlacementFile:
     """Read and check a placement file; :class:`PlacementFileError` names the file's problem."""
     path = Path(path)
+    too_large = f"larger than the {MAX_BYTES} bytes a placement file may have"
     try:
-        size = path.stat().st_size
-        if size > MAX_BYTES:
-            raise PlacementFileError(f"{size} bytes, larger than the {MAX_BYTES} a placement file may have")
-        text = path.read_bytes().decode("utf-8")
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):  # a FIFO blocks the open, a device (/dev/zero) never ends
+            raise PlacementFileError("not a regular file; give the path of a placement file (JSON)")
+        if info.st_size > MAX_BYTES:
+            raise PlacementFileError(f"{info.st_size} bytes, {too_large}")
+        with path.open("rb") as fh:
+            data = fh.read(MAX_BYTES + 1)  # the file may have grown since stat
+        if len(data) > MAX_BYTES:
+            raise PlacementFileError(too_large)
+        text = data.decode("utf-8")
     except OSError as exc:
         raise PlacementFileError(f"cannot read it: {exc.strerror or exc}") from None
     except UnicodeDecodeError:

@@ -160,6 +160,77 @@ def test_serve_on_a_port_in_use_exits_2_before_any_process_starts(no_workers):
                                      "use); fix: another --port, or stop what listens on it")
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--host", "10.255.255.1", "--port", "0"], "error: --host 10.255.255.1 --port 0: cannot listen there (Cannot assign "
+     "requested address); fix: an address of this machine for --host (127.0.0.1, or 0.0.0.0 for every interface)"),
+    (["--host", "256.1.1.1", "--port", "0"], "error: --host 256.1.1.1 --port 0: cannot listen there ("),
+    (["--log-level", "chatty", "--port", "0"], "error: --log-level: expected one of critical, error, warning, info, "
+     "debug, trace, got 'chatty'"),
+])
+def test_serve_with_a_host_not_of_this_machine_or_an_unknown_log_level_exits_2_before_any_process_starts(
+        no_workers, args, message):
+    """With --port 0 the host was not checked: the deployment started, uvicorn failed to bind and it
+    stopped again (exit 3); an unknown --log-level was uvicorn's KeyError traceback once the workers ran."""
+    from elastic.service.server import register_cli
+
+    typer_app = typer.Typer()
+    register_cli(typer_app)
+    typer_app.command("other")(lambda: None)
+    result = runner.invoke(typer_app, ["serve", *args])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().startswith(message) and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_a_store_host_that_is_no_address_or_nccl_without_a_gpu_is_refused_before_any_process_starts(
+        tmp_path, no_workers):
+    """A store_host that does not resolve was a gaierror traceback once the coordinator started (serve,
+    replay); backend: nccl on this CPU build failed in every worker at its start."""
+    import torch.distributed as dist
+
+    path = tmp_path / "serve.yaml"
+    path.write_text('ep_size: 2\nstore_host: "nosuch.invalid"\n' + ("" if dist.is_nccl_available() else "backend: nccl\n"))
+    with pytest.raises(InputError) as info:
+        load_serve_config(path)
+    lines = info.value.lines()
+    assert lines[0].startswith(f"{path}: store_host: the coordinator's store cannot listen on 'nosuch.invalid', which "
+                               "is not an address (")
+    assert lines[0].endswith("); give an address of this machine")
+    if not dist.is_nccl_available():
+        assert lines[1] == (f"{path}: backend: nccl needs NCCL and a GPU, and this machine's torch has no NCCL (a CPU "
+                            "build); local workers on CPU use backend: gloo")
+    scenario = tmp_path / "scenario.yaml"
+    scenario.write_text(QUICKSTART.replace("  ep_size: 2\n", "  ep_size: 2\n  store_host: not a host!!\n", 1))
+    result = runner.invoke(app, ["validate", str(scenario)])
+    assert result.exit_code == 2
+    assert "deployment.store_host: the coordinator's store cannot listen on 'not a host!!', which is not an address" \
+        in one_error_line(result.output, scenario)
+
+
+def test_serve_whose_workers_fail_to_start_says_so_in_one_line(monkeypatch):
+    """A worker that failed at its start (a checkpoint missing an expert's weights, a hung import) was
+    an OperationFailed traceback from serve, after the deployment had shut down."""
+    from elastic.control.coordinator import Coordinator, OperationFailed
+    from elastic.service import server
+    from elastic.service.server import register_cli
+
+    def failing_start(self):
+        raise OperationFailed("Started", "rank 0 failed in worker: KeyError: 'checkpoint /c has no down_proj of "
+                                         "expert 3 in layer 0'")
+
+    monkeypatch.setattr(Coordinator, "start", failing_start)
+    monkeypatch.setattr(server, "configure_logging", lambda *a, **k: None)  # the root logger stays pytest's
+    monkeypatch.setenv(server.ENV_FORMAT, "text")
+    typer_app = typer.Typer()
+    register_cli(typer_app)
+    typer_app.command("other")(lambda: None)
+    result = runner.invoke(typer_app, ["serve", "--port", "0"])
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: the deployment did not start: Started: rank 0 failed in worker: KeyError: 'checkpoint /c has no "
+        "down_proj of expert 3 in layer 0'")
+
+
 def test_max_memory_is_the_budget_when_set(tmp_path):
     path = tmp_path / "deployment.yaml"
     path.write_text("ep_size: 2\nmax_memory: 300MiB\nmodel: {num_experts: 16, hidden_size: 1024, intermediate_size: 2048}\n")
@@ -252,6 +323,13 @@ def test_modest_aliases_still_load():
     (("steps: 240", "steps: 240\nrun_timeout_s: .inf"), "run_timeout_s", "expected a finite number"),
     (("tokens_per_step: 64", "tokens_per_step: 64\n    seed: -99999999999999999999"), "trace[0].seed",
      "expected an integer within int64"),
+    # probe 28: a fault record's seconds had no bound (a stall of 1e30 s crashed its worker's sleep)
+    (("steps: 240", "steps: 240\nfaults: [{kind: stall, rank: 0, at_step: 5, seconds: 1e30}]"), "faults[0].seconds",
+     "expected at most 604800 (a wait or a pace"),
+    (("steps: 240", "steps: 240\nfaults: [{kind: delay_transfer, rank: 0, seconds: 1e9}]"), "faults[0].seconds",
+     "expected at most 604800"),
+    (("steps: 240", "steps: 240\nfaults: [{kind: slow_prepare, rank: 0, seconds: 1e9}]"), "faults[0].seconds",
+     "expected at most 604800"),
 ])
 def test_numeric_bounds_name_the_key_and_the_reason(tmp_path, edit, key, message):
     path = tmp_path / "s.yaml"
@@ -515,3 +593,104 @@ def test_an_unknown_eplb_policy_is_refused_before_the_workers_start(tmp_path):
     (problem,) = _serve_config_problems(tmp_path, "ep_size: 2\neplb: {policy: fastest}\n")
     assert problem.path == "eplb.policy" and "expected one of 'default', " in problem.message
     assert problem.message.endswith("got 'fastest'")
+
+
+# -- probe 28: a checkpoint that cannot be read, through the config (serve, validate, replay) --------
+
+@pytest.fixture(scope="module")
+def saved_checkpoints(tmp_path_factory):
+    """A tiny qwen3_moe and a tiny dense qwen3, as save_pretrained writes them (nothing downloaded)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from eplb.models.config import tiny_config
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", **tiny_config("qwen3_moe"))).save_pretrained(
+        root / "moe")
+    dense = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=64, head_dim=8)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3", **dense)).save_pretrained(root / "dense")
+    return root
+
+
+def _broken_checkpoint(saved: Path, tmp_path: Path, case: str) -> Path:
+    import shutil
+
+    if case == "missing":
+        return tmp_path / "nowhere"
+    if case == "a file":
+        (tmp_path / "weights.bin").write_bytes(b"\0" * 64)
+        return tmp_path / "weights.bin"
+    if case == "dense":
+        return saved / "dense"
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved / "moe", ckpt)
+    if case == "config.json garbage":
+        (ckpt / "config.json").write_text("{not json")
+    elif case == "weights truncated":  # the header still fits: only the tensors' bytes are short
+        weights = ckpt / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-4])
+    elif case == "top_k above the experts":
+        import json
+
+        config = json.loads((ckpt / "config.json").read_text())
+        (ckpt / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 20}))
+    return ckpt
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", r"model\.path: .*nowhere is not a directory; give the directory save_pretrained wrote"),
+    ("a file", r"model\.path: .*weights\.bin is not a directory"),
+    ("config.json garbage", r"model\.path: config\.json is not valid JSON"),
+    ("weights truncated", r"model\.path: model\.safetensors is not a complete safetensors file \(its tensors take "
+                          r"(\d+) bytes, the file holds (\d+) after its header\); download it again"),
+    ("dense", r"model\.path: .*dense: cannot read the model's MoE layers \(IndexError: .*\); expected a "
+              r"Mixture-of-Experts model"),
+    # transformers builds it, and every worker then failed on "selected index k out of range"
+    ("top_k above the experts", r"model\.path: .*ckpt: config\.json: num_experts_per_tok=20, expected 1 to the "
+                                r"model's 8 experts per MoE layer"),
+])
+def test_a_checkpoint_that_cannot_be_read_is_one_line_from_serve_and_validate(saved_checkpoints, tmp_path, no_workers,
+                                                                               case, message):
+    """Reading the model's layout when the config is validated raised what transformers or safetensors
+    raise (FileNotFoundError, OSError, SafetensorError, IndexError): a traceback from validate, replay
+    and serve; the checkpoint checks that name the problem came after it. A truncated tensor region
+    behind a header that fits passed those checks and failed in every worker."""
+    ckpt = _broken_checkpoint(saved_checkpoints, tmp_path, case)
+    serve_file = tmp_path / "serve.yaml"
+    serve_file.write_text(yaml.safe_dump({"ep_size": 2, "model": {"kind": "hf", "path": str(ckpt)},
+                                          "eplb": {"num_redundant_experts": 2}}))
+    scenario = tmp_path / "scenario.yaml"
+    scenario.write_text(yaml.safe_dump({"name": "ckpt", "steps": 10, "deployment": {
+        "ep_size": 2, "model": {"kind": "hf", "path": str(ckpt)}, "eplb": {"num_redundant_experts": 2}}}))
+    for args, path in ((["serve", str(serve_file), "--port", "0"], serve_file), (["validate", str(scenario)], scenario),
+                       (["replay", str(scenario)], scenario)):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, (args, result.output)
+        assert re.search(message, one_error_line(result.output, path)), result.output
+
+
+def test_a_random_model_whose_top_k_exceeds_its_experts_is_refused(tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_text("ep_size: 2\nmodel: {kind: hf, architecture: qwen3_moe, config: {num_experts_per_tok: 9}}\n"
+                    "eplb: {num_redundant_experts: 2}\n")
+    with pytest.raises(InputError) as info:
+        load_serve_config(path)
+    assert info.value.lines() == [f"{path}: model.config: num_experts_per_tok=9, expected 1 to the model's 8 experts "
+                                  "per MoE layer"]
+
+
+def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path):
+    """YAML keeps the last of two equal keys silently: a second timeline: dropped the first's events,
+    a second steps: ran a replay of another length. A key that overrides a merged one (<<) is fine."""
+    path = tmp_path / "twice.yaml"
+    path.write_text(QUICKSTART.replace("timeline:\n", "timeline:\n  - {at_step: 40, action: rebalance}\ntimeline:\n", 1))
+    result = runner.invoke(app, ["validate", str(path)])
+    assert result.exit_code == 2
+    line = one_error_line(result.output, path)
+    first = QUICKSTART.splitlines().index("timeline:") + 1
+    assert line.endswith(f"not valid YAML: line {first + 2}, column 1: key 'timeline' is given twice (first on line "
+                         f"{first}); YAML would keep only the last: remove one"), line
+    assert preflight.load_yaml("base: &b {steps: 10, name: x}\nrun:\n  <<: *b\n  steps: 20\n", "m.yaml") == {
+        "base": {"steps": 10, "name": "x"}, "run": {"steps": 20, "name": "x"}}
+

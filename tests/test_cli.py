@@ -88,6 +88,27 @@ def test_replay_of_an_invalid_file_exits_2_and_runs_nothing(tmp_path, monkeypatc
     assert missing.exit_code == 2 and "cannot read the file" in missing.stderr
 
 
+def test_replay_to_a_report_directory_it_cannot_write_exits_2_and_runs_nothing(tmp_path, monkeypatch):
+    """A --report-dir that is a file, or a scenario name too long for a directory, was found once the
+    whole replay had run: a traceback, and the report was lost."""
+    import elastic.control.coordinator
+
+    monkeypatch.setattr(elastic.control.coordinator.Coordinator, "__init__",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("started")))
+    scenario = write(tmp_path, FAILING)
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    result = runner.invoke(app, ["replay", str(scenario), "--report-dir", str(taken)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == f"error --report-dir {taken}: a file is there, not a directory"
+    long_name = write(tmp_path, FAILING.replace("name:", "name: " + "x" * 300 + " #", 1), "long.yaml")
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["replay", str(long_name)])
+    assert result.exit_code == 2, result.output
+    assert "the report directory (reports/<name>; give --report-dir) reports/xxx" in result.stderr
+    assert result.stderr.strip().endswith("cannot make the directory (File name too long)")
+
+
 # -- bench dispatch -----------------------------------------------------------------------------
 
 @pytest.fixture

@@ -22,6 +22,19 @@ def test_a_bad_argument_exits_2():
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(150)
+@pytest.mark.parametrize("url", ["http://[::1", "localhost:8000", "ftp://x"])
+def test_a_url_that_is_not_http_exits_2_naming_it(url):
+    """A malformed --url was a traceback (httpx's InvalidURL, exit 1) or 'cannot reach' (exit 3), as if
+    the server were down; loadgen's URL the same."""
+    for args, prefix in ((["status", "--url", url], f"error: --url {url}: "),
+                         (["loadgen", url, "--duration", "1"], f"error: URL {url}: ")):
+        result = run_cli(*args)
+        assert result.exit_code == 2, result.output
+        line = result.output.strip()
+        assert line.startswith(prefix + "expected an http:// or https:// URL such as http://127.0.0.1:8000"), line
+        assert len(line.splitlines()) == 1 and "Traceback" not in line
+
+
 def test_the_client_drives_a_served_deployment():
     from elastic.control.coordinator import Coordinator
     from elastic.service.api import create_app

@@ -1,9 +1,10 @@
 """eplb.models.local_exchange: the data plane's collectives over shared memory on one host.
 
-Its all_gather, all_to_all (uneven splits, empty parts) and all_reduce_max give what gloo gives,
-op after op (the two regions alternate); a rank that turns it off turns it off for the whole
-group; nothing is left in /dev/shm; a peer that dies ends a wait at once, a silent one at the
-deadline; an EP model's tokens are the same over it and over gloo.
+Its all_gather, all_gather_rows (each rank's real rows, none too), all_to_all (uneven splits, empty
+parts) and all_reduce_max give what gloo gives, op after op (the two regions alternate); a rank
+that turns it off turns it off for the whole group; nothing is left in /dev/shm; a peer that dies
+ends a wait at once, a silent one at the deadline; an EP model's tokens are the same over it and
+over gloo.
 """
 
 from __future__ import annotations
@@ -50,6 +51,13 @@ def body_ops(rank: int, world: int) -> dict:
         dist.all_to_all_single(ref, payload, output_split_sizes=receive, input_split_sizes=send)
         if not torch.equal(out, ref):
             mismatches.append(("all_to_all", op))
+        real = [int(x) for x in torch.randint(0, 4, (world,), generator=torch.Generator().manual_seed(op))]
+        padded = torch.randint(0, 255, (max(real), 8), dtype=torch.uint8, generator=g)
+        everyone_padded = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(everyone_padded, padded)
+        joined = ex.all_gather_rows(padded[: real[rank]], real, 10, "test all_gather_rows")
+        if not torch.equal(joined, torch.cat([p[:m] for p, m in zip(everyone_padded, real)])):
+            mismatches.append(("all_gather_rows", op))
         words = torch.randint(-5, 100, (6,), generator=g)
         reduced = words.clone()
         dist.all_reduce(reduced, op=dist.ReduceOp.MAX)

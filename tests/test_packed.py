@@ -111,6 +111,58 @@ def test_states_are_left_unchanged_travel_by_pickle_and_crop(qwen):
             qwen.forward_batch(bad)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_a_step_of_sizes_seen_before_takes_the_remembered_no_mask_and_keeps_its_bits(arch, monkeypatch):
+    """Transformers builds no mask for qwen3_moe's steps (sdpa): a second run of the same sizes asks it
+    for none and gives the same bits; gpt_oss's windowed masks are tensors, built every time."""
+    import eplb.models.packed as packed
+    from eplb.models.hf import unsharded
+
+    model = unsharded({"architecture": arch, "seed": 2})
+    prompts = _prompts(3, seed=4)
+
+    def decode() -> list[torch.Tensor]:
+        logits, states = model.forward_batch([(p, None) for p in prompts])
+        out = [logits]
+        for _ in range(3):
+            logits, states = model.forward_batch([(row.argmax()[None], s) for row, s in zip(out[-1], states)])
+            out.append(logits)
+        return out
+
+    first = decode()
+    built = []
+    original = packed.request_masks
+    monkeypatch.setattr(packed, "request_masks", lambda *a: built.append(a) or original(*a))
+    second = decode()
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert len(built) == (0 if arch == "qwen3_moe" else 4 * len(prompts))
+
+
+def test_a_cache_fork_copies_a_plain_object_as_copy_does_and_defers_to_anything_else():
+    import copy
+
+    from eplb.models.packed import _shallow
+
+    class Plain:
+        def __init__(self) -> None:
+            self.items = [1]
+
+    class Slotted:
+        __slots__ = ("value",)
+
+    class OwnCopy:
+        def __copy__(self) -> str:
+            return "its own"
+
+    plain = Plain()
+    forked = _shallow(plain)
+    assert type(forked) is Plain and forked is not plain and forked.items is plain.items
+    slotted = Slotted()
+    slotted.value = 3
+    assert _shallow(slotted).value == 3 and _shallow(slotted) is not slotted
+    assert _shallow(OwnCopy()) == copy.copy(OwnCopy()) == "its own"
+
+
 def test_the_replica_assignment_spreads_a_hot_expert():
     """Expert 0 is hot on rank 0 only and has a replica on each of 2 ranks: its pairs are cut in
     equal halves, so both ranks' experts compute the same number of pairs."""

@@ -111,6 +111,12 @@ BAD_FILES = {
     "a newer version": (lambda d: _set(d, {"version": 2}), "version 2 is not supported"),
     "a bad load window": (lambda d: d["load_window"]["logical_load"][3].__setitem__(2, -5) or d,
                           "load_window.logical_load layer 3, expert 2: expected a finite number >= 0, got -5"),
+    # probe 28: an integer too large for a float was an OverflowError's traceback
+    "a load too large for a float": (lambda d: d["load_window"]["logical_load"][0].__setitem__(1, 10 ** 400) or d,
+                                     "load_window.logical_load layer 0, expert 1: expected a finite number >= 0, got 1"),
+    "a window of more steps than int64": (lambda d: d["load_window"].__setitem__("steps", 2 ** 64) or d,
+                                          "load_window.steps must be an integer in [0, 9223372036854775807], got "
+                                          "18446744073709551616"),
     "another EP size and no load": (
         lambda d: _set(d, {"ep_size": 3, "slots_per_rank": 4, "load_window": {"steps": 0, "logical_load": [[0] * 8] * 4}}),
         "the file is for ep_size 3 (12 slots), this deployment starts ep_size 2 (12 slots), and the file's load "
@@ -169,6 +175,23 @@ def test_a_file_that_is_not_a_placement_is_refused(tmp_path, content, expected):
     with pytest.raises(ValidationError) as info:
         small_config(eplb=dict(initial_placement=str(path)))
     assert f"eplb.initial_placement: {path}: {expected}" in str(info.value), str(info.value)
+
+
+@pytest.mark.timeout(30)
+def test_a_placement_path_that_is_a_device_a_fifo_or_a_directory_is_refused_without_reading_it(tmp_path):
+    """/dev/zero was read until the process ran out of memory (the validate command was killed), and
+    a FIFO blocked the open forever; the file must be a regular one, read at most to its limit."""
+    import os
+
+    from pydantic import ValidationError
+
+    fifo = tmp_path / "placement.json"
+    os.mkfifo(fifo)
+    for path in ("/dev/zero", str(fifo), str(tmp_path)):
+        with pytest.raises(ValidationError) as info:
+            small_config(eplb=dict(initial_placement=path))
+        assert (f"eplb.initial_placement: {path}: not a regular file; give the path of a placement file (JSON)"
+                in str(info.value)), str(info.value)
 
 
 def test_a_scenario_embedded_deployment_checks_its_placement_file(tmp_path):

@@ -19,6 +19,7 @@ by ``DeploymentConfig.operation_history``.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import uuid
@@ -53,6 +54,7 @@ from elastic.core.errors import (
     IdempotencyKeyReused,
     InvalidScaleRequest,
     InvalidTransition,
+    LifecycleError,
     RebalanceFailed,
     ScaleConflict,
     StaleGeneration,
@@ -60,7 +62,7 @@ from elastic.core.errors import (
 from elastic.core.machine import ScaleMachine, Trigger
 from elastic.core.phases import SERVING_PHASES, OperationKind, OperationStage, Phase
 from elastic.deployment import DeploymentConfig
-from elastic.faults import fires_once
+from elastic.faults import _Fault, fires_once
 from elastic.launch.factory import make_launcher
 from elastic.launch.launchers import Launcher, note_lost_worker, plan_mapping
 from elastic.worker.groups import open_store
@@ -82,7 +84,12 @@ class Coordinator:
         self.config = config
         self.launcher = launcher or make_launcher(config)  # config.launcher: local, command or ray
         self.clock = as_clock(clock)
-        self.faults = faults
+        for i, fault in enumerate(faults):  # anything else was silently never fired by the workers
+            if not isinstance(fault, _Fault):
+                raise InvalidScaleRequest(f"faults[{i}]", "expected a record of elastic.faults (KillRank(rank=1, "
+                                          f"at_step=50), StallRank, DelayTransfer, ...), got {type(fault).__name__}",
+                                          value=fault)
+        self.faults = tuple(faults)
         self.machine = ScaleMachine(timeouts=config.timeouts, clock=self.clock)
         self._stop = threading.Event()
         history = config.operation_history
@@ -107,6 +114,7 @@ class Coordinator:
         self.recovery_budget = RecoveryBudget(config.max_auto_recoveries)  # per incident (elastic.control.budget)
         self._auto_recovering = False
         self._threads: list[threading.Thread] = []
+        self._lifecycle = "new"  # "started" once start() begins, "shut down" once shutdown() begins (for good)
         self._initial_rows: tuple[tuple[int, ...], ...] | None = None  # eplb.initial_placement's, set at start
         self.machine.subscribe(lambda t: self.hub.emit(Transitioned(t)))
         self.machine.subscribe(self.timelines.on_transition)
@@ -132,6 +140,14 @@ class Coordinator:
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> Coordinator:
+        """Open the store, launch the first group and wait for every worker's first report. Once
+        only: a second start (or one after :meth:`shutdown`) raises :class:`LifecycleError` and
+        launches nothing. A start that raises leaves what it started to :meth:`shutdown`
+        (``with Coordinator(...)`` calls it)."""
+        with self._lock:
+            if self._lifecycle != "new":
+                raise LifecycleError("start", self._lifecycle)
+            self._lifecycle = "started"
         initial = self.config.initial_placement  # checked at config load: a bad file never gets here
         self._initial_rows = None if initial is None else \
             tuple(tuple(row) for row in initial[0].physical_to_logical.tolist())
@@ -161,14 +177,31 @@ class Coordinator:
         return self
 
     def __enter__(self) -> Coordinator:
-        return self.start()
+        if self._lifecycle != "new":
+            raise LifecycleError("start", self._lifecycle)  # before the try: a refused start stops nothing
+        try:
+            return self.start()
+        except BaseException:
+            self.shutdown()  # a with statement does not call __exit__ when __enter__ raises: nothing outlives it
+            raise
+
+    def _require_started(self, action: str, timeout: Any = 1.0) -> None:
+        if self._lifecycle != "started":
+            raise LifecycleError(action, self._lifecycle)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+            # before anything is sent: a rebalance asked with timeout=-1 started on every rank and was reported
+            # failed ("did not finish within -1.0s"); a NaN one never timed out
+            raise InvalidScaleRequest("timeout", f"{action}: expected a finite number of seconds > 0", value=timeout)
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Retire every worker (a Shutdown, then a kill past ``timeout``), stop the threads, join
-        the operation threads (bounded) and close the store. Safe to call more than once."""
+        the operation threads (bounded) and close the store. Safe to call more than once, and
+        before :meth:`start`; the coordinator cannot be started again."""
+        with self._lock:
+            self._lifecycle = "shut down"
         deadline = self.clock.monotonic() + timeout
         if self.requests is not None:
             self.requests.stop()  # every request still queued or decoding gets a 503 to retry elsewhere
@@ -385,6 +418,8 @@ class Coordinator:
             raise ScaleConflict(current.id, m.state, m.allowed())
         if ep_size == self.size and m.state == Phase.FAILED:  # not a no-op: the group is broken
             raise ScaleConflict(m.operation_id, m.state, m.allowed())
+        if ep_size != self.size:  # a no-op needs no worker
+            self._require_started(f"scale to {ep_size}")
         op = self.book.new(f"op-{uuid.uuid4().hex[:12]}", OperationKind.SCALE, ep_size, self.size, m.generation, key)
         if ep_size == self.size:
             op.status, op.phase, op.finished_at = OperationStatus.NOOP, OperationStage.NOOP.value, self.clock.wall()
@@ -408,6 +443,7 @@ class Coordinator:
         it is about to leave. The plan (:func:`~elastic.control.plans.plan_recovery`) names the
         survivors and every worker it retires; both are read from it once.
         """
+        self._require_started("recover")
         self._check_recoverable()  # refused at once, before any wait
         self.registry.await_settled(self.config.timeouts.collective + 5.0)
         with self._lock:
@@ -495,7 +531,7 @@ class Coordinator:
         :meth:`shutdown`; a fault pinned to a generation is not tracked."""
         store = self._store
         if store is None:
-            raise RuntimeError("the coordinator has no store (not started, or shut down)")
+            raise LifecycleError("read the fired faults", "shut down" if self._lifecycle == "shut down" else "new")
         out: dict[int, int | None] = {}
         for index, fault in enumerate(self.faults):
             if fires_once(fault):
@@ -517,6 +553,7 @@ class Coordinator:
     def rebalance(self, timeout: float = 30.0) -> bool:
         """Ask every rank to start a rebalance at the next step boundary; True if one is under way on
         every rank then (this one, or one that was already running)."""
+        self._require_started("rebalance", timeout)
         self._require_running("rebalance")
         seq, pids = self.registry.broadcast(p.RebalanceNow)
         try:
@@ -529,6 +566,7 @@ class Coordinator:
 
     def verify(self, timeout: float = 60.0) -> dict[int, dict[str, Any]]:
         """Every rank checks every local slot bit-exactly; returns rank -> its verdict."""
+        self._require_started("verify", timeout)
         seq, pids = self.registry.broadcast(p.Verify)
         reports = self.registry.await_done(seq, pids, "verify", timeout, fail_machine=False)
         return {r.rank: {**r.detail, "generation": r.generation, "step": r.step} for r in reports.values()}
@@ -539,6 +577,7 @@ class Coordinator:
     def probe(self, timeout: float = 60.0) -> dict[str, Any]:
         """Every rank decodes the fixed probe batch; the digests must equal the unsharded model's
         (:meth:`elastic.control.outputs.OutputCheck.probe`)."""
+        self._require_started("probe", timeout)
         return self.outputs.probe(timeout)
 
     def export_placement(self, timeout: float = 30.0) -> dict[str, Any]:
@@ -548,6 +587,7 @@ class Coordinator:
         Only while ``running`` (during an operation the placement is about to change): else
         :class:`ScaleConflict`. Ranks that disagree (they never should) raise ``OperationFailed``.
         """
+        self._require_started("export the placement", timeout)
         self._require_running("export the placement")
         seq, pids = self.registry.broadcast(p.ExportPlacement)
         reports = self.registry.await_done(seq, pids, "export placement", timeout, fail_machine=False)
@@ -568,6 +608,7 @@ class Coordinator:
         """Block until every live worker has passed ``step``, or sleeps in an idle group (a real
         model with no request and no background load: no step comes until a request or a
         command); returns the slowest worker's step."""
+        self._require_started(f"wait for step {step}", timeout)
         deadline = self.clock.monotonic() + timeout
         with self._reports:
             while True:

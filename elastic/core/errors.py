@@ -15,6 +15,7 @@ Hierarchy::
     ├── StaleGeneration          a generation number that does not move forward
     ├── PhaseTimeout             a phase overran its deadline
     ├── WorkerLost               a worker process died or stopped answering
+    ├── LifecycleError           a coordinator used before start(), after shutdown(), or started twice  [also a RuntimeError]
     └── ScaleNoop                nothing to do (already at that size); a result, not a failure
 """
 
@@ -29,6 +30,7 @@ __all__ = [
     "InvalidRankMapping",
     "InvalidScaleRequest",
     "InvalidTransition",
+    "LifecycleError",
     "PhaseTimeout",
     "ScaleConflict",
     "ScaleNoop",
@@ -210,6 +212,22 @@ class WorkerLost(ElasticError):
 
     def __init__(self, rank: int, reason: str):
         super().__init__(f"worker of rank {rank} lost: {reason}", rank=int(rank), reason=reason)
+
+
+class LifecycleError(ElasticError, RuntimeError):
+    """``action`` needs a started coordinator (or, for ``start``, a new one); ``lifecycle`` is where
+    this one is: ``new`` (not started), ``started`` or ``shut down``. Nothing was done."""
+
+    code = "lifecycle_error"
+
+    _WHY: ClassVar[dict[str, str]] = {
+        "new": "the coordinator is not started: call start(), or use it in a with statement",
+        "started": "the coordinator is already started: one coordinator runs one deployment",
+        "shut down": "the coordinator is shut down: make a new Coordinator",
+    }
+
+    def __init__(self, action: str, lifecycle: str):
+        super().__init__(f"cannot {action}: {self._WHY[lifecycle]}", action=action, lifecycle=lifecycle)
 
 
 class ScaleNoop(ElasticError):

@@ -282,10 +282,12 @@ class LocalLauncher:
             pass
 
     def shutdown(self) -> None:
-        for worker in self._workers:
+        """Kill the workers still running and release what this process holds for every one (its
+        queues' pipes and feeder threads, its pidfd): a process that runs one deployment after
+        another keeps no descriptor or thread of the last one."""
+        for worker in list(self._workers):
             worker.kill()
-            worker.release()
-        self._workers.clear()
+            self.forget(worker)
         self._reports.close()
 
 

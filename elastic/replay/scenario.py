@@ -33,6 +33,7 @@ from elastic.service.preflight import (
     InputError,
     InputProblem,
     bound_problems,
+    host_problems,
     load_yaml,
     memory_problems,
     one_line,
@@ -786,6 +787,9 @@ def parse_scenario(data: Any, source: str = "<scenario>") -> Scenario:
     too_big = memory_problems(scenario.deployment_config(), rename=_scenario_key)
     if too_big:
         raise ScenarioError(source, too_big)
+    unfit = host_problems(scenario.deployment_config(), rename=_scenario_key)
+    if unfit:
+        raise ScenarioError(source, unfit)
     return scenario
 
 

@@ -53,6 +53,8 @@ def _call(method: str, url: str | None, path: str, timeout: float, **kwargs: Any
         headers["Authorization"] = f"Bearer {key}"
     try:
         response = httpx.request(method, base + path, timeout=timeout, headers=headers, **kwargs)
+    except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:  # an argument: was exit 3, or a traceback
+        _fail(EXIT_INVALID, f"--url {base}: expected an http:// or https:// URL such as {DEFAULT_URL} ({exc})")
     except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
         raise Unreachable(f"cannot reach {base}: {exc}") from exc
     except httpx.HTTPError as exc:

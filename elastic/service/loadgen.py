@@ -355,6 +355,14 @@ def loadgen(
     """Send completion requests to a running ``elastic-ep serve`` and report what they saw."""
     import os
 
+    try:  # an argument: a URL httpx cannot send to was a traceback (InvalidURL) or exit 3 after the run's set-up
+        httpx.Request("GET", url.rstrip("/") + "/v1/models")
+    except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
+        typer.echo(f"error: URL {url}: expected an http:// or https:// URL such as http://127.0.0.1:8000 ({exc})", err=True)
+        raise typer.Exit(2) from None
+    if not url.lower().startswith(("http://", "https://")):
+        typer.echo(f"error: URL {url}: expected an http:// or https:// URL such as http://127.0.0.1:8000", err=True)
+        raise typer.Exit(2)
     cfg = LoadConfig(url=url.rstrip("/"), rate=rate, concurrency=concurrency, duration_s=duration,
                      prompt_len=_span(prompt_len, "--prompt-len"), max_tokens=_span(max_tokens, "--max-tokens"),
                      seed=seed, api_key=os.environ.get("ELASTIC_EP_API_KEY"))

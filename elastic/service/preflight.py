@@ -49,7 +49,8 @@ if TYPE_CHECKING:  # deployment imports nothing from here at run time, so no cyc
 __all__ = [
     "LIMITS", "MAX_BODY_BYTES", "MAX_FILE_BYTES", "MAX_YAML_DEPTH", "MAX_YAML_NODES", "BodyLimit",
     "BodyTooLarge", "InputError", "InputProblem", "Limit", "MemoryEstimate", "Refusal", "available_memory",
-    "bound_problems", "checkpoint_problems", "estimate_worker_memory", "format_bytes", "hook_problems", "invalid_body",
+    "bound_problems", "checkpoint_problems", "estimate_worker_memory", "format_bytes", "hook_problems", "host_problems",
+    "invalid_body",
     "load_yaml", "memory_budget", "memory_problems", "one_line", "policy_problems", "read_text", "read_yaml",
     "unparsable_body",
 ]
@@ -169,6 +170,22 @@ class _Bounds:
                               "are followed; write the values out or use fewer aliases")
             raise _TooBig(f"the document has more than {self.max_nodes} values; is it the right file?")
 
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        """A key given twice in one mapping is refused: YAML loaders keep the last silently (a second
+        ``timeline:`` dropped the first's events). Checked before merge keys (``<<``) are laid in, so
+        a key that overrides a merged one is fine."""
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[tuple[str, str], Any] = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                first = seen.setdefault((key_node.tag, key_node.value), key_node.start_mark)
+                if first is not key_node.start_mark:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key_node.value!r} is given twice (first on line {first.line + 1}); "
+                        "YAML would keep only the last: remove one", key_node.start_mark)
+        return super().construct_mapping(node, deep)  # type: ignore[misc]
+
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):  # type: ignore[attr-defined]
             anchor = self.peek_event().anchor  # type: ignore[attr-defined]
@@ -276,6 +293,7 @@ LIMITS: dict[str, Limit] = {
     "DeploymentConfig.heartbeat_s": _SECONDS, "DeploymentConfig.step_delay_s": _SECONDS,
     "EPLBConfig.transfer_timeout_s": _SECONDS, "EPLBConfig.watchdog_s": _SECONDS,
     "ScaleEvent.transfer_wait_s": _SECONDS, "StallEvent.seconds": _SECONDS,
+    "StallRank.seconds": _SECONDS, "DelayTransfer.seconds": _SECONDS, "SlowPrepare.seconds": _SECONDS,
     "AutoscalerConfig.up_after_s": _SECONDS, "AutoscalerConfig.down_after_s": _SECONDS,
     "AutoscalerConfig.cooldown_s": _SECONDS,
 }
@@ -472,6 +490,35 @@ def memory_budget(config: DeploymentConfig, *, available: Callable[[], int | Non
                         f"rank(s), {format_bytes(free // ranks)} each")
 
 
+def host_problems(config: DeploymentConfig, *, rename: Callable[[str], str] = lambda p: p) -> list[InputProblem]:
+    """What cannot work for the deployment, before any worker starts: a store address that is no
+    address at all (a name that does not resolve was a ``gaierror`` traceback once the coordinator
+    started; an address of another machine is left alone, as a deployment file may be checked away
+    from the machine it runs on), and, for local workers, ``backend: nccl`` without NCCL and a GPU
+    here (every worker failed at its start)."""
+    import socket
+
+    problems = []
+    host = config.store_bind_host
+    key = rename("launcher.bind_host" if config.launcher.bind_host else "store_host")
+    if host not in ("", "*"):
+        try:
+            socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as exc:
+            problems.append(InputProblem(key, f"the coordinator's store cannot listen on {host!r}, which is not an "
+                                         f"address ({getattr(exc, 'strerror', None) or exc}); give an address of "
+                                         "this machine"))
+    if config.backend == "nccl" and config.launcher.kind == "local":
+        import torch
+        import torch.distributed as dist
+
+        if not (dist.is_nccl_available() and torch.cuda.is_available()):
+            problems.append(InputProblem(rename("backend"), "nccl needs NCCL and a GPU, and this machine's torch has "
+                                         f"{'no GPU' if dist.is_nccl_available() else 'no NCCL (a CPU build)'}; "
+                                         "local workers on CPU use backend: gloo"))
+    return problems
+
+
 def memory_problems(config: DeploymentConfig, *, rename: Callable[[str], str] = lambda p: p,
                     available: Callable[[], int | None] = available_memory) -> list[InputProblem]:
     """The deployment's worker does not fit its budget: one problem naming the knob of the largest part."""
@@ -554,6 +601,22 @@ def _safetensors_problem(path: Path) -> str | None:
     if length > MAX_SAFETENSORS_HEADER or 8 + length > size:
         return (f"{path.name} is not a complete safetensors file (its header claims {length} bytes, the file has "
                 f"{size}); download it again")
+    # the tensors' bytes must cover the rest of the file exactly (what safetensors checks when it opens it)
+    import json
+
+    try:
+        with path.open("rb") as fh:
+            fh.seek(8)
+            header = json.loads(fh.read(length))
+        ends = [int(entry["data_offsets"][1]) for name, entry in header.items() if name != "__metadata__"]
+    except OSError as exc:
+        return f"{path.name}: cannot read it: {exc.strerror or exc}"
+    except (ValueError, RecursionError, TypeError, KeyError, IndexError, AttributeError):
+        return f"{path.name} has no readable safetensors header (a JSON object of tensors); download it again"
+    data = size - 8 - length
+    if max(ends, default=0) != data:
+        return (f"{path.name} is not a complete safetensors file (its tensors take {max(ends, default=0)} bytes, the "
+                f"file holds {data} after its header); download it again")
     return None
 
 

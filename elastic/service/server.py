@@ -16,6 +16,7 @@ process's file descriptors.
 from __future__ import annotations
 
 import copy
+import errno
 import gc
 import logging
 import os
@@ -30,6 +31,7 @@ from typing import Any
 import uvicorn
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from elastic.core.errors import ElasticError
 from elastic.deployment import DEFAULT_DEPLOYMENT, DeploymentConfig
 from elastic.service.api import create_app
 from elastic.service.autoscaler import Autoscaler, AutoscalerConfig
@@ -45,6 +47,7 @@ from elastic.service.preflight import (
     bound_problems,
     checkpoint_problems,
     hook_problems,
+    host_problems,
     memory_problems,
     policy_problems,
     read_yaml,
@@ -192,7 +195,8 @@ def load_serve_config(path: str | Path | None, *, overrides: dict[str, Any] | No
                                                                             p.message)
                 for p in bound_problems(loaded)]
     if not problems:
-        problems = policy_problems(loaded.deployment) + memory_problems(loaded.deployment, available=available)
+        problems = (policy_problems(loaded.deployment) + memory_problems(loaded.deployment, available=available)
+                    + host_problems(loaded.deployment))
     checkpoint = getattr(loaded.deployment.model, "path", None)  # a model served from a checkpoint directory
     if isinstance(checkpoint, str):
         problems += checkpoint_problems(checkpoint, key="model.path")
@@ -303,17 +307,18 @@ def serve(config: DeploymentConfig, host: str = "127.0.0.1", port: int = 8000, *
 def port_problem(host: str, port: int) -> str | None:
     """Why ``serve`` cannot listen on ``host:port``, or None: the address bound (and let go) the
     way uvicorn binds it, before any worker starts. A port in use was found only once the
-    deployment was up (its workers started, then stopped: 20-90 s for a tiny model on 2 cores)."""
-    if port == 0:  # any free port
-        return None
+    deployment was up (its workers started, then stopped: 20-90 s for a tiny model on 2 cores).
+    Port 0 (any free port) binds too: it checks the host (one that is not of this machine, or no
+    address at all, was found only once the deployment was up, as a port in use was)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         with socket.socket(family, socket.SOCK_STREAM) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, port))
     except OSError as exc:
-        return (f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc}); fix: another --port, "
-                "or stop what listens on it")
+        fix = ("another --port, or stop what listens on it" if exc.errno in (errno.EADDRINUSE, errno.EACCES) else
+               "an address of this machine for --host (127.0.0.1, or 0.0.0.0 for every interface)")
+        return f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc}); fix: {fix}"
     return None
 
 
@@ -370,6 +375,10 @@ def register_cli(app: Any) -> None:
             for line in exc.lines():
                 typer.echo(f"error: {line}", err=True)
             raise typer.Exit(2) from None
+        if log_level.lower() not in uvicorn.config.LOG_LEVELS:  # uvicorn's KeyError came once the workers ran
+            typer.echo(f"error: --log-level: expected one of {', '.join(uvicorn.config.LOG_LEVELS)}, got {log_level!r}",
+                       err=True)
+            raise typer.Exit(2)
         problem = port_problem(host, port)  # before any worker starts, as the checks above
         if problem is not None:
             typer.echo(f"error: {problem}", err=True)
@@ -383,7 +392,12 @@ def register_cli(app: Any) -> None:
         os.environ[ENV_FORMAT] = log_format  # workers inherit it (the forkserver starts after this)
         configure_logging(log_format, logging.INFO, context=_serving_context)
         logging.getLogger("transitions").setLevel(logging.WARNING)  # the machine logs each transition itself
-        serve(loaded.deployment, host, port, autoscaler=scaler, hooks=loaded.hooks, log_level=log_level, api_key=api_key)
+        try:
+            serve(loaded.deployment, host, port, autoscaler=scaler, hooks=loaded.hooks, log_level=log_level,
+                  api_key=api_key)
+        except ElasticError as exc:  # the workers did not start (a checkpoint's weights, a hung worker): shut down
+            typer.echo(f"error: the deployment did not start: {' '.join(str(exc).split())}", err=True)
+            raise typer.Exit(1) from None
         # the deployment is down: the process only exits now. Its heap (torch, transformers, the
         # unsharded reference model) is large, and the interpreter's last garbage collections
         # walked it for 6-10 s on 2 busy cores before the process was gone (measured on a

@@ -7,8 +7,9 @@ of every MoE layer, so ranks that disagree on a placement raise
 exchanges. Then per MoE layer (every rank of the EP group calls :func:`exchange` for every MoE
 layer, in layer order, also with no tokens: vLLM's dummy batches):
 
-1. *dispatch*: one ``all_gather`` of every rank's rows and their expert ids (as bytes, padded
-   to the step's largest row count), so every rank sees every pair;
+1. *dispatch*: one ``all_gather`` of every rank's rows and their expert ids (as bytes: each
+   rank's real rows over shared memory, padded to the step's largest row count over gloo), so
+   every rank sees every pair;
 2. *assignment* (:func:`assign`, pure, the same on every rank): an expert's pairs, rank 0's
    first, then rank 1's, ..., are cut into contiguous chunks, one per replica: experts with
    one replica first, then the replicated ones, most pairs first, each whole to the replica on
@@ -263,23 +264,38 @@ def _gather_pairs(ctx: ExpertsContext, hidden: torch.Tensor, ids: torch.Tensor
                   ) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
     """The group's rows ``[N, H]``, expert ids ``[N, k]`` (numpy) and decode flags ``[N]`` (the row is
     a request's one new token: see :func:`~eplb.models.kernel.pair_forward`), rank 0's rows first,
-    then rank 1's, ... (one all_gather of bytes, each rank's padded to the step's largest row count)."""
+    then rank 1's, ... (one all_gather of each rank's real rows as bytes: :func:`_gather_rows`)."""
     width = hidden.shape[1] * hidden.element_size()
     k = ctx.peer_top_k
-    most = max(ctx.peer_rows)
-    payload = torch.zeros(most, width + 4 * k + 4, dtype=torch.uint8)  # the flag in 4 bytes: rows stay aligned
     n = hidden.shape[0]
+    payload = torch.zeros(n, width + 4 * k + 4, dtype=torch.uint8)  # the flag in 4 bytes: rows stay aligned
     if n:
-        payload[:n, :width] = hidden.contiguous().view(torch.uint8).reshape(n, width)
-        payload[:n, width : width + 4 * k] = ids.to(torch.int32).contiguous().view(torch.uint8).reshape(n, 4 * k)
+        payload[:, :width] = hidden.contiguous().view(torch.uint8).reshape(n, width)
+        payload[:, width : width + 4 * k] = ids.to(torch.int32).contiguous().view(torch.uint8).reshape(n, 4 * k)
         if ctx.decode is not None:
-            payload[:n, -4] = ctx.decode[:n]
-    recv = _all_gather(ctx, payload, "the expert dispatch all_gather")
-    real = torch.cat([got[:m] for got, m in zip(recv, ctx.peer_rows)])  # [N, bytes]: every rank's real rows
+            payload[:, -4] = ctx.decode[:n]
+    real = _gather_rows(ctx, payload, "the expert dispatch all_gather")  # [N, bytes]: every rank's real rows
     total = real.shape[0]
     rows = real[:, :width].contiguous().view(hidden.dtype).reshape(total, hidden.shape[1])
-    expert_ids = real[:, width : width + 4 * k].contiguous().view(torch.int32).numpy().astype(np.int64)
+    expert_ids = np.ascontiguousarray(real.numpy()[:, width : width + 4 * k]).view(np.int32).astype(np.int64)
     return rows, expert_ids.reshape(total, k), real[:, -4].bool()
+
+
+def _gather_rows(ctx: ExpertsContext, payload: torch.Tensor, what: str) -> torch.Tensor:
+    """Every rank's ``payload [peer_rows[r], W]`` (bytes), in rank order, joined ``[sum(peer_rows), W]``:
+    over shared memory where the group has it and the largest fits, else one gloo all_gather of the
+    payloads padded to the largest row count."""
+    started = _clock(ctx)
+    local, most = ctx.local, max(ctx.peer_rows)
+    if local is not None and local.fits(most * payload.shape[1]):
+        real = _local_op(ctx, what, lambda: local.all_gather_rows(payload, list(ctx.peer_rows), ctx.timeout, what))
+        _charge(ctx, "collective_cpu_s", started)
+        return cast(torch.Tensor, real)
+    padded = torch.zeros(most, payload.shape[1], dtype=torch.uint8)
+    padded[: payload.shape[0]] = payload
+    recv = [torch.empty_like(padded) for _ in range(ctx.num_ranks)]
+    _wait(dist.all_gather(recv, padded, group=ctx.group, async_op=True), ctx, what, started)
+    return torch.cat([got[:m] for got, m in zip(recv, ctx.peer_rows)])
 
 
 def _all_gather(ctx: ExpertsContext, payload: torch.Tensor, what: str) -> list[torch.Tensor]:

@@ -111,6 +111,8 @@ def pair_forward(module: torch.nn.Module, weights: dict[str, torch.Tensor], x: t
         return _grouped_forward(module, weights, x, slots, min_rows)
     # the index arithmetic in numpy: a decode step's few dozen rows cost a torch op several numpy ones
     slot_of, is_decode = slots.numpy(), decode.numpy()
+    if is_decode.all() and np.bincount(slot_of, minlength=num_slots).max() <= decode_rows:
+        return _grouped_forward(module, weights, x, slots, 1)  # a decode step's usual case: one round, unpadded
     has_big = np.bincount(slot_of[~is_decode], minlength=num_slots) > 0
     small = np.flatnonzero(is_decode)
     small_slots = slot_of[small]
@@ -150,7 +152,6 @@ def _grouped_forward(module: torch.nn.Module, weights: dict[str, torch.Tensor], 
     order, counts, within = group_positions(slot_of, num_slots)
     padded = np.where(counts > 0, np.maximum(counts, min_rows), 0)
     ends = np.cumsum(padded)
-    dest = torch.from_numpy((ends - padded)[slot_of[order]] + within)  # each sorted row's place among the padded groups
     source = torch.from_numpy(order)
     offsets = torch.from_numpy(ends.astype(np.int32))
     has_bias = any(name.endswith("_bias") for name in weights)
@@ -162,15 +163,20 @@ def _grouped_forward(module: torch.nn.Module, weights: dict[str, torch.Tensor], 
         return out if bias is None else out + bias[row_slot]
 
     total = int(ends[-1])
-    rows = x.new_zeros(total, x.shape[1]) if total > x.shape[0] else x.new_empty(total, x.shape[1])  # padding: zeros
-    rows[dest] = x[source]
+    padding = total > x.shape[0]  # else the rows sorted by slot are the groups as they are
+    if padding:
+        dest = torch.from_numpy((ends - padded)[slot_of[order]] + within)  # each sorted row's place among the groups
+        rows = x.new_zeros(total, x.shape[1])  # padding: zeros
+        rows[dest] = x[source]
+    else:
+        rows = x[source]
     h = linear(rows, "gate_up_proj" if has_gate else "up_proj")
     h = _activate(module, h, has_gate)
     h = linear(h, "down_proj")
     if getattr(module, "has_post_expert_norm", False):
         h = _module_fn(module, "post_expert_norm")(h)
     out = torch.empty(x.shape[0], h.shape[1], dtype=h.dtype)
-    out[source] = h[dest]
+    out[source] = h[dest] if padding else h
     return out
 
 

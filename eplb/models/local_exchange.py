@@ -288,6 +288,27 @@ class LocalExchange:
             out.append(got.view(payload.dtype).reshape(payload.shape))
         return out
 
+    def all_gather_rows(self, payload: torch.Tensor, rows: list[int], timeout: float, what: str) -> torch.Tensor:
+        """The first ``rows[r]`` rows of rank ``r``'s ``payload [n, W]`` (bytes, ``n >= rows[rank]``), of
+        every rank in rank order, in one tensor ``[sum(rows), W]``: an all_gather of payloads padded to
+        the largest row count, then the real rows cut out and joined, but only the real rows are
+        copied (once in, once out)."""
+        width = payload.shape[1]
+        flat = payload.contiguous().reshape(-1)
+        self.ops += 1
+        op = self.ops
+        self._post([], flat[: rows[self.rank] * width], op)
+        self._wait(op, timeout, what)
+        out = torch.empty(sum(rows), width, dtype=torch.uint8)
+        into, at = out.view(-1), 0
+        base = self._region(op) + HEADER
+        for r, m in enumerate(rows):
+            if m:
+                n = m * width
+                into[at : at + n].copy_(flat[:n] if r == self.rank else self._buffers[r][base : base + n])
+                at += n
+        return out
+
     def all_reduce_max(self, tensor: torch.Tensor, timeout: float, what: str) -> torch.Tensor:
         """The elementwise maximum of every rank's ``tensor`` (an all_gather, then the max here)."""
         return torch.stack(self.all_gather(tensor, timeout, what)).amax(dim=0)
