@@ -718,3 +718,20 @@ def test_a_drop_heartbeats_at_step_0_lets_the_start_complete_and_loses_the_rank_
     fails = [t for t in data["transitions"] if t["dest"] == "failed"]
     assert len(fails) == 1 and "rank 1" in fails[0]["reason"] and "heartbeat timeout" in fails[0]["reason"], fails
     assert not data["errors"] and [v["after"] for v in data["verifications"] if not v.get("excused")][-1] == "end of run"
+
+
+def test_a_kill_whose_survivors_are_too_few_is_planned_as_the_coordinator_recovers_with_fresh_workers(tmp_path):
+    """The plan pass refused a kill whose survivors could not hold the model ("1 rank(s) cannot hold
+    the model"), while the coordinator recovers such a group with fresh workers when max_ep_size has
+    room (replayed: 2 -> recover 2 -> 2 -> scale to 3, every expectation held). GOOD has 6 slots per
+    rank for 8 experts: one survivor cannot hold them."""
+    text = (GOOD.replace("eplb: {", "auto_recover: true\n  eplb: {")
+            .replace("  - {at_step: 20, action: scale, to: 3}\n  - {at_step: 40, action: rebalance}\n",
+                     "  - {at_step: 10, action: kill, rank: 1}\n  - {at_step: 20, action: kill, rank: 1, in_phase: "
+                     "draining}\n  - {at_step: 20, action: scale, to: 3}\n  - {at_step: 40, action: scale, to: 3}\n"))
+    scenario = load_scenario(write(tmp_path, text))
+    assert [e["size_after"] for e in scenario.planned()] == [2, 2, 2, 3]  # each recovery: 1 survivor + 1 fresh
+    alone = GOOD.replace("ep_size: 2", "ep_size: 1").replace("eplb: {", "auto_recover: true\n  eplb: {").replace(
+        "  - {at_step: 20, action: scale, to: 3}\n", "  - {at_step: 20, action: kill, rank: 0}\n")
+    assert "timeline[0]: expected a kill the survivors can recover from (auto_recover): 0 rank(s) cannot hold the " \
+           "model" in str(problems_of(write(tmp_path, alone, "alone.yaml")))  # no survivor: nothing to recover from

@@ -392,6 +392,11 @@ class _Walk:
                     f"(at least {-(-self.experts // self.per_rank)}), got {n}")
         return None
 
+    def recovery_size(self, survivors: int) -> int:
+        """The size a recovery from ``survivors`` reaches, as the coordinator's: too few to hold every
+        expert, fresh workers join, as few as needed, when max_ep_size has room; else the survivors."""
+        return _recovery_size(survivors, self.size_problem, self.max_size)
+
     def check_inputs(self) -> None:
         """The sections' own consistency: expectations, traffic, the trace's regimes."""
         s, d, problem = self.s, self.d, self.problem
@@ -527,7 +532,7 @@ class _Walk:
         elif event.rank >= size:
             self.problem(f"{where}.rank", f"expected a rank of the group of {size} at that point (0..{size - 1}), "
                          f"got {event.rank}")
-        elif auto and (size - 1 < 1 or self.size_problem(size - 1)):
+        elif auto and (size - 1 < 1 or self.size_problem(self.recovery_size(size - 1))):
             self.problem(where, f"expected a kill the survivors can recover from (auto_recover): {size - 1} rank(s) "
                          "cannot hold the model")
         else:
@@ -543,7 +548,7 @@ class _Walk:
         if not self.failed:
             self.problem(where, "expected a failure to recover from (a kill event before it, without auto_recover), "
                          "got none")
-        elif self.size - 1 < 1 or self.size_problem(self.size - 1):
+        elif self.size - 1 < 1 or self.size_problem(self.recovery_size(self.size - 1)):
             self.problem(where, f"expected survivors that can hold the model: {self.size - 1} rank(s) cannot")
             self.failed = False
         else:
@@ -555,10 +560,11 @@ class _Walk:
         ``replace_lost`` the coordinator then scales back to ``size`` with a fresh worker (one more
         generation). A fault event takes the prediction as a lower bound: a recovery that needs a
         second attempt takes more generations, never fewer."""
-        if self.d.replace_lost:
+        after = self.recovery_size(size - 1)  # fresh workers join survivors too few to hold the model
+        if self.d.replace_lost and after < size:
             self.generation += 2
         else:
-            self.size, self.generation = size - 1, self.generation + 1
+            self.size, self.generation = after, self.generation + 1
 
     def check_end(self) -> None:
         """What the walk leaves: a kill still armed, a failed end, the deployment with the trace."""
@@ -579,6 +585,15 @@ class _Walk:
                     text = err["msg"].removeprefix("Value error, ")
                     self.problem("trace" if "trace" in text else "deployment",
                                  f"the deployment with this trace is invalid: {text}")
+
+
+def _recovery_size(survivors: int, size_problem: Any, max_size: int) -> int:
+    """As ``Coordinator._recovery_size``: the survivors, or the fewest ranks at least as many that hold
+    every logical expert, when ``max_size`` has room for the fresh ones."""
+    size = survivors
+    while size_problem(size) and size < max_size:
+        size += 1
+    return size if not size_problem(size) else survivors
 
 
 def _plan_phase_kill(s: Scenario, armed: tuple[int, KillEvent], scale: ScaleEvent, size: int, generation: int,
@@ -611,6 +626,8 @@ def _plan_phase_kill(s: Scenario, armed: tuple[int, KillEvent], scale: ScaleEven
     if kill.rank >= bound:
         problem(f"{where}.rank", f"expected a rank of the {kill.in_phase} group of {bound} (0..{bound - 1}), got {kill.rank}")
         return size, generation
+    if survivors >= 1:
+        survivors = _recovery_size(survivors, size_problem, s.deployment.max_ep_size)  # with fresh workers if need be
     if survivors < 1 or size_problem(survivors):
         problem(where, f"expected a kill the survivors can recover from (auto_recover): {survivors} rank(s) "
                 "cannot hold the model")
