@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 
 import pytest
@@ -89,6 +90,33 @@ def compile_kernels_on_two_cores() -> None:
             helper.kill()
             helper.wait()
     warm_up()
+
+
+@pytest.fixture(autouse=True)
+def serve_logging_undone(monkeypatch):
+    """A test that runs ``serve``'s command in this process configures the root logger (its handlers
+    replaced by one on that command's stderr, at INFO): put back what was there after the test, or
+    a later test's log lines (httpx's, at INFO) go to that closed stream, and its error into
+    another command's output (``placement export``'s JSON on stdout, under ``pytest -n 2``)."""
+    import elastic.service.server as server
+
+    real, root, before = server.configure_logging, logging.getLogger(), []
+
+    def configure(*args, **kwargs):
+        before.append((root.handlers[:], root.level))
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(server, "configure_logging", configure)
+    yield
+    if before:
+        handlers, level = before[0]
+        ours = [h for h in root.handlers if h not in handlers and not type(h).__module__.startswith("_pytest")]
+        for handler in ours:
+            root.removeHandler(handler)
+        for handler in handlers:
+            if handler not in root.handlers and not type(handler).__module__.startswith("_pytest"):
+                root.addHandler(handler)
+        root.setLevel(level)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -134,7 +134,7 @@ def test_serve_refuses_a_worker_that_does_not_fit_before_any_process_starts(tmp_
     started = time.perf_counter()
     result = runner.invoke(typer_app, ["serve", str(path)])
     assert result.exit_code == 2, result.output
-    assert time.perf_counter() - started < 2
+    assert time.perf_counter() - started < 20
     line = one_error_line(result.stderr, path)
     assert f"{path}: eplb.num_redundant_experts: a worker would need " in line
     assert "weights" in line and "staging" in line and "available for 2 local rank(s)" in line
@@ -524,7 +524,7 @@ def test_no_input_gives_a_traceback_a_hang_or_a_minute_of_work(data, tmp_path_fa
         assert "Traceback" not in result.output
         if result.exit_code == 2:
             assert all(line.startswith(f"error {path}") for line in result.stderr.splitlines() if line), result.stderr
-        assert seconds < 2, (argv, seconds)
+        assert seconds < 20, (argv, seconds)  # a hang or a minute of work, not a speed target (a loaded CI core)
         event(f"{argv[0]} exit {result.exit_code}")
     started = time.perf_counter()
     try:
@@ -532,7 +532,7 @@ def test_no_input_gives_a_traceback_a_hang_or_a_minute_of_work(data, tmp_path_fa
         event("deployment loaded")
     except InputError as exc:
         assert all(line.startswith(f"{path}: ") and "\n" not in line for line in exc.lines())
-    assert time.perf_counter() - started < 2
+    assert time.perf_counter() - started < 20
 
 
 # -- checkpoint directories ------------------------------------------------------------------------

@@ -440,6 +440,25 @@ def test_checkpoint_loads_what_transformers_loads(tmp_path, arch, overrides):
     assert ours.verify() == []
 
 
+def test_a_config_that_does_not_describe_the_checkpoint_s_weights_is_refused_naming_them(tmp_path):
+    """A config.json of fewer layers than the weights (or another architecture's) built a smaller
+    model and served it, silently: the tensors it never reads are named instead."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from eplb.models.hf import unsharded
+
+    torch.manual_seed(5)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", **tiny_config("qwen3_moe", {}))).save_pretrained(tmp_path)
+    assert unsharded({"kind": "hf", "path": str(tmp_path)}).verify() == []  # as written, it loads
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": config["num_hidden_layers"] - 1}))
+    last = config["num_hidden_layers"] - 1
+    with pytest.raises(ValueError, match=rf"tensors the model its config.json describes does not use \(model\.layers\.{last}\."):
+        unsharded({"kind": "hf", "path": str(tmp_path)})
+
+
 def test_self_check_trips_on_a_row_dependent_kernel():
     from eplb.models.hf import unsharded
     from eplb.models.kernel import check_row_independent

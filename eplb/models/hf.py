@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -251,6 +252,7 @@ class CheckpointSource:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(self.config, dtype=dtype).eval()
         self._names = {i: _expert_names(_experts_of(model, i)) for i in _moe_layers(model)}
+        self._refuse_unused(model)
         _materialize(model, self.config)
         if load:
             missing = []
@@ -269,6 +271,31 @@ class CheckpointSource:
             if missing:
                 raise KeyError(f"checkpoint {self.path} lacks {len(missing)} weights: {missing[:6]}")
         return model
+
+    def _refuse_unused(self, model: PreTrainedModel) -> None:
+        """Raise where the checkpoint holds tensors the model its config.json describes never reads
+        (a config of fewer layers than the weights, another architecture's config over them): served,
+        the weights would be silently other than the checkpoint's, and the output check, built from
+        the same config, could not tell. What the model class itself ignores on load (transformers'
+        ``_keys_to_ignore_on_load_unexpected``: DeepSeek-V3's next-token-prediction layer) is allowed."""
+        used: set[str] = set()
+        for name, _ in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+            if not _is_expert_param(name):
+                used.update(c for c in (name, name.replace(".mlp.", ".block_sparse_moe.")) if c in self.files)
+        for layer, names in self._names.items():
+            experts = getattr(_experts_of(model, layer), names[0]).shape[0]
+            for name in names:
+                used.add(f"model.layers.{layer}.mlp.experts.{name}")
+                for block, parts in zip(("mlp", "block_sparse_moe"), self._PER_EXPERT.get(name, ())):
+                    used.update(f"model.layers.{layer}.{block}.experts.{e}.{part}" for e in range(experts) for part in parts)
+        ignored = [re.compile(p) for p in getattr(type(model), "_keys_to_ignore_on_load_unexpected", None) or ()]
+        unused = sorted(k for k in self.files if k not in used and not any(p.search(k) for p in ignored))
+        if unused:
+            raise ValueError(
+                f"checkpoint {self.path} holds {len(unused)} tensors the model its config.json describes does not use "
+                f"({', '.join(unused[:4])}{', ...' if len(unused) > 4 else ''}): config.json does not describe these "
+                f"weights ({self.config.model_type}, {self.config.num_hidden_layers} layers); fix it or download the "
+                "checkpoint again")
 
     #: per-expert key names transformers writes for each fused tensor: (HF names, mixtral names)
     _PER_EXPERT: ClassVar[dict[str, tuple[tuple[str, ...], ...]]] = {
