@@ -202,11 +202,11 @@ class DeploymentConfig(BaseModel):
         transformers or safetensors raise (OSError, IndexError, SafetensorError...): a traceback."""
         path = getattr(self.model, "path", None)
         if isinstance(path, str):
-            from elastic.service.preflight import checkpoint_problems  # no cycle: it imports this module for types only
+            from eplb.models.checkpoint_files import checkpoint_problems
 
             problems = checkpoint_problems(path)
             if problems:
-                return "; ".join(f"{p.path}: {p.message}" for p in problems)
+                return "; ".join(f"model.path: {message}" for message in problems)
         try:
             self.sizes  # noqa: B018 - read and kept (cached) before any worker starts
         except ValueError:

@@ -567,98 +567,13 @@ def policy_problems(config: DeploymentConfig, path: str = "eplb.policy") -> list
 # ---------------------------------------------------------------------------------------------
 # checkpoint directories (save_pretrained: config.json and safetensors)
 
-#: safetensors refuses headers above 100 MB itself; a larger length means a corrupt or foreign file
-MAX_SAFETENSORS_HEADER = 100_000_000
-#: a sharded checkpoint's index lists every tensor: DeepSeek-V3's is 8.9 MB
-MAX_INDEX_BYTES = 64 << 20
-
-
-def _json_file(path: Path, key: str, max_bytes: int) -> tuple[Any, list[InputProblem]]:
-    import json
-
-    try:
-        text = read_text(path, max_bytes=max_bytes)
-    except InputError as exc:
-        return None, [InputProblem(key, f"{path.name}: {p.message}") for p in exc.problems]
-    try:
-        return json.loads(text), []
-    except (ValueError, RecursionError) as exc:
-        return None, [InputProblem(key, f"{path.name} is not valid JSON ({' '.join(str(exc).split())}); "
-                                   "re-export the checkpoint with save_pretrained")]
-
-
-def _safetensors_problem(path: Path) -> str | None:
-    """A truncated or foreign weights file: its 8-byte header length must fit in the file."""
-    try:
-        size = path.stat().st_size
-        with path.open("rb") as fh:
-            head = fh.read(8)
-    except OSError as exc:
-        return f"{path.name}: cannot read it: {exc.strerror or exc}"
-    if len(head) < 8:
-        return f"{path.name} is {size} bytes, too short for a safetensors file (truncated download?)"
-    length = int.from_bytes(head, "little")
-    if length > MAX_SAFETENSORS_HEADER or 8 + length > size:
-        return (f"{path.name} is not a complete safetensors file (its header claims {length} bytes, the file has "
-                f"{size}); download it again")
-    # the tensors' bytes must cover the rest of the file exactly (what safetensors checks when it opens it)
-    import json
-
-    try:
-        with path.open("rb") as fh:
-            fh.seek(8)
-            header = json.loads(fh.read(length))
-        ends = [int(entry["data_offsets"][1]) for name, entry in header.items() if name != "__metadata__"]
-    except OSError as exc:
-        return f"{path.name}: cannot read it: {exc.strerror or exc}"
-    except (ValueError, RecursionError, TypeError, KeyError, IndexError, AttributeError):
-        return f"{path.name} has no readable safetensors header (a JSON object of tensors); download it again"
-    data = size - 8 - length
-    if max(ends, default=0) != data:
-        return (f"{path.name} is not a complete safetensors file (its tensors take {max(ends, default=0)} bytes, the "
-                f"file holds {data} after its header); download it again")
-    return None
-
-
 def checkpoint_problems(directory: str | Path, key: str = "model.path") -> list[InputProblem]:
-    """What stops a ``save_pretrained`` directory from loading, before any worker opens it.
+    """What stops a ``save_pretrained`` directory from loading, before any worker opens it, under
+    ``key`` (:func:`eplb.models.checkpoint_files.checkpoint_problems`: the checks live beside the
+    loader, so that a config can run them as it is read, below this floor)."""
+    from eplb.models.checkpoint_files import checkpoint_problems as problems_of
 
-    ``config.json`` (a JSON object, at most :data:`MAX_FILE_BYTES`), then ``model.safetensors`` or
-    ``model.safetensors.index.json`` whose ``weight_map`` names files inside the directory that
-    exist; every weights file must hold the header its first 8 bytes announce.
-    """
-    root = Path(directory)
-    if not root.is_dir():
-        return [InputProblem(key, f"{root} is not a directory; give the directory save_pretrained wrote")]
-    config, problems = _json_file(root / "config.json", key, MAX_FILE_BYTES)
-    if problems:
-        return problems
-    if not isinstance(config, dict):
-        return [InputProblem(key, f"config.json holds a {type(config).__name__}, expected an object")]
-    index_path, single = root / "model.safetensors.index.json", root / "model.safetensors"
-    if index_path.exists():
-        index, problems = _json_file(index_path, key, MAX_INDEX_BYTES)
-        if problems:
-            return problems
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            return [InputProblem(key, "model.safetensors.index.json has no weight_map of tensor -> file name")]
-        files = sorted(set(weight_map.values()))
-    elif single.exists():
-        files = [single.name]
-    else:
-        return [InputProblem(key, f"{root} has neither model.safetensors nor model.safetensors.index.json")]
-    for name in files:
-        target = (root / name).resolve()
-        if root.resolve() not in target.parents:  # a weight_map entry like "../x" would read outside
-            problems.append(InputProblem(key, f"the index names {name!r}, outside the checkpoint directory"))
-        elif not target.is_file():
-            problems.append(InputProblem(key, f"the index names {name}, which is missing (incomplete download?)"))
-        else:
-            why = _safetensors_problem(target)
-            if why:
-                problems.append(InputProblem(key, why))
-    return problems
+    return [InputProblem(key, message) for message in problems_of(directory)]
 
 
 # ---------------------------------------------------------------------------------------------
