@@ -177,10 +177,13 @@ def test_the_copy_budget_binds_on_a_noisy_load(monkeypatch):
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), gpus=st.sampled_from([4, 8]), noise=st.sampled_from(["counts", 4 / 3]))
 def test_a_step_change_is_not_held_back_by_the_copy_budget(seed, gpus, noise):
-    # a budget of nothing: the layers whose hot set moved still move (their gap is far above the noise)
+    # a budget of nothing: the layers whose hot set moved still move where their gap is far above the
+    # noise. A layer 0.15 behind its refit can sit within the gate's 5 spreads of count noise (3 of
+    # 1,204 seeded cases; hypothesis found seed 406 at 8 GPUs): the budget holds that one back as
+    # noise, by design; 0.2 behind, none of the 1,204 was held back
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setattr(algorithm, "_COPY_BUDGET", 0.0)
-        _step_change_moves(seed, gpus, noise)
+        _step_change_moves(seed, gpus, noise, far=0.2)
 
 
 def _step_change_moves(seed, gpus, noise, far=0.15):
