@@ -45,7 +45,6 @@ from elastic.service.preflight import (
     InputProblem,
     available_memory,
     bound_problems,
-    checkpoint_problems,
     hook_problems,
     host_problems,
     memory_problems,
@@ -197,9 +196,7 @@ def load_serve_config(path: str | Path | None, *, overrides: dict[str, Any] | No
     if not problems:
         problems = (policy_problems(loaded.deployment) + memory_problems(loaded.deployment, available=available)
                     + host_problems(loaded.deployment))
-    checkpoint = getattr(loaded.deployment.model, "path", None)  # a model served from a checkpoint directory
-    if isinstance(checkpoint, str):
-        problems += checkpoint_problems(checkpoint, key="model.path")
+    # a checkpoint directory (model.path) was checked by DeploymentConfig's validation above
     if loaded.hooks is not None:
         problems += hook_problems(loaded.hooks)
     if problems:

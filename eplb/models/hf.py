@@ -239,10 +239,13 @@ class CheckpointSource:
             self.expert_bytes_read += t.numel() * t.element_size()
         return t
 
+    def _candidates(self, name: str) -> list[str]:
+        """The checkpoint's keys for parameter ``name``: its own, or mixtral's ``block_sparse_moe`` one."""
+        return [c for c in (name, name.replace(".mlp.", ".block_sparse_moe.")) if c in self.files]
+
     def _key(self, name: str) -> str:
-        for candidate in (name, name.replace(".mlp.", ".block_sparse_moe.")):
-            if candidate in self.files:
-                return candidate
+        for candidate in self._candidates(name):
+            return candidate
         raise KeyError(f"checkpoint {self.path} has no tensor for parameter {name}")
 
     def build(self, load: bool = True) -> PreTrainedModel:
@@ -281,13 +284,13 @@ class CheckpointSource:
         used: set[str] = set()
         for name, _ in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
             if not _is_expert_param(name):
-                used.update(c for c in (name, name.replace(".mlp.", ".block_sparse_moe.")) if c in self.files)
+                used.update(self._candidates(name))
         for layer, names in self._names.items():
             experts = getattr(_experts_of(model, layer), names[0]).shape[0]
             for name in names:
                 used.add(f"model.layers.{layer}.mlp.experts.{name}")
-                for block, parts in zip(("mlp", "block_sparse_moe"), self._PER_EXPERT.get(name, ())):
-                    used.update(f"model.layers.{layer}.{block}.experts.{e}.{part}" for e in range(experts) for part in parts)
+                for keys in self._per_expert_keys(layer, range(experts), name):
+                    used.update(keys)
         ignored = [re.compile(p) for p in getattr(type(model), "_keys_to_ignore_on_load_unexpected", None) or ()]
         unused = sorted(k for k in self.files if k not in used and not any(p.search(k) for p in ignored))
         if unused:
@@ -303,12 +306,17 @@ class CheckpointSource:
         "down_proj": (("down_proj.weight",), ("w2.weight",)),
     }
 
+    def _per_expert_keys(self, layer: int, experts: Sequence[int] | range, name: str) -> list[list[str]]:
+        """The per-expert keys of fused tensor ``name`` for each of ``experts``, one list per expert and
+        naming (transformers', mixtral's): ``[gate, up]`` or ``[down]``; none for an unknown name."""
+        return [[f"model.layers.{layer}.{block}.experts.{e}.{part}" for part in parts]
+                for block, parts in zip(("mlp", "block_sparse_moe"), self._PER_EXPERT.get(name, ())) for e in experts]
+
     def _per_expert(self, layer: int, expert: int, name: str) -> torch.Tensor:
         """One fused tensor of one expert from per-expert keys (``gate_up_proj`` is ``[gate; up]``)."""
         if name not in self._PER_EXPERT:
             raise KeyError(f"no per-expert checkpoint layout known for {name}")
-        for block, parts in zip(("mlp", "block_sparse_moe"), self._PER_EXPERT[name]):
-            keys = [f"model.layers.{layer}.{block}.experts.{expert}.{part}" for part in parts]
+        for keys in self._per_expert_keys(layer, [expert], name):
             if all(k in self.files for k in keys):
                 return torch.cat([self._read(k) for k in keys])
         raise KeyError(f"checkpoint {self.path} has no {name} of expert {expert} in layer {layer}")
