@@ -3,7 +3,8 @@
 Its all_gather, all_gather_rows (each rank's real rows, none too), all_to_all (uneven splits, empty
 parts) and all_reduce_max give what gloo gives, op after op (the two regions alternate); a rank
 that turns it off turns it off for the whole group; nothing is left in /dev/shm; a peer that dies
-ends a wait at once, a silent one at the deadline; an EP model's tokens are the same over it and
+ends a wait at once, a silent one at the deadline; only the last
+poster wakes, only the ranks asleep, and a lost wake-up costs a short nap; an EP model's tokens are the same over it and
 over gloo.
 """
 
@@ -147,6 +148,51 @@ def test_a_silent_peer_is_a_timeout_at_the_deadline():
     r0, _ = run_distributed(body_silent_peer, 2, timeout=60)
     assert "within 1.5s" in r0["error"] and "[1]" in r0["error"], r0
     assert 1.4 <= r0["seconds"] <= 3.5
+
+
+def body_wake_ups(rank: int, world: int, drop: bool) -> dict:
+    """Ranks 0 and 1 post at once and sleep; rank 2 posts 0.5 s later. Counts the wake-up bytes
+    each rank writes (with ``drop``, rank 2's are lost) and how long the sleepers waited."""
+    from eplb.models import local_exchange
+    from eplb.models.local_exchange import LocalExchange
+
+    ex = LocalExchange.create(None, rank, world, timeout=20)
+    assert ex is not None
+    ex.all_gather(torch.ones(2), 10, "warm-up")
+    writes = []
+    real_write = local_exchange.os.write
+
+    def counting_write(fd: int, data: bytes) -> int:
+        writes.append(fd)
+        return len(data) if drop and rank == 2 else real_write(fd, data)
+
+    local_exchange.os.write = counting_write  # this rank's process only
+    try:
+        if rank == 2:
+            time.sleep(0.5)
+        started = time.monotonic()
+        got = ex.all_gather(torch.full((2,), float(rank)), 20, "the test all_gather")
+        waited = time.monotonic() - started
+    finally:
+        local_exchange.os.write = real_write
+    if drop and rank == 2:
+        time.sleep(3.5)  # its FIFOs stay open: its exit would wake the sleepers too (POLLHUP)
+    ex.close()
+    return {"writes": len(writes), "waited": waited, "got": [g.tolist() for g in got]}
+
+
+def test_only_the_last_poster_wakes_and_only_the_ranks_asleep():
+    results = run_distributed(body_wake_ups, 3, args=(False,), timeout=60)
+    assert [r["writes"] for r in results] == [0, 0, 2]  # not 2 bytes from every rank (6)
+    assert all(r["got"] == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]] for r in results)
+
+
+def test_a_lost_wake_up_costs_a_short_nap_not_the_deadline():
+    results = run_distributed(body_wake_ups, 3, args=(True,), timeout=60)
+    assert results[2]["writes"] == 2  # written, and lost
+    for r in results[:2]:
+        assert 0.4 <= r["waited"] < 3.0, r  # the deadline is 20 s
+        assert r["got"] == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]
 
 
 def body_model(rank: int, world: int, local: str) -> dict:
