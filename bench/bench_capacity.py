@@ -837,6 +837,8 @@ def targets(figures: dict[str, Any], eps: Sequence[int], concurrencies: Sequence
         if 2 in eps and 4 in eps:
             out.append(Target("CPU/token at 16, EP 4 / EP 2 (x)",
                               run(4, 16, "cpu_per_token_ms") / run(2, 16, "cpu_per_token_ms"), 1.5, True))
+            out.append(Target("  the same, median of each round's own ratio (x)",
+                              statistics.median(paired_ratios(figures, 4, 2, 16)), None, True))
         if 2 in eps:
             out.append(Target("tokens/s at 16, EP 2 / reference (x)", run(2, 16, "tokens_per_s")
                               / _figure(figures, "reference", "batched", "tokens_per_s"), 0.5, False))
@@ -849,6 +851,21 @@ def targets(figures: dict[str, Any], eps: Sequence[int], concurrencies: Sequence
         wrong = sum(len(_mismatched(figures, size, c)) for c in concurrencies)
         out.append(Target(f"requests with tokens unlike the reference, EP {size}", wrong, 0, True))
     return out
+
+
+def paired_ratios(figures: dict[str, Any], top: int, bottom: int, concurrency: int) -> list[float]:
+    """Each round's CPU per token at EP ``top`` over EP ``bottom`` (the two ran in the same minutes:
+    the machine's drift between rounds cancels out of each)."""
+    def per_round(size: int) -> list[float]:
+        repeats = figures.get("ep", {}).get(size, {}).get("runs", {}).get(concurrency, {}).get("repeats")
+        if not repeats:
+            raise BenchError(f"figure ep/{size}/runs/{concurrency}/repeats was not measured")
+        return [float(r["cpu_per_token_ms"]) for r in repeats]
+
+    ratios = [a / b for a, b in zip(per_round(top), per_round(bottom))]
+    if not all(math.isfinite(r) for r in ratios):
+        raise BenchError(f"a round's EP {top} / EP {bottom} is not finite: {ratios}")
+    return ratios
 
 
 def skew_targets(figures: dict[str, Any], eps: Sequence[int]) -> list[Target]:
@@ -1090,6 +1107,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"({', '.join(_fmt(x) for x in figures['reference']['batched_runs'])} ms CPU/token). "
                   if "batched_runs" in figures["reference"] else "") +
                f"Load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after.")
+    if not args.skew and 16 in args.concurrency and {2, 4} <= set(args.ep):
+        caption += (" EP 4 / EP 2 CPU/token by round: "
+                    + ", ".join(_fmt(r) for r in paired_ratios(figures, 4, 2, 16)) + ".")
     if args.skew:
         caption += " " + skew_caption(figures, args.ep)
     print_table(figures, checks, args.ep, args.concurrency, caption)

@@ -18,6 +18,7 @@ from bench.bench_capacity import (
     hot_over_mean,
     make_prompts,
     mismatches,
+    paired_ratios,
     phase_figures,
     phase_of_rounds,
     skew_factors,
@@ -34,7 +35,8 @@ from bench.common import descendants
 def _figures(ep2_cpu: float = 1.5, ep4_cpu: float = 2.0, ep2_tps16: float = 600.0, ep2_tps1: float = 100.0,
              idle: float = 0.01, wrong: tuple[int, ...] = ()) -> dict:
     def run(cpu: float, tps: float) -> dict:
-        return {"cpu_per_token_ms": cpu, "tokens_per_s": tps, "mismatched": list(wrong), "requests": 16}
+        return {"cpu_per_token_ms": cpu, "tokens_per_s": tps, "mismatched": list(wrong), "requests": 16,
+                "repeats": [{"cpu_per_token_ms": cpu, "tokens_per_s": tps}]}
     return {
         "reference": {"batched": {"cpu_per_token_ms": 1.0, "tokens_per_s": 1000.0},
                       "single": {"cpu_per_token_ms": 4.0, "tokens_per_s": 250.0}},
@@ -49,8 +51,9 @@ def _by_name(checks: list) -> dict:
 
 def test_targets_pass_and_fail_on_the_issue_limits() -> None:
     ok = _by_name(targets(_figures(), [2, 4], [1, 16]))
-    assert len(ok) == 9 and all(t.ok for t in ok.values())
+    assert len(ok) == 10 and all(t.ok for t in ok.values())
     assert ok["CPU/token at 16, EP 4 / EP 2 (x)"].value == pytest.approx(2.0 / 1.5)
+    assert ok["  the same, median of each round's own ratio (x)"].limit is None  # reported beside it
     bad = _by_name(targets(_figures(ep2_cpu=2.1, ep4_cpu=3.1, ep2_tps16=390.0, idle=0.06, wrong=(3,)), [2, 4], [1, 16]))
     failed = {name for name, t in bad.items() if not t.ok}
     assert failed == {"CPU/token at 16, EP 2 / reference (x)", "CPU/token at 16, EP 4 / reference (x)",
@@ -60,6 +63,19 @@ def test_targets_pass_and_fail_on_the_issue_limits() -> None:
                       "requests with tokens unlike the reference, EP 4"}
     assert bad["CPU/token at 16, EP 4 / EP 2 (x)"].value == pytest.approx(3.1 / 2.1)  # 1.48: passes
     assert not _by_name(targets(_figures(ep4_cpu=2.3), [2, 4], [16]))["CPU/token at 16, EP 4 / EP 2 (x)"].ok
+
+
+def test_the_rounds_are_compared_in_pairs() -> None:
+    figures = _figures()
+    figures["ep"][2]["runs"][16]["repeats"] = [{"cpu_per_token_ms": c} for c in (8.0, 6.0, 5.0)]
+    figures["ep"][4]["runs"][16]["repeats"] = [{"cpu_per_token_ms": c} for c in (10.0, 9.0, 9.5)]
+    # each round's own ratio (1.25, 1.5, 1.9), not the ratio of the medians (9.5 / 6.0)
+    assert paired_ratios(figures, 4, 2, 16) == pytest.approx([1.25, 1.5, 1.9])
+    assert _by_name(targets(figures, [2, 4], [16]))["  the same, median of each round's own ratio (x)"].value == \
+        pytest.approx(1.5)
+    del figures["ep"][4]["runs"][16]["repeats"]
+    with pytest.raises(BenchError, match="ep/4/runs/16/repeats was not measured"):
+        paired_ratios(figures, 4, 2, 16)
 
 
 def test_targets_of_a_narrower_run_and_missing_figures_fail_loudly() -> None:
