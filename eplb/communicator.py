@@ -667,16 +667,29 @@ class NixlCommunicator(Communicator):
         others = [r for r in range(size) if r != me]
         keys = [f"md/{r}" for r in others]
         if keys:
-            try:
-                self._store.wait(keys, timedelta(seconds=max(x.deadline - time.monotonic(), 1e-3)))
-            except Exception as exc:  # noqa: BLE001 - the store raises its own error types
-                missing = [r for r in others if not self._store.check([f"md/{r}"])]
+            # polled, not one blocking store wait: an abort (the group broke) ends it now, not at the
+            # layer's deadline, and the store's client is not held for the whole wait
+            pause, cause = 1e-3, "the deadline passed"
+            while True:
+                try:
+                    missing = [r for r in others if not self._store.check([f"md/{r}"])]
+                except Exception as exc:  # noqa: BLE001 - the store raises its own error types
+                    missing, cause = others, str(exc).splitlines()[0][:300] or type(exc).__name__
+                    break
+                if not missing:
+                    break
+                self._check_aborted(x, missing, f"the agent metadata of ranks {missing}")
+                if time.monotonic() >= x.deadline:
+                    break
+                time.sleep(min(pause, max(x.deadline - time.monotonic(), 0.0)))
+                pause = min(0.02, pause * 2)
+            if missing:
                 raise TransferTimeout(
                     "NIXL metadata exchange not done within the deadline", layer=x.layer, rank=me,
-                    peers=missing or others, timeout=x.timeout,
-                    waiting=f"the agent metadata of ranks {missing or others} (generation {self._generation})",
-                    cause=str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__,
-                ) from exc
+                    peers=missing, timeout=x.timeout,
+                    waiting=f"the agent metadata of ranks {missing} (generation {self._generation})",
+                    cause=cause,
+                )
         self._forget_peers()
         learned: dict[int, _Peer] = {}
         try:

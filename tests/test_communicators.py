@@ -212,7 +212,8 @@ def body_nixl_peer_gone(rank: int, world_size: int, mode: str, timeout: float):
     ``stopped``: after a good first layer, rank 3 is frozen (SIGSTOP: no thread of it runs,
     UCX's included) during the second, and rank 0 thaws it once it has its answer; ``aborted``:
     like ``stopped``, but with a long deadline, and the waiting ranks are told to abort (as a
-    rank whose group broke tells its transfer thread) half a second in."""
+    rank whose group broke tells its transfer thread) half a second in; ``late_aborted``: like
+    ``late`` (rank 3 never publishes its metadata), with a long deadline and the abort."""
     store = _test_store(f"gone-{mode}")
     comm = NixlCommunicator()
     comm.bind(0, store)
@@ -233,10 +234,13 @@ def body_nixl_peer_gone(rank: int, world_size: int, mode: str, timeout: float):
     elif mode == "late" and rank == 3:
         time.sleep(timeout + 1.5)
         return "slept"
+    elif mode == "late_aborted" and rank == 3:
+        time.sleep(3.0)
+        return "slept"
     # "refused": rank 3 sends from a copy it never registered; it refuses the layer and the
     # end-of-layer all-reduce tells every rank at once
     sources = [t.clone() for t in old[5]] if mode == "refused" and rank == 3 else old[5]
-    if mode == "aborted":
+    if mode in ("aborted", "late_aborted"):
         threading.Timer(0.5, comm.abort, args=("the group broke",)).start()
     started = time.monotonic()
     try:
@@ -274,10 +278,14 @@ def test_nixl_peer_that_stops_answering_times_out(mode):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(60)
 @needs_nixl
-def test_nixl_abort_ends_a_wait_on_a_frozen_peer_long_before_its_deadline():
+@pytest.mark.parametrize("mode", ["aborted", "late_aborted"])
+def test_nixl_abort_ends_a_wait_on_a_frozen_peer_long_before_its_deadline(mode):
+    """``late_aborted``: the wait for a peer's metadata gives up on the abort too. It was one
+    blocking store wait to the layer's deadline (found serving: a rank killed as a rebalance's
+    first layer began held the survivors' recovery for transfer_timeout_s, 30 s, not ~6 s)."""
     timeout = 20.0
-    results = run_distributed(body_nixl_peer_gone, WORLD, args=("aborted", timeout), timeout=50)
-    assert results[3] == "thawed"
+    results = run_distributed(body_nixl_peer_gone, WORLD, args=(mode, timeout), timeout=50)
+    assert results[3] == ("thawed" if mode == "aborted" else "slept")
     for rank in range(3):
         r = results[rank]
         assert r["type"] == "TransferError", r  # not a timeout: the wait gave up when told to
