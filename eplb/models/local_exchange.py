@@ -18,8 +18,8 @@ shared-memory file per rank instead:
   to a rank that is awake: at 4 ranks on 2 cores, writing a byte to every peer on every post cost
   8-16% of the ranks' CPU per decode step (context switches, interleaved A/B in-process, 2026-12-03).
   Should a wake-up be missed (both sides' stores unseen by the other at once), the sleep ends at a
-  20 ms time-out, doubling (5 ms also ended the sleeps of ranks whose last poster was merely
-  preempted between its number and its byte: 1 nap in 6 sleeps at 4 ranks on 2 cores);
+  20 ms time-out, doubling up to 0.32 s (5 ms also ended the sleeps of ranks whose last poster was
+  merely preempted between its number and its byte: 1 nap in 6 sleeps at 4 ranks on 2 cores);
 - an op's region is written again two ops later, which a rank reaches only after every peer has
   finished the op (a peer posts the next op only after it has copied this one out).
 
@@ -59,6 +59,9 @@ __all__ = ["LocalExchange", "enabled"]
 HEADER = 4096
 #: where, in region 0's header of a rank's own file, it writes the op it sleeps on (0: awake)
 _ASLEEP = HEADER - 8
+#: the longest nap of a wait (the first is 20 ms, doubling): a wake-up missed late in a long wait
+#: (a peer's long prefill) costs at most this much
+_NAP_CAP = 0.32
 #: bytes of a region's data (two regions per rank); larger ops go over gloo
 CAPACITY = 8 << 20
 _PATH_BYTES = 256
@@ -271,7 +274,8 @@ class LocalExchange:
         looks at the peers' numbers once more; a poster that then sees every other rank's number wakes
         it with a byte on its FIFO. So a rank is woken once per op it sleeps on, by the last poster,
         and no byte is written to a rank that is not asleep. Should both sides' stores sit unseen at
-        once, the sleep ends at a time-out (first 20 ms, then twice as long each time)."""
+        once, the sleep ends at a time-out (first 20 ms, then twice as long each time, at most
+        :data:`_NAP_CAP`)."""
         deadline = time.monotonic() + timeout
         pending = [p for p in range(self.world) if p != self.rank]
         mine, nap = self._maps[self.rank], 0.02
@@ -296,7 +300,7 @@ class LocalExchange:
                             self._poller.unregister(fd)
                     except BlockingIOError:
                         pass
-                nap *= 2
+                nap = min(2 * nap, _NAP_CAP)
         finally:
             struct.pack_into("q", mine, _ASLEEP, 0)
 
