@@ -57,7 +57,8 @@ __all__ = ["LocalExchange", "enabled"]
 
 #: bytes of a region's header: the op's number, then ``[offset, length]`` of each destination's bytes
 HEADER = 4096
-#: where, in region 0's header of a rank's own file, it writes the op it sleeps on (0: awake)
+#: where, in region 0's header of a rank's own file, it writes the op it sleeps on (left there after:
+#: ops only grow, so a post of a later op never takes it for a sleeper)
 _ASLEEP = HEADER - 8
 #: the longest nap of a wait (the first is 20 ms, doubling): a wake-up missed late in a long wait
 #: (a peer's long prefill) costs at most this much
@@ -253,12 +254,16 @@ class LocalExchange:
         if chunks:
             struct.pack_into(f"{2 * len(chunks)}q", mine, base + 8, *(v for c in chunks for v in c))
         struct.pack_into("q", mine, base, op)  # after the data: a peer that sees the number sees the bytes
+        # a peer not asleep on this op finds the number itself
+        asleep = [(peer, fd) for peer, fd in self._outgoing.items()
+                  if struct.unpack_from("q", self._maps[peer], _ASLEEP)[0] == op]
+        if not asleep:
+            return
         posted = [struct.unpack_from("q", m, base)[0] == op for m in self._maps]
-        for peer, fd in self._outgoing.items():
-            # a peer not asleep on this op finds the number itself; one that still waits on another
-            # peer is woken by that peer's post (the last poster wakes; two at once both do)
-            if struct.unpack_from("q", self._maps[peer], _ASLEEP)[0] != op or \
-                    not all(posted[r] for r in range(self.world) if r != peer):
+        for peer, fd in asleep:
+            # one that still waits on another peer is woken by that peer's post (the last poster
+            # wakes; two at once both do)
+            if not all(posted[r] for r in range(self.world) if r != peer):
                 continue
             try:
                 os.write(fd, b"\0")
@@ -279,30 +284,27 @@ class LocalExchange:
         deadline = time.monotonic() + timeout
         pending = [p for p in range(self.world) if p != self.rank]
         mine, nap = self._maps[self.rank], 0.02
-        try:
-            while True:
-                pending = [p for p in pending if struct.unpack_from("q", self._maps[p], self._region(op))[0] != op]
-                if not pending:
-                    return
-                gone = self._gone.intersection(pending)
-                if gone:
-                    raise TimeoutError(f"rank {min(gone)} of the group is gone (its connection closed) during {what}")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"{what} did not finish within {timeout}s: ranks {pending} had not sent theirs")
-                if struct.unpack_from("q", mine, _ASLEEP)[0] != op:  # first sleep on this op: say so, look again
-                    struct.pack_into("q", mine, _ASLEEP, op)
-                    continue
-                for fd, _ in self._poller.poll(max(1, int(min(left, nap) * 1000) + 1)):
-                    try:
-                        if not os.read(fd, 4096):
-                            self._gone.add(self._peer_of_fd[fd])
-                            self._poller.unregister(fd)
-                    except BlockingIOError:
-                        pass
-                nap = min(2 * nap, _NAP_CAP)
-        finally:
-            struct.pack_into("q", mine, _ASLEEP, 0)
+        while True:
+            pending = [p for p in pending if struct.unpack_from("q", self._maps[p], self._region(op))[0] != op]
+            if not pending:
+                return
+            gone = self._gone.intersection(pending)
+            if gone:
+                raise TimeoutError(f"rank {min(gone)} of the group is gone (its connection closed) during {what}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{what} did not finish within {timeout}s: ranks {pending} had not sent theirs")
+            if struct.unpack_from("q", mine, _ASLEEP)[0] != op:  # first sleep on this op: say so, look again
+                struct.pack_into("q", mine, _ASLEEP, op)
+                continue
+            for fd, _ in self._poller.poll(max(1, int(min(left, nap) * 1000) + 1)):
+                try:
+                    if not os.read(fd, 4096):
+                        self._gone.add(self._peer_of_fd[fd])
+                        self._poller.unregister(fd)
+                except BlockingIOError:
+                    pass
+            nap = min(2 * nap, _NAP_CAP)
 
     def all_gather(self, payload: torch.Tensor, timeout: float, what: str) -> list[torch.Tensor]:
         """Every rank's ``payload`` (the same shape and dtype on every rank), in rank order."""
