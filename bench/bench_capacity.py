@@ -806,13 +806,17 @@ class Target:
         return self.value <= self.limit if self.at_most else self.value >= self.limit
 
 
-def _figure(figures: dict[str, Any], *path: Any) -> float:
+def _node(figures: dict[str, Any], *path: Any) -> Any:
     node: Any = figures
     for key in path:
         if not isinstance(node, dict) or key not in node:
             raise BenchError(f"figure {'/'.join(map(str, path))} was not measured")
         node = node[key]
-    value = float(node)
+    return node
+
+
+def _figure(figures: dict[str, Any], *path: Any) -> float:
+    value = float(_node(figures, *path))
     if not math.isfinite(value):
         raise BenchError(f"figure {'/'.join(map(str, path))} is {value}")
     return value
@@ -857,7 +861,7 @@ def paired_ratios(figures: dict[str, Any], top: int, bottom: int, concurrency: i
     """Each round's CPU per token at EP ``top`` over EP ``bottom`` (the two ran in the same minutes:
     the machine's drift between rounds cancels out of each)."""
     def per_round(size: int) -> list[float]:
-        repeats = figures.get("ep", {}).get(size, {}).get("runs", {}).get(concurrency, {}).get("repeats")
+        repeats = _node(figures, "ep", size, "runs", concurrency, "repeats")
         if not repeats:
             raise BenchError(f"figure ep/{size}/runs/{concurrency}/repeats was not measured")
         return [float(r["cpu_per_token_ms"]) for r in repeats]
