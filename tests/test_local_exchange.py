@@ -3,9 +3,9 @@
 Its all_gather, all_gather_rows (each rank's real rows, none too), all_to_all (uneven splits, empty
 parts) and all_reduce_max give what gloo gives, op after op (the two regions alternate); a rank
 that turns it off turns it off for the whole group; nothing is left in /dev/shm; a peer that dies
-ends a wait at once, a silent one at the deadline; only the last
-poster wakes, only the ranks asleep, and a lost wake-up costs a short nap; an EP model's tokens are the same over it and
-over gloo.
+ends a wait at once, a silent one at the deadline; only the last poster wakes, only the ranks
+asleep, and a lost wake-up costs a short nap; an EP model's tokens are the same over it and over
+gloo.
 """
 
 from __future__ import annotations
