@@ -107,6 +107,21 @@ class CommunicatorUnavailable(RuntimeError):
 #: the longest sleep of a wait at the start of a layer (``LayerExchange.start_together``): how late
 #: such a wait may notice an abort, or that its peers arrived
 _START_POLL_S = 0.005
+
+
+@dataclass
+class _Backoff:
+    """The pause between two looks of a polling wait: none before the second look, then ``first``,
+    doubling up to ``cap``, and never past the wait's deadline (the NIXL communicator's waits: on
+    its reads, its all-reduces and the store, each checking the abort and the deadline between looks)."""
+
+    first: float
+    cap: float
+    pause: float = 0.0
+
+    def sleep(self, deadline: float) -> None:
+        time.sleep(min(self.pause, max(deadline - time.monotonic(), 0.0)))
+        self.pause = min(self.cap, self.pause * 2 or self.first)
 _NIXL_MODULES = ("nixl", "nixl_cu13", "nixl_cu12")  # the meta package first: it picks the CUDA build
 
 
@@ -669,7 +684,7 @@ class NixlCommunicator(Communicator):
         if keys:
             # polled, not one blocking store wait: an abort (the group broke) ends it now, not at the
             # layer's deadline, and the store's client is not held for the whole wait
-            pause, cause = 1e-3, "the deadline passed"
+            backoff, cause = _Backoff(first=1e-3, cap=0.02), "the deadline passed"
             while True:
                 try:
                     missing = [r for r in others if not self._store.check([f"md/{r}"])]
@@ -681,8 +696,7 @@ class NixlCommunicator(Communicator):
                 self._check_aborted(x, missing, f"the agent metadata of ranks {missing}")
                 if time.monotonic() >= x.deadline:
                     break
-                time.sleep(min(pause, max(x.deadline - time.monotonic(), 0.0)))
-                pause = min(0.02, pause * 2)
+                backoff.sleep(x.deadline)
             if missing:
                 raise TransferTimeout(
                     "NIXL metadata exchange not done within the deadline", layer=x.layer, rank=me,
@@ -834,7 +848,7 @@ class NixlCommunicator(Communicator):
                 if posted == "ERR":
                     failed = f"posting the NIXL read from rank {peer} failed{failed}"
                     break
-            pause = 0.0
+            backoff = _Backoff(first=2e-5, cap=1e-3)
             while handles and not failed:
                 for peer in list(handles):
                     try:
@@ -856,8 +870,7 @@ class NixlCommunicator(Communicator):
                         raise TransferTimeout(
                             f"NIXL reads not done within {x.timeout:g}s", layer=x.layer, rank=x.rank,
                             peers=sorted(handles), timeout=x.timeout, waiting=describe_ops(pending))
-                    time.sleep(pause)
-                    pause = min(1e-3, pause * 2 or 2e-5)
+                    backoff.sleep(x.deadline)
         finally:
             for handle, _ in handles.values():  # not done: cancel if possible, else keep it alive
                 try:
@@ -908,15 +921,14 @@ class NixlCommunicator(Communicator):
         others = [r for r in range(size) if r != x.rank]
         try:
             work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=x.group, async_op=True)
-            pause = 0.0
+            backoff = _Backoff(first=1e-4, cap=_START_POLL_S)
             while not work.is_completed():
                 self._check_aborted(x, others, "the other ranks to enter the layer")
                 if time.monotonic() >= x.deadline:
                     raise TransferTimeout(f"the ranks did not all enter the layer within {x.timeout:g}s",
                                           layer=x.layer, rank=x.rank, peers=others, timeout=x.timeout,
                                           waiting="the start-of-layer all-reduce")
-                time.sleep(pause)
-                pause = min(_START_POLL_S, pause * 2 or 1e-4)
+                backoff.sleep(x.deadline)
             work.wait()
         except TransferError:
             raise  # aborted or timed out: already says why
@@ -930,15 +942,14 @@ class NixlCommunicator(Communicator):
         thread): peers may still be reading from this rank, and UCX serves them only when
         progressed. False at the deadline; the completed work's own error is raised by ``wait``;
         :meth:`abort` ends it at once (TransferError)."""
-        pause = 0.0
+        backoff = _Backoff(first=2e-5, cap=1e-3)
         others = [r for r in range(dist.get_world_size(x.group)) if r != x.rank]
         while not work.is_completed():
             self._check_aborted(x, others, "the end-of-layer all-reduce")
             if time.monotonic() >= x.deadline:
                 return False
             self._agent.get_new_notifs()  # NIXL's UCX backend progresses its worker here
-            time.sleep(pause)
-            pause = min(1e-3, pause * 2 or 2e-5)
+            backoff.sleep(x.deadline)
         work.wait()
         return True
 

@@ -24,6 +24,7 @@ from eplb.communicator import (
     CommunicatorUnavailable,
     NixlCommunicator,
     TorchCommunicator,
+    _Backoff,
     make_communicator,
     nixl_available,
     resolve_communicator,
@@ -81,6 +82,20 @@ def test_resolve_and_config():
 
 
 @needs_nixl
+def test_a_polling_wait_looks_again_at_once_then_backs_off_to_its_cap_and_never_sleeps_past_its_deadline():
+    backoff = _Backoff(first=1e-4, cap=4e-4)
+    far = time.monotonic() + 60
+    pauses = []
+    for _ in range(5):
+        pauses.append(backoff.pause)
+        backoff.sleep(far)
+    assert pauses == [0.0, 1e-4, 2e-4, 4e-4, 4e-4]
+    slow = _Backoff(first=30.0, cap=30.0, pause=30.0)
+    started = time.monotonic()
+    slow.sleep(started + 0.05)
+    assert time.monotonic() - started < 1.0  # the 30 s pause was cut to the deadline's 50 ms
+
+
 def test_nixl_registrations_follow_the_tensors():
     """Lazy registration, adopt of incoming weights, deregistration before release (one process)."""
     comm = NixlCommunicator()
