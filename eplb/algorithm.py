@@ -76,8 +76,9 @@ Policies (registry :data:`POLICIES`, chosen by name, extended with :func:`regist
     Incremental: start from ``previous`` (``[B, P_old]`` or a :class:`~eplb.placement.Placement`)
     and keep every expert on the GPU it is on unless moving it buys real balance. A layer moves
     only if it is below what ``default`` would reach on the next window by more than the gain the
-    noise allows (and below ``default``'s balance on this load: an unchanged load moves nothing).
-    With a noise model (token counts: integer loads, ``noise="auto"``, variance 2 per unit of load,
+    noise allows (and below ``default``'s balance on this load: an unchanged load moves nothing);
+    with a noise model, a layer whose gap is at the noise's level (below) moves whenever it is
+    below ``default``'s balance on this load, and the copy budget decides how far. With a noise model (token counts: integer loads, ``noise="auto"``, variance 2 per unit of load,
     two windows' difference; a load smoothed over windows, :func:`eplb.estimate.smoothed_load`:
     ``noise`` = :func:`eplb.estimate.smoothed_noise`, the next window's variance against it) both
     placements are judged on the same eight next windows drawn around the load, and the gate is
@@ -87,7 +88,8 @@ Policies (registry :data:`POLICIES`, chosen by name, extended with :func:`regist
     ``h = 1.5 * sqrt(noise / mean GPU load)``), since a GPU's next-window load varies by the sum of
     its slots' load over their expert's replicas and the GPU that peaks next is mostly the one
     that varies most; ``default``'s refit, the balances judged on the load and the moves all use
-    it (and a layer as balanced on the load itself as the refit still stays). A layer that moves
+    it (and a layer as balanced on the load itself as the refit still stays); the moves weight
+    each expert by its replica count in the placement they move, not by ``c``. A layer that moves
     makes the fewest copies that bring it within ``tolerance``
     of ``default``'s balance on this load (with a noise model, 1.2 relative spreads of the load's
     noise on a GPU, if more; the layers whose gap is at the noise's level, at most five spreads,
