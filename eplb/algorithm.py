@@ -78,7 +78,8 @@ Policies (registry :data:`POLICIES`, chosen by name, extended with :func:`regist
     only if it is below what ``default`` would reach on the next window by more than the gain the
     noise allows (and below ``default``'s balance on this load: an unchanged load moves nothing);
     with a noise model, a layer whose gap is at the noise's level (below) moves whenever it is
-    below ``default``'s balance on this load, and the copy budget decides how far. With a noise model (token counts: integer loads, ``noise="auto"``, variance 2 per unit of load,
+    below ``default``'s balance on this load, and the copy budget decides how far. With a noise
+    model (token counts: integer loads, ``noise="auto"``, variance 2 per unit of load,
     two windows' difference; a load smoothed over windows, :func:`eplb.estimate.smoothed_load`:
     ``noise`` = :func:`eplb.estimate.smoothed_noise`, the next window's variance against it) both
     placements are judged on the same eight next windows drawn around the load, and the gate is
