@@ -1551,7 +1551,8 @@ _HEDGE = 3.0
 # the 18 cells 2.06% -> 2.39%: EP32's budget does not bind). Tried, not kept: the budget spent by a Lagrangian
 # over each layer's traced path prefixes (valued by the hedged fitted balance: -0.0050 / -0.0020; by 8 drawn
 # windows: -0.0053 / -0.0021; with (1): -0.0049, with (1) and (2): -0.0048; with (1) and paths run to
-# default's balance: -0.0046 / -0.0011 at a mean of 2.72% copies)
+# default's balance: -0.0046 / -0.0011 at a mean of 2.72% copies). Held-out seeds (run once): every stationary
+# cell met (EP64 pareto -0.0051 -> -0.0042), but EP32 drift -0.0040 -> -0.0117 (limit -0.01; tune 0-11: -0.0005)
 _COPY_BUDGET = 0.0275
 _NOISE_GAP = 5.0
 # the moves traced per layer (a longer path's last column is where it ended: its copies bound any target
