@@ -146,7 +146,8 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from collections.abc import Callable, Mapping, Sequence
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -481,7 +482,17 @@ def _checked_weight(weight: Any) -> tuple[torch.Tensor, torch.Tensor]:
         negative = w < 0
         layer, expert = (int(i) for i in negative.nonzero()[0])
         raise InvalidLoadError(f"weight must be >= 0: layer {layer}, expert {expert} has {weight[layer, expert].item()}")
+    with np.errstate(over="ignore"):
+        sums = w_np.sum(axis=1)
+    if not sums.max() <= _MAX_LAYER_LOAD:  # finite loads whose sums overflow crashed the compiled kernels
+        layer = int(np.argmax(~(sums <= _MAX_LAYER_LOAD)))
+        raise InvalidLoadError(f"weight is too large: layer {layer} sums to {float(sums[layer])!r}, above 2**1000")
     return weight, w
+
+
+# a layer's total load may be at most this (the GPU sums, a share of them above the mean and the noise hedge
+# must stay finite in float64): a layer of four loads of 1e308 summed to inf and segfaulted _fill_pack
+_MAX_LAYER_LOAD = 2.0**1000
 
 
 def _checked_previous(previous: Any, layers: int, experts: int) -> np.ndarray:
@@ -1155,6 +1166,10 @@ def _reference_hierarchical(load32: np.ndarray, num_phy: int, num_groups: int, n
 def _hierarchical_policy(problem: Problem) -> np.ndarray:
     """The reference algorithm, float32 arithmetic and tie-breaking included."""
     load32 = problem.weight.to(torch.float32).numpy()
+    with np.errstate(over="ignore"):
+        if not np.isfinite(load32.sum(axis=1)).all():  # inf loads made an invalid map (an expert with no replica)
+            raise InvalidLoadError("weight is too large for the hierarchical policy (float32 arithmetic, as the "
+                                   "reference): a layer's load overflows float32")
     if problem.num_groups % problem.num_nodes == 0:
         return _reference_hierarchical(load32, problem.num_replicas, problem.num_groups, problem.num_nodes, problem.num_gpus)
     return _reference_hierarchical(load32, problem.num_replicas, 1, 1, problem.num_gpus)
@@ -1408,7 +1423,8 @@ def _migration_aware_policy(
     rank_mapping: Mapping[int, int] | Sequence[int] | None = None,
 ) -> np.ndarray:
     """Keep experts where they are unless moving them buys balance (see the module docstring)."""
-    if isinstance(tolerance, bool) or not 0.0 <= float(tolerance) <= 1.0:
+    number = isinstance(tolerance, (int, float, np.integer, np.floating)) and not isinstance(tolerance, bool)
+    if not number or not 0.0 <= float(tolerance) <= 1.0:
         raise InvalidOptionError(f"tolerance must be a number in [0, 1], got {tolerance!r}")
     if max_copies is not None and (isinstance(max_copies, bool) or not isinstance(max_copies, (int, np.integer)) or max_copies < 0):
         raise InvalidOptionError(f"max_copies must be an int >= 0 or None, got {max_copies!r}")
@@ -1420,8 +1436,12 @@ def _migration_aware_policy(
     # 1. the previous layout's GPU count, and where each old GPU went
     prev_gpus = _previous_gpus(prev.shape[1], g, s, previous_num_gpus)
     real = load
-    if noise_var > 0 and _HEDGE > 0:
-        load = _hedged(load, problem.num_replicas, g, noise_var)
+    with np.errstate(over="ignore", invalid="ignore"):  # a variance this large overflows the drawn windows or
+        if noise_var > 0 and _HEDGE > 0:  # the hedge (their NaN loads segfaulted the kernels): refused below
+            load = _hedged(load, problem.num_replicas, g, noise_var)
+        overflows = noise_var > 0 and not (np.isfinite(noise_var * real.max()) and np.isfinite(load.sum()))
+    if overflows:
+        raise InvalidOptionError(f"noise={noise!r} is too large for this load: its variance overflows float64")
     fresh = _balanced(load, problem.num_replicas, g)
     carried = _carry_over(prev, g, s, prev_gpus, _rank_mapping(rank_mapping, prev_gpus, g))
     # 2. make it valid (lost experts, empty new slots): copies nobody can avoid
@@ -1441,7 +1461,10 @@ def _migration_aware_policy(
     moving = gate.move | (gate.noisy & gate.gain & ~refit)
     # the moves weigh each expert for the next window's variance by its replicas in the placement they
     # move (see _own_hedged), not by the load's greedy counts
-    moved = _own_hedged(real, load, cur, g, noise_var) if noise_var > 0 and _HEDGE > 0 else load
+    with np.errstate(over="ignore", invalid="ignore"):
+        moved = _own_hedged(real, load, cur, g, noise_var) if noise_var > 0 and _HEDGE > 0 else load
+    if not np.isfinite(moved.sum()):
+        raise InvalidOptionError(f"noise={noise!r} is too large for this load: its variance overflows float64")
     mover = _Mover(moved, g, n, carried, fresh, _counts_of(fresh, n), allowed, gate, refit, tolerance)
     # 5. a far layer (same GPU count) first takes default's replica counts (see _Mover.recount)
     # (not a layer whose gap is at the noise's level: its hot set did not move, and its copies are budgeted)
@@ -1788,7 +1811,7 @@ def _noise_variance(noise: str | float, floating: bool) -> float:
         if noise not in ("auto", "counts", "none"):
             raise InvalidOptionError(f"noise must be 'auto', 'counts', 'none' or a number >= 0, got {noise!r}")
         return 0.0 if noise == "none" or (noise == "auto" and floating) else 2.0
-    if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not 0.0 <= float(noise) < float("inf"):
+    if isinstance(noise, bool) or not isinstance(noise, (int, float, np.integer, np.floating)) or not 0.0 <= float(noise) < float("inf"):
         raise InvalidOptionError(f"noise must be 'auto', 'counts', 'none' or a number >= 0, got {noise!r}")
     return float(noise)
 
@@ -1855,14 +1878,22 @@ def _rank_mapping(rank_mapping, prev_gpus: int, num_gpus: int) -> np.ndarray:
     if rank_mapping is None:
         m = np.arange(prev_gpus)
         return np.where(m < num_gpus, m, -1)
+    def rank(v: Any) -> int:  # an int (not 0.5, nor "1"), or a refusal that names the option
+        try:
+            return operator.index(v)
+        except TypeError:
+            raise InvalidOptionError(f"rank_mapping: ranks must be ints, got {v!r}") from None
+
     if isinstance(rank_mapping, Mapping):
         m = np.full(prev_gpus, -1, dtype=np.int64)
         for old, new in rank_mapping.items():
-            if not 0 <= int(old) < prev_gpus:
+            if not 0 <= rank(old) < prev_gpus:
                 raise InvalidOptionError(f"rank_mapping: old rank {old} is outside [0, {prev_gpus})")
-            m[int(old)] = int(new)
+            m[rank(old)] = rank(new)
     else:
-        m = np.asarray(list(rank_mapping), dtype=np.int64)
+        if isinstance(rank_mapping, (str, bytes)) or not isinstance(rank_mapping, Iterable):
+            raise InvalidOptionError(f"rank_mapping must be a list or dict of ranks, got {rank_mapping!r}")
+        m = np.asarray([rank(v) for v in rank_mapping], dtype=np.int64)
         if m.shape != (prev_gpus,):
             raise InvalidOptionError(f"rank_mapping must have one entry per previous GPU ({prev_gpus}), got {m.shape[0]}")
     kept = m[m >= 0]

@@ -1041,3 +1041,63 @@ def test_swap_order_resort_from_a_known_place_equals_the_search(seed, gpus):
         alg._compiled._resort_one(b, gl, int(order[z]))
         assert np.array_equal(a, b) and (np.diff(gl[a]) >= 0).all() and np.array_equal(np.sort(a), np.arange(gpus))
         order = a
+
+
+# ---------------------------------------------------------------------------------------------
+# loads and options at the edges (a hostile fuzz of migration_aware and the shared checks)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", BUILTIN)
+def test_a_load_whose_layer_sum_overflows_is_refused_naming_the_layer_not_a_crash(policy):
+    # every load finite, but four of 1e308 on one GPU sum to inf: _fill_pack segfaulted on it
+    weight = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1e308, 1e308, 1e308, 1e308]], dtype=torch.float64)
+    with pytest.raises(InvalidLoadError, match="too large: layer 1"):
+        rebalance_experts(weight, 4, 1, 1, 1, policy=policy, previous=torch.tensor([[0, 1, 2, 3]] * 2))
+
+
+def test_hierarchical_refuses_a_load_that_overflows_its_float32_arithmetic():
+    # below float64's limit but not float32's: the reference's arithmetic made an expert with no replica
+    weight = torch.tensor([[1e38, 1e38, 1e38, 1e38, 0.0, 0.0]], dtype=torch.float64)
+    with pytest.raises(InvalidLoadError, match="float32"):
+        rebalance_experts(weight, 8, 1, 1, 2, policy="hierarchical")
+    assert (rebalance_experts(weight, 8, 1, 1, 2)[2] >= 1).all()  # the float64 policies serve it
+
+
+@pytest.mark.parametrize("noise", [1e300, 1e308])
+def test_migration_aware_refuses_a_noise_whose_variance_overflows_the_load(noise):
+    # the hedge's weight overflowed to inf, 0 * inf = NaN loads, and the compiled balance segfaulted
+    weight = torch.tensor([[1, 3, 0, 2], [0, 0, 0, 0]])
+    prev = torch.arange(8).remainder(4).expand(2, 8)
+    with pytest.raises(InvalidOptionError, match="noise.*too large"):
+        rebalance_experts(weight, 8, 1, 1, 2, policy="migration_aware", previous=prev, noise=noise)
+
+
+@pytest.mark.parametrize(
+    "option,words",
+    [
+        (dict(tolerance="0.1"), "tolerance"),
+        (dict(tolerance=None), "tolerance"),
+        (dict(rank_mapping=[0.5, 1]), "rank_mapping: ranks must be ints, got 0.5"),
+        (dict(rank_mapping=["x", 1]), "rank_mapping: ranks must be ints"),
+        (dict(rank_mapping={"a": 1}), "rank_mapping: ranks must be ints"),
+        (dict(rank_mapping=3), "rank_mapping must be a list or dict"),
+    ],
+)
+def test_migration_aware_refuses_an_option_of_the_wrong_type_naming_it(option, words):
+    # a string tolerance passed the range check (float("0.1")) and failed in numpy; a float rank was
+    # truncated to 0 without a word; a string rank raised int()'s bare ValueError
+    weight = torch.tensor([[1, 3, 0, 2]] * 2)
+    prev = torch.arange(8).remainder(4).expand(2, 8)
+    with pytest.raises(InvalidOptionError) as err:
+        rebalance_experts(weight, 8, 1, 1, 2, policy="migration_aware", previous=prev, **option)
+    assert words in str(err.value)
+
+
+def test_migration_aware_takes_a_numpy_scalar_noise_as_the_number_it_is():
+    weight = _zipf_load(3, 16, seed=4, total=2000)
+    prev = torch.arange(24).remainder(16).expand(3, 24)
+    opts = dict(policy="migration_aware", previous=prev)
+    plain = rebalance_experts(weight, 24, 1, 1, 4, noise=1.5, **opts)[0]
+    assert torch.equal(rebalance_experts(weight, 24, 1, 1, 4, noise=np.float32(1.5), **opts)[0], plain)
+    assert torch.equal(rebalance_experts(weight, 24, 1, 1, 4, noise=np.float64(1.5), **opts)[0], plain)
