@@ -1101,3 +1101,51 @@ def test_migration_aware_takes_a_numpy_scalar_noise_as_the_number_it_is():
     plain = rebalance_experts(weight, 24, 1, 1, 4, noise=1.5, **opts)[0]
     assert torch.equal(rebalance_experts(weight, 24, 1, 1, 4, noise=np.float32(1.5), **opts)[0], plain)
     assert torch.equal(rebalance_experts(weight, 24, 1, 1, 4, noise=np.float64(1.5), **opts)[0], plain)
+
+
+@st.composite
+def rescaled(draw):
+    """A load, a previous placement fitted to another load on ``old_gpus`` GPUs (the same slots per GPU),
+    and a rank mapping (``None`` or a permutation with ``-1`` for gone ranks)."""
+    layers, experts, gpus, old_gpus = draw(st.integers(1, 4)), draw(st.integers(4, 24)), draw(st.integers(1, 8)), draw(st.integers(1, 8))
+    per_gpu = draw(st.integers(-(-experts // min(gpus, old_gpus)), -(-experts // min(gpus, old_gpus)) + 2))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    load = np.round(rng.pareto(draw(st.floats(0.5, 2.0)), (layers, experts)) * 100).astype(np.int64)
+    before = np.round(rng.pareto(1.0, (layers, experts)) * 100).astype(np.int64)
+    prev = rebalance_experts(torch.from_numpy(before), per_gpu * old_gpus, 1, 1, old_gpus)[0]
+    mapping = None
+    if draw(st.booleans()):
+        ranks = list(rng.permutation(gpus))[:old_gpus] + [-1] * max(0, old_gpus - gpus)
+        mapping = [int(r) for r in rng.permutation(ranks)]
+    return load, per_gpu * gpus, gpus, prev, old_gpus, mapping
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rescaled(), st.sampled_from(["counts", "none", 1.18]))
+def test_migration_aware_gives_one_placement_for_every_dtype_of_the_same_counts(case, noise):
+    # with the noise model named (not "auto", which reads the dtype) the load is the same numbers in
+    # int64, int32, float64 or float32: the same placement, bit for bit, across a scale too
+    load, slots, gpus, prev, old_gpus, mapping = case
+    opts = dict(policy="migration_aware", previous=prev, previous_num_gpus=old_gpus, rank_mapping=mapping, noise=noise)
+    first = rebalance_experts(torch.from_numpy(load), slots, 1, 1, gpus, **opts)
+    validate_physical_to_logical(first[0], load.shape[1])
+    for dtype in (torch.int32, torch.float64, torch.float32):
+        again = rebalance_experts(torch.from_numpy(load).to(dtype), slots, 1, 1, gpus, **opts)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rescaled(), st.integers(0, 3), st.sampled_from(["counts", "none", 1.18]))
+def test_migration_aware_copies_at_most_max_copies_beyond_the_fill_a_scale_forces(case, cap, noise):
+    # after a scale, the lost experts and the empty new slots are filled whatever max_copies says; past
+    # those copies a layer makes at most max_copies (copies: (GPU, expert) pairs the previous placement,
+    # carried to the new ranks by the mapping, lacks)
+    load, slots, gpus, prev, old_gpus, mapping = case
+    opts = dict(policy="migration_aware", previous=prev, previous_num_gpus=old_gpus, rank_mapping=mapping, noise=noise)
+    new = rebalance_experts(torch.from_numpy(load), slots, 1, 1, gpus, max_copies=cap, **opts)[0].numpy()
+    carried = alg._carry_over(prev.numpy(), gpus, slots // gpus, old_gpus, alg._rank_mapping(mapping, old_gpus, gpus))
+    variance = alg._noise_variance(noise, False)  # the fill runs on the hedged load, as the policy's does
+    fit = alg._hedged(load.astype(np.float64), slots, gpus, variance) if variance > 0 else load.astype(np.float64)
+    filled = alg._fill(carried.copy(), fit, gpus)
+    forced = alg._copies_vs(carried, filled, gpus, load.shape[1])
+    assert (alg._copies_vs(carried, new, gpus, load.shape[1]) <= np.maximum(forced, cap)).all()
