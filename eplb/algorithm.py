@@ -189,7 +189,7 @@ class AlgorithmError(ValueError):
 
 
 class InvalidLoadError(AlgorithmError):
-    """``weight`` is not a ``[layers, experts]`` tensor of finite, non-negative loads."""
+    """``weight`` is not a ``[layers, experts]`` tensor of finite, non-negative loads (each layer's sum at most 2**1000)."""
 
 
 class InvalidShapeError(AlgorithmError):
@@ -309,7 +309,8 @@ def rebalance_experts(
     """Entry point, drop-in for the reference ``rebalance_experts``.
 
     Parameters:
-        weight: ``[layers, L]`` load of each logical expert (any real or integer dtype, >= 0).
+        weight: ``[layers, L]`` load of each logical expert (any real or integer dtype, >= 0; a layer's sum at
+            most 2**1000, and within float32's range for ``hierarchical``).
         num_replicas: ``P``, physical slots per layer, a multiple of ``num_gpus``, at least ``L``.
         num_groups: expert groups; used by the hierarchical policies when it divides ``L`` and
             ``num_nodes`` divides it (else global balancing, as in the reference).
