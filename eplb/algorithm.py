@@ -76,7 +76,8 @@ Policies (registry :data:`POLICIES`, chosen by name, extended with :func:`regist
     Incremental: start from ``previous`` (``[B, P_old]`` or a :class:`~eplb.placement.Placement`)
     and keep every expert on the GPU it is on unless moving it buys real balance. A layer moves
     only if it is below what ``default`` would reach on the next window by more than the gain the
-    noise allows (and below ``default``'s balance on this load: an unchanged load moves nothing);
+    noise allows (and below ``default``'s balance on this load: an unchanged load moves nothing once
+    the placement is fitted to it; from a far one, the budget below spreads the way over a few calls);
     with a noise model, a layer whose gap is at the noise's level (below) moves whenever it is
     below ``default``'s balance on this load, and the copy budget decides how far. With a noise
     model (token counts: integer loads, ``noise="auto"``, variance 2 per unit of load,
