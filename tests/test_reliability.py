@@ -514,13 +514,14 @@ def test_healthz_and_state_answer_while_every_control_thread_waits_on_a_stalled_
         def rebalance() -> None:
             try:
                 with httpx.Client(timeout=30) as client:
-                    codes.append(client.post(f"{server.url}/rebalance", params={"timeout_s": 6}).status_code)
+                    codes.append(client.post(f"{server.url}/rebalance", params={"timeout_s": 12}).status_code)
             except Exception as exc:  # noqa: BLE001 - counted below
                 codes.append(-1)
                 print("caller failed:", repr(exc))
 
         callers = [threading.Thread(target=rebalance) for _ in range(50)]
         try:
+            started = time.monotonic()
             for t in callers:
                 t.start()
             deadline = time.monotonic() + 20
@@ -534,6 +535,11 @@ def test_healthz_and_state_answer_while_every_control_thread_waits_on_a_stalled_
                     assert client.get(f"{server.url}{path}").status_code == 200
                     waited = time.monotonic() - asked
                     assert waited < 2.0, f"{path} took {waited:.1f}s behind the control calls"
+            # the refusals are immediate, but on a loaded machine some may still be on their way back: count
+            # them for up to 8 s, inside the 12 s the admitted rebalances wait (a fresh install's suite, run
+            # beside two other jobs at a load of 12, had counted 39 of the 46)
+            while sum(code == 429 for code in codes) < 50 - CONTROL_THREADS and time.monotonic() < started + 8:
+                time.sleep(0.05)
             refused = sum(code == 429 for code in codes)
             assert refused >= 50 - CONTROL_THREADS, f"only {refused} of 50 refused at once: {sorted(codes)}"
         finally:
