@@ -59,6 +59,7 @@ from elastic.core.phases import SERVING_PHASES
 from elastic.service.autoscaler import Autoscaler
 from elastic.service.hooks import ScaleHooks
 from elastic.service.metrics import ServingMetrics, build_registry
+from elastic.service.openai_protocol import OpenAIError
 from elastic.service.preflight import BodyLimit, Refusal, invalid_body, unparsable_body
 
 __all__ = ["CONTROL_THREADS", "create_app"]
@@ -323,8 +324,10 @@ def _add_error_handlers(app: FastAPI) -> None:
             # a chunked body past the limit (elastic.service.preflight.BodyLimit), JSON nested too deeply, not UTF-8
             return _error(422, "invalid_request", unparsable_body(exc.__cause__, str(exc.detail)), errors=[])
         codes = {404: "not_found", 405: "method_not_allowed"}
-        body = {"error": codes.get(exc.status_code, "http_error"),
-                "message": f"{request.method} {request.url.path}: {exc.detail}"}
+        code, message = codes.get(exc.status_code, "http_error"), f"{request.method} {request.url.path}: {exc.detail}"
+        body: dict[str, Any] = {"error": code, "message": message}
+        if _openai_path(request.url.path):  # an absent route (/v1/embeddings) or method: the openai client shows why
+            body = OpenAIError(exc.status_code, message, code=code).body()
         return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(ElasticError)
@@ -335,8 +338,17 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> JSONResponse:
         log.exception("%s %s failed", request.method, request.url.path)
+        if _openai_path(request.url.path):
+            return JSONResponse(OpenAIError(500, f"{type(exc).__name__}: {exc}", code="internal_error").body(), status_code=500)
         return _error(500, "internal_error", f"{type(exc).__name__}: {exc}")
 
+
+#: the serving routes (vLLM's and OpenAI's), whose every error has OpenAI's shape
+OPENAI_PATHS = ("/v1/", "/tokenize", "/detokenize")
+
+
+def _openai_path(path: str) -> bool:
+    return path.startswith(OPENAI_PATHS[0]) or path in OPENAI_PATHS[1:]
 
 
 def _add_operation_routes(app: FastAPI, controller: ControlPlane, view: Callable[[dict[str, Any]], dict[str, Any]], *,

@@ -38,7 +38,15 @@ from elastic.control.requests import Completion, RequestEngine
 from elastic.core import protocol as p
 from elastic.core.errors import ElasticError, InvalidCompletionRequest, ModelNotFound, Overloaded, RequestNotServed
 from elastic.service.metrics import RequestTimer, ServingMetrics
-from elastic.service.openai_protocol import UNSUPPORTED, ChatRequest, CompletionRequest, OpenAIError, SamplingFields, error_response
+from elastic.service.openai_protocol import (
+    NEUTRAL,
+    UNSUPPORTED,
+    ChatRequest,
+    CompletionRequest,
+    OpenAIError,
+    SamplingFields,
+    error_response,
+)
 from elastic.service.preflight import Refusal, invalid_body, unparsable_body
 from elastic.service.served_model import ServedModel, TextView
 from eplb.trace import seed_for
@@ -51,6 +59,7 @@ DISCONNECT_CHECK_S = 0.1  # how often a waiting request checks that its client i
 # prompts tokenized (and chat templates rendered) at once, each on a worker thread: near the body
 # limit one takes about 1 s of CPU and 170 MB at its peak, so more at once would only add memory
 TOKENIZING_THREADS = 2
+REQUEST_ID_CHARS = 128  # of a client's x-request-id, echoed
 BYTES_PER_TOKEN = 24  # the body limit of /v1: 1 MiB and max_model_len tokens of JSON ids or text for 16 prompts
 
 
@@ -126,7 +135,7 @@ def _check_supported(body: SamplingFields) -> list[str]:
     """400 for a vLLM field this server cannot honour; the unknown ones, ignored, are returned."""
     extra = dict(body.model_extra or {})
     for name, neutral in UNSUPPORTED.items():
-        if name in extra and extra.pop(name) not in (neutral, None):
+        if name in extra and extra.pop(name) not in (neutral, None, *NEUTRAL.get(name, ())):
             raise InvalidCompletionRequest(name, "not supported by this server (see README: what differs from vLLM)")
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise InvalidCompletionRequest("best_of", "only best_of equal to n is supported", value=body.best_of)
@@ -163,30 +172,37 @@ def _check_template_kwargs(kwargs: dict[str, Any]) -> None:
                                        "(this server sets how the template is applied)")
 
 
-def _prompt_ids(prompt: list[int] | str, served: ServedModel) -> list[int]:
+def _prompt_ids(prompt: list[int] | str, served: ServedModel, field: str = "prompt") -> list[int]:
+    """``prompt``'s token ids; a 400 naming ``field`` (the request's field the ids came from)."""
     if isinstance(prompt, str):
         if served.tokenizer is None:
-            raise InvalidCompletionRequest("prompt", "this model has no tokenizer: send the prompt as a list of token ids")
+            raise InvalidCompletionRequest(field, "this model has no tokenizer: send the prompt as a list of token ids")
         ids = served.encode(prompt)
         if not ids:
-            raise InvalidCompletionRequest("prompt", "the text encodes to no tokens")
+            raise InvalidCompletionRequest(field, "the text encodes to no tokens")
         return ids
     bad = next((t for t in prompt if not 0 <= t < served.vocab_size), None)
     if bad is not None:
-        raise InvalidCompletionRequest("prompt", f"token ids must be in [0, {served.vocab_size}) (the model's vocabulary)",
+        raise InvalidCompletionRequest(field, f"token ids must be in [0, {served.vocab_size}) (the model's vocabulary)",
                                        value=bad)
     return list(prompt)
 
 
 def _max_tokens(body: SamplingFields, prompt: list[int], served: ServedModel, limit: int) -> int:
+    # the declared fields only: an unknown one (max_completion_tokens on /v1/completions, as vLLM's
+    # completions have none) is ignored, as X-Ignored-Fields says; read as an attribute of the
+    # model's extras it was used unchecked (a string was a 500, 2.5 or true a length)
+    source = "messages" if isinstance(body, ChatRequest) else "prompt"
     if len(prompt) >= served.max_model_len:
-        raise InvalidCompletionRequest("prompt", f"{len(prompt)} tokens leave no room in the model's context of "
+        raise InvalidCompletionRequest(source, f"{len(prompt)} tokens leave no room in the model's context of "
                                        f"{served.max_model_len}")
-    wanted = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    field, wanted = "max_tokens", body.max_tokens
+    if isinstance(body, ChatRequest) and body.max_completion_tokens is not None:
+        field, wanted = "max_completion_tokens", body.max_completion_tokens
     if wanted is None:
         return min(limit, served.max_model_len - len(prompt))
     if len(prompt) + wanted > served.max_model_len:
-        raise InvalidCompletionRequest("max_tokens", f"the prompt's {len(prompt)} tokens plus max_tokens {wanted} "
+        raise InvalidCompletionRequest(field, f"the prompt's {len(prompt)} tokens plus {field} {wanted} "
                                        f"exceed the model's context of {served.max_model_len}")
     return wanted
 
@@ -417,7 +433,7 @@ class Routes:
         self._same_model(body)
         if "messages" in body:
             try:
-                chat = ChatRequest.model_validate({"model": self.served.name, **body})
+                chat = ChatRequest.model_validate({**body, "model": self.served.name})  # its model checked above
             except ValidationError as exc:  # a 400 naming the field, as on /v1/chat/completions (it was a 500)
                 raise RequestValidationError(exc.errors()) from None
             ids = self._chat_ids(chat)
@@ -438,7 +454,7 @@ class Routes:
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise InvalidCompletionRequest("tokens", "a list of token ids")
-        _prompt_ids(tokens or [0], self.served)
+        _prompt_ids(tokens or [0], self.served, "tokens")
         return {"prompt": self.served.detokenize(tokens)}
 
     def _same_model(self, body: dict[str, Any]) -> None:
@@ -469,7 +485,8 @@ class Routes:
                request: Request) -> tuple[list[Choice], dict[str, str], RequestTimer | None]:
         ignored = _check_supported(body)
         choices = _submit(self.engine, self.served, body, _specs(body, prompts, self.served, self.engine, logprobs))
-        headers = {"X-Request-Id": request.headers.get("x-request-id") or choices[0].completion.id}
+        # the client's own id, cut as RequestIdHeader cuts it on every other route (it was echoed whole)
+        headers = {"X-Request-Id": (request.headers.get("x-request-id") or "")[:REQUEST_ID_CHARS] or choices[0].completion.id}
         if ignored:
             headers["X-Ignored-Fields"] = ",".join(ignored)[:1024]
         timer = self.metrics.timer() if self.metrics is not None else None
@@ -603,7 +620,7 @@ class Routes:
         if not ids:
             raise InvalidCompletionRequest("messages", "the rendered conversation encodes to no tokens")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        choices, headers, timer = self._start(body, [_prompt_ids(ids, self.served)], logprobs, request)
+        choices, headers, timer = self._start(body, [_prompt_ids(ids, self.served, "messages")], logprobs, request)
         if body.stream:
             events = self._chat_events(body, choices, timer)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
@@ -690,7 +707,7 @@ class RequestIdHeader:
             await self.app(scope, receive, send)
             return
         given = dict(scope.get("headers") or ()).get(b"x-request-id")
-        rid = given[:128] if given else f"req-{uuid.uuid4().hex[:20]}".encode()
+        rid = given[:REQUEST_ID_CHARS] if given else f"req-{uuid.uuid4().hex[:20]}".encode()
 
         async def tagged(message: Any) -> None:
             if message["type"] == "http.response.start":

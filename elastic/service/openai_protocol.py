@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator
 
-__all__ = ["ChatRequest", "CompletionRequest", "OpenAIError", "SamplingFields", "StreamOptions", "UNSUPPORTED",
-           "error_response"]
+__all__ = ["ChatRequest", "CompletionRequest", "NEUTRAL", "OpenAIError", "SamplingFields", "StreamOptions",
+           "UNSUPPORTED", "error_response"]
 
 #: vLLM request fields this server does not implement, with the value that means "not used"
 UNSUPPORTED: dict[str, Any] = {
@@ -25,12 +25,18 @@ UNSUPPORTED: dict[str, Any] = {
     "allowed_token_ids": None, "bad_words": None, "truncate_prompt_tokens": None, "lora_request": None,
     "prompt_embeds": None, "logits_processors": None, "kv_transfer_params": None, "vllm_xargs": None,
 }
+#: other values of those fields that ask for nothing this server lacks (OpenAI's and vLLM's defaults,
+#: which clients send explicitly): no tools, tool_choice "none", plain text. Each was a 400
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "tools": ([],), "functions": ([],), "tool_choice": ("none",), "function_call": ("none",),
+    "response_format": ({"type": "text"},), "bad_words": ([],), "allowed_token_ids": ([],),
+}
 
 
 class OpenAIError(Exception):
     """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
              429: "rate_limit_error", 499: "cancelled", 500: "internal_server_error", 503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
@@ -74,7 +80,9 @@ class SamplingFields(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = Field(None, max_length=300, description="token id -> bias in [-100, 100]")
-    seed: StrictInt | None = Field(None, ge=0, lt=2**63, description="the sampling seed (default: from the request id)")
+    # vLLM's range (int64, negative included); -1 and 2**63 - 1 are the same seed here
+    seed: StrictInt | None = Field(None, ge=-(2**63), lt=2**63,
+                                   description="the sampling seed, an int64 (default: from the request id)")
     stop: str | list[str] | None = Field(None, description="stop strings (needs a tokenizer); the text ends before them")
     stop_token_ids: list[StrictInt] | None = Field(None, max_length=64, description="tokens that end the request")
     ignore_eos: StrictBool | None = Field(False, description="go on past the model's EOS token")
@@ -151,3 +159,11 @@ class ChatRequest(SamplingFields):
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20, description="and the top n alternatives")
     add_generation_prompt: StrictBool | None = True
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        # as OpenAI's and vLLM's: top_logprobs needs logprobs (it was ignored without a word)
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value

@@ -1,0 +1,180 @@
+"""OpenAI request fields at their edges, as an outside tester sent them: each answer is a 200 that
+means what vLLM's means, or a 4xx in OpenAI's shape naming the field the client sent, and the
+deployment keeps serving.
+
+Real workers, real groups, real HTTP, on a ``save_pretrained`` checkpoint with an offline
+word-level tokenizer that carries a chat template (as ``tests/test_openai_server.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import openai
+import pytest
+import torch
+
+from elastic.coordinator import Coordinator
+from elastic.deployment import DeploymentConfig
+from elastic.service.api import create_app
+from elastic.service.server import BackgroundServer
+from tests.test_completions_text import write_tokenizer
+from tests.test_hf_models import write_checkpoint
+from tests.test_openai_server import TEMPLATE
+
+CRASH = "/v1/crash-for-the-test"  # a route that raises: what any unforeseen bug on /v1 looks like
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("ckpt"))
+    write_checkpoint("qwen3_moe", path)
+    write_tokenizer(path)
+    config_path = os.path.join(path, "tokenizer_config.json")
+    with open(config_path) as f:
+        tok_config = json.load(f)
+    with open(config_path, "w") as f:
+        json.dump({**tok_config, "chat_template": TEMPLATE}, f)
+    torch.set_num_threads(1)
+    config = DeploymentConfig.model_validate({
+        "model": {"kind": "hf", "path": path}, "ep_size": 2, "max_ep_size": 2, "heartbeat_s": 0.05,
+        "eplb": {"num_redundant_experts": 4}, "timeouts": {"collective": 6, "heartbeat": 8, "worker_start": 120},
+        "serving": {"background_load": False, "max_batch": 4, "max_queue": 8, "max_tokens_limit": 64}})
+    with Coordinator(config) as c:
+        app = create_app(c)
+
+        def crash() -> None:
+            raise RuntimeError("a bug")
+
+        app.add_api_route(CRASH, crash, methods=["POST"])
+        with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=120) as http:
+            c.wait_for_step(3, timeout=60)
+            model = http.get("/v1/models").json()["data"][0]["id"]
+            yield http, model, server.url
+
+
+def openai_error(r: httpx.Response, status: int, param: str | None) -> str:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, r.text
+    return str(error["message"])
+
+
+def still_serving(http: httpx.Client, model: str) -> None:
+    r = http.post("/v1/completions", json={"model": model, "prompt": [3, 4], "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 2, r.text
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_max_completion_tokens_on_completions_is_ignored_whatever_its_type(served):
+    """vLLM's completions have no max_completion_tokens: it is ignored and named so. It was read
+    from the body's extras unchecked: a string, a list or an object was a 500 (TypeError), 2.5 or
+    true a length, -5 a 400 naming min_tokens."""
+    http, model, _ = served
+    plain = http.post("/v1/completions", json={"model": model, "prompt": "w1 w2", "max_tokens": 3, "temperature": 0})
+    assert plain.status_code == 200, plain.text
+    for value in ["5", [1], {"a": 1}, 2.5, True, -5, 0, 1]:
+        r = http.post("/v1/completions", json={"model": model, "prompt": "w1 w2", "max_tokens": 3, "temperature": 0,
+                                               "max_completion_tokens": value})
+        assert r.status_code == 200, (value, r.text)
+        assert r.json()["choices"][0]["token_ids"] == plain.json()["choices"][0]["token_ids"], value
+        assert r.headers["x-ignored-fields"] == "max_completion_tokens"
+    still_serving(http, model)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_an_error_names_the_field_the_client_sent(served):
+    """A conversation too long for the context names messages (it named prompt, a field chat has
+    not), max_completion_tokens past the context names it (it named max_tokens), and /detokenize's
+    token out of the vocabulary names tokens (it named prompt)."""
+    http, model, _ = served
+    long_chat = {"model": model, "messages": [{"role": "user", "content": "w1 " * 200}], "max_tokens": 4}
+    assert "context" in openai_error(http.post("/v1/chat/completions", json=long_chat), 400, "messages")
+    chat = {"model": model, "messages": [{"role": "user", "content": "w1"}], "max_completion_tokens": 1000}
+    assert "max_completion_tokens 1000" in openai_error(http.post("/v1/chat/completions", json=chat), 400,
+                                                        "max_completion_tokens")
+    openai_error(http.post("/detokenize", json={"tokens": [1, 2, 10**6]}), 400, "tokens")
+    # a null model on /tokenize with messages, as with a prompt, is the served one (it was a 400)
+    r = http.post("/tokenize", json={"model": None, "messages": [{"role": "user", "content": "w1"}]})
+    assert r.status_code == 200 and r.json()["count"] > 0, r.text
+    still_serving(http, model)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_absent_routes_methods_and_a_crash_on_v1_answer_in_openais_shape(served):
+    """The openai client shows error.message: a 404 for /v1/embeddings, a 405 and a 500 said only
+    'Error code: 404' (their body was the control plane's ``{"error": "not_found", ...}``)."""
+    http, model, url = served
+    assert "/v1/embeddings" in openai_error(http.post("/v1/embeddings", json={"model": model, "input": "w1"}), 404, None)
+    assert "Method Not Allowed" in openai_error(http.get("/v1/completions"), 405, None)
+    assert "RuntimeError: a bug" in openai_error(http.post(CRASH), 500, None)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    with pytest.raises(openai.NotFoundError, match="/v1/embeddings"):
+        client.embeddings.create(model=model, input="w1")
+    # the control plane's own shape is unchanged
+    assert http.get("/no-such-route").json()["error"] == "not_found"
+    still_serving(http, model)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_the_neutral_values_clients_send_explicitly_are_served(served):
+    """OpenAI's and vLLM's defaults sent explicitly: no tools, tool_choice "none" (vLLM's default),
+    response_format text. Each was a 400 'not supported'; a real tool or JSON mode still is."""
+    http, model, _ = served
+    chat = {"model": model, "messages": [{"role": "user", "content": "w1"}], "max_tokens": 3, "temperature": 0}
+    plain = http.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
+    for extra in [{"tools": []}, {"tool_choice": "none"}, {"response_format": {"type": "text"}},
+                  {"tools": [], "tool_choice": "none", "functions": [], "function_call": "none"}]:
+        r = http.post("/v1/chat/completions", json={**chat, **extra})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == plain, (extra, r.text)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    openai_error(http.post("/v1/chat/completions", json={**chat, "tools": [tool]}), 400, "tools")
+    openai_error(http.post("/v1/chat/completions", json={**chat, "tool_choice": "auto"}), 400, "tool_choice")
+    openai_error(http.post("/v1/chat/completions", json={**chat, "response_format": {"type": "json_object"}}), 400,
+                 "response_format")
+    still_serving(http, model)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_negative_seed_is_served_as_vllm_serves_it(served):
+    """vLLM takes any int64 seed; a negative one was a 400. The same seed gives the same tokens."""
+    http, model, _ = served
+    body = {"model": model, "prompt": "w1 w2", "max_tokens": 6, "temperature": 1.0, "ignore_eos": True}
+    answers = [http.post("/v1/completions", json={**body, "seed": seed}) for seed in (-1, -1, -(2**63), 2**63 - 1)]
+    assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
+    tokens = [r.json()["choices"][0]["token_ids"] for r in answers]
+    assert tokens[0] == tokens[1]
+    openai_error(http.post("/v1/completions", json={**body, "seed": -(2**63) - 1}), 400, "seed")
+    openai_error(http.post("/v1/completions", json={**body, "seed": 2**63}), 400, "seed")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_top_logprobs_without_logprobs_is_a_400_as_openais(served):
+    """It was ignored without a word (no log-probabilities in the answer)."""
+    http, model, _ = served
+    chat = {"model": model, "messages": [{"role": "user", "content": "w1"}], "max_tokens": 2, "temperature": 0}
+    assert "logprobs" in openai_error(http.post("/v1/chat/completions", json={**chat, "top_logprobs": 2}), 400,
+                                      "top_logprobs")
+    r = http.post("/v1/chat/completions", json={**chat, "logprobs": True, "top_logprobs": 2})
+    assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2, r.text
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_clients_request_id_is_echoed_cut_on_the_completion_routes_too(served):
+    """Every other route cut a client's x-request-id to 128 characters; the completion routes echoed
+    it whole (10 000 characters in, 10 000 out)."""
+    http, model, _ = served
+    body = {"model": model, "prompt": [3], "max_tokens": 1}
+    for stream in (False, True):
+        r = http.post("/v1/completions", json={**body, "stream": stream}, headers={"x-request-id": "r" * 10_000})
+        assert r.status_code == 200 and r.headers["x-request-id"] == "r" * 128
+    assert http.post("/v1/completions", json=body, headers={"x-request-id": "mine"}).headers["x-request-id"] == "mine"
