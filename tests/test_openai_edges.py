@@ -178,3 +178,17 @@ def test_a_clients_request_id_is_echoed_cut_on_the_completion_routes_too(served)
         r = http.post("/v1/completions", json={**body, "stream": stream}, headers={"x-request-id": "r" * 10_000})
         assert r.status_code == 200 and r.headers["x-request-id"] == "r" * 128
     assert http.post("/v1/completions", json=body, headers={"x-request-id": "mine"}).headers["x-request-id"] == "mine"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_logit_bias_key_that_is_not_a_decimal_token_id_is_a_400(served):
+    """'²' passed str.isdigit, then int() raised (a 500), as did a key of 5000 digits; '05' and '5'
+    were both applied (their biases added up)."""
+    http, model, _ = served
+    body = {"model": model, "prompt": "w1", "max_tokens": 2}
+    for bias in [{"²": 1}, {"9" * 5000: 1}, {"٣": 1}, {"5": 100, "05": -100}, {" 5": 1}]:
+        openai_error(http.post("/v1/completions", json={**body, "logit_bias": bias}), 400, "logit_bias")
+    r = http.post("/v1/completions", json={**body, "temperature": 0, "logit_bias": {"5": 100}})
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"][0] == 5, r.text
+    still_serving(http, model)

@@ -8,6 +8,7 @@ anything but its neutral value; a field neither knows is ignored, logged and nam
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -31,6 +32,9 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "tools": ([],), "functions": ([],), "tool_choice": ("none",), "function_call": ("none",),
     "response_format": ({"type": "text"},), "bad_words": ([],), "allowed_token_ids": ([],),
 }
+
+
+TOKEN_KEY = re.compile(r"-?[0-9]{1,19}")  # a logit_bias key: a token id in decimal
 
 
 class OpenAIError(Exception):
@@ -107,9 +111,16 @@ class SamplingFields(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        seen: dict[int, str] = {}
         for key, bias in (value or {}).items():
-            if not key.lstrip("-").isdigit():
-                raise ValueError(f"keys are token ids, got {key!r}")
+            # ASCII digits, at most 19 (int64): str.isdigit took '²' (then int() raised: a 500) and
+            # int() refuses 4300 digits and more (a 500 too)
+            if not TOKEN_KEY.fullmatch(key):
+                raise ValueError(f"keys are token ids (decimal digits), got {key[:32]!r}")
+            token = int(key)
+            if token in seen:
+                raise ValueError(f"token {token} is given twice ({seen[token]!r} and {key!r})")
+            seen[token] = key
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"biases are in [-100, 100], got {bias!r} for token {key}")
         return value
