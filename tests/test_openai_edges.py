@@ -192,3 +192,14 @@ def test_a_logit_bias_key_that_is_not_a_decimal_token_id_is_a_400(served):
     r = http.post("/v1/completions", json={**body, "temperature": 0, "logit_bias": {"5": 100}})
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"][0] == 5, r.text
     still_serving(http, model)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_number_of_thousands_of_digits_is_a_400_that_says_so(served):
+    """The message was FastAPI's 'There was an error parsing the body'."""
+    http, model, _ = served
+    raw = b'{"model": "%s", "prompt": [1], "max_tokens": %s}' % (model.encode(), b"9" * 5000)
+    r = http.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"})
+    assert "4300 digits" in openai_error(r, 400, None)
+    still_serving(http, model)

@@ -642,6 +642,8 @@ def unparsable_body(cause: BaseException | None, detail: str) -> str:
         return "body: JSON nested too deeply; send a flat object"
     if isinstance(cause, UnicodeDecodeError):
         return f"body: not UTF-8 text (byte {cause.start}); send JSON in UTF-8"
+    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):  # Python's 4300-digit limit
+        return "body: a number of more than 4300 digits; send numbers within their field's range"
     return f"body: {detail}"
 
 
