@@ -203,3 +203,16 @@ def test_a_number_of_thousands_of_digits_is_a_400_that_says_so(served):
     r = http.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"})
     assert "4300 digits" in openai_error(r, 400, None)
     still_serving(http, model)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_body_of_unknown_fields_costs_a_short_log_line(served, caplog):
+    """A 700 KB body of 40 000 unknown fields wrote a 1 MB warning line, per request."""
+    http, model, _ = served
+    body = {"model": model, "prompt": [3], "max_tokens": 1, **{f"ж{i}": 0 for i in range(40_000)}}
+    with caplog.at_level("WARNING", logger="elastic.service.completions"):
+        r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200 and len(r.headers["x-ignored-fields"]) <= 1024, r.text[:200]
+    lines = [rec.getMessage() for rec in caplog.records if "ignored request fields" in rec.getMessage()]
+    assert lines and all(len(line) < 1200 for line in lines) and "(40000)" in lines[0], [len(x) for x in lines]

@@ -60,6 +60,7 @@ DISCONNECT_CHECK_S = 0.1  # how often a waiting request checks that its client i
 # limit one takes about 1 s of CPU and 170 MB at its peak, so more at once would only add memory
 TOKENIZING_THREADS = 2
 REQUEST_ID_CHARS = 128  # of a client's x-request-id, echoed
+IGNORED_SHOWN_CHARS = 1024  # of the unknown fields' names, in X-Ignored-Fields and the log
 BYTES_PER_TOKEN = 24  # the body limit of /v1: 1 MiB and max_model_len tokens of JSON ids or text for 16 prompts
 
 
@@ -140,8 +141,10 @@ def _check_supported(body: SamplingFields) -> list[str]:
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise InvalidCompletionRequest("best_of", "only best_of equal to n is supported", value=body.best_of)
     names = sorted(printable(name) for name in extra)
-    if names:
-        log.warning("ignored request fields: %s", ", ".join(names))
+    if names:  # cut as the header is: a 1 MiB body of unknown fields was a 1 MB log line per request
+        shown = ", ".join(names)
+        log.warning("ignored request fields (%d): %s", len(names),
+                    shown if len(shown) <= IGNORED_SHOWN_CHARS else shown[:IGNORED_SHOWN_CHARS] + " ...")
     return names
 
 
@@ -488,7 +491,7 @@ class Routes:
         # the client's own id, cut as RequestIdHeader cuts it on every other route (it was echoed whole)
         headers = {"X-Request-Id": (request.headers.get("x-request-id") or "")[:REQUEST_ID_CHARS] or choices[0].completion.id}
         if ignored:
-            headers["X-Ignored-Fields"] = ",".join(ignored)[:1024]
+            headers["X-Ignored-Fields"] = ",".join(ignored)[:IGNORED_SHOWN_CHARS]
         timer = self.metrics.timer() if self.metrics is not None else None
         return choices, headers, timer
 
