@@ -216,3 +216,17 @@ def test_a_body_of_unknown_fields_costs_a_short_log_line(served, caplog):
     assert r.status_code == 200 and len(r.headers["x-ignored-fields"]) <= 1024, r.text[:200]
     lines = [rec.getMessage() for rec in caplog.records if "ignored request fields" in rec.getMessage()]
     assert lines and all(len(line) < 1200 for line in lines) and "(40000)" in lines[0], [len(x) for x in lines]
+
+
+def test_a_missing_api_key_on_tokenize_is_a_401_in_openais_shape():
+    """/tokenize and /detokenize answered the control plane's ``{"error": "unauthorized"}``."""
+    from starlette.applications import Starlette
+    from starlette.testclient import TestClient
+
+    from elastic.service.api import RequireApiKey
+
+    with TestClient(RequireApiKey(Starlette(), key="k")) as client:
+        for path in ("/tokenize", "/detokenize", "/v1/completions"):
+            r = client.post(path, json={"prompt": "w1"})
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", (path, r.text)
+        assert client.post("/scale", json={"ep_size": 2}).json()["error"] == "unauthorized"

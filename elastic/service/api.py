@@ -258,7 +258,7 @@ class RequireApiKey:
                 message = (f"{scope['method']} {scope['path']} needs the header 'Authorization: Bearer <api key>' "
                            "(serve --api-key or ELASTIC_EP_API_KEY)")
                 body: dict[str, Any] = {"error": "unauthorized", "message": message}
-                if scope["path"].startswith("/v1/"):  # the serving routes answer in OpenAI's shape
+                if _openai_path(scope["path"]):  # the serving routes answer in OpenAI's shape (/tokenize too)
                     body = {"error": {"message": message, "type": "authentication_error", "param": None,
                                       "code": "unauthorized"}}
                 response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
