@@ -230,3 +230,54 @@ def test_a_missing_api_key_on_tokenize_is_a_401_in_openais_shape():
             r = client.post(path, json={"prompt": "w1"})
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", (path, r.text)
         assert client.post("/scale", json={"ep_size": 2}).json()["error"] == "unauthorized"
+
+
+@pytest.mark.timeout(60)
+def test_a_full_server_answers_a_serving_route_503_in_openais_shape_with_retry_after():
+    """Beyond the connection cap, with every connection answering, /v1 got uvicorn's plain-text
+    'Service Unavailable' (the openai client showed 'Error code: 503' and nothing else)."""
+    import socket
+    import threading
+    import time
+
+    from elastic.service.server import HttpLimits
+    from tests.test_reliability import _guarded_app
+
+    app = _guarded_app()
+    release = threading.Event()
+
+    @app.get("/slow")
+    def slow() -> dict:
+        release.wait(20)
+        return {"ok": True}
+
+    with BackgroundServer(app, limits=HttpLimits(request_timeout_s=5.0, keep_alive_s=5, max_connections=8)) as server:
+        address = ("127.0.0.1", server.port)
+        busy = [socket.create_connection(address) for _ in range(8)]
+        try:
+            for sock in busy:
+                sock.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+            deadline = time.monotonic() + 5
+            while len(server.server.server_state.connections) < 8 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.2)
+            for request in (b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n",
+                            b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"):
+                data = socket.create_connection(address)
+                data.sendall(request)
+                data.settimeout(5)
+                answer = b""
+                while chunk := data.recv(4096):  # to the end: the server closes it
+                    answer += chunk
+                head, _, body = answer.partition(b"\r\n\r\n")
+                assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head.lower(), answer
+                assert b"connection: close" in head.lower(), answer
+                assert json.loads(body)["error"]["code"] == "server_full"
+            other = socket.create_connection(address)  # a route of neither kind: uvicorn's answer, as before
+            other.sendall(b"GET /elsewhere HTTP/1.1\r\nHost: x\r\n\r\n")
+            other.settimeout(5)
+            assert other.recv(4096).startswith(b"HTTP/1.1 503")
+        finally:
+            release.set()
+            for sock in busy:
+                sock.close()

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import json
 import logging
 import resource
 import struct
@@ -221,7 +222,10 @@ class _OverCap:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         path = scope.get("path", "")
         if not any(path == p or path.startswith(p + "/") for p in self.served):
-            await service_unavailable(scope, receive, send)
+            if path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):
+                await _openai_unavailable(send)  # the openai client shows it, and retries after Retry-After
+            else:
+                await service_unavailable(scope, receive, send)
             return
 
         async def send_and_close(message: Any) -> None:
@@ -231,6 +235,19 @@ class _OverCap:
             await send(message)
 
         await self.app(scope, receive, send_and_close)
+
+
+async def _openai_unavailable(send: Any) -> None:
+    """503 in OpenAI's shape with ``Retry-After`` and ``Connection: close``: a serving route beyond
+    the cap (it was uvicorn's plain-text "Service Unavailable", which the openai client showed as
+    'Error code: 503' and nothing else)."""
+    body = json.dumps({"error": {
+        "message": "the server is at its connection cap and every connection is being answered; retry",
+        "type": "service_unavailable", "param": None, "code": "server_full"}}).encode()
+    await send({"type": "http.response.start", "status": 503, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+        (b"retry-after", b"1"), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _unread_bytes(transport: asyncio.BaseTransport) -> int:
