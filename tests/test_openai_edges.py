@@ -281,3 +281,30 @@ def test_a_full_server_answers_a_serving_route_503_in_openais_shape_with_retry_a
             release.set()
             for sock in busy:
                 sock.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_no_stop_string_ends_a_request_before_min_tokens_as_vllms(served):
+    """vLLM checks stop strings only past min_tokens (and never one that ends within their text);
+    here one stopped the request at its first token whatever min_tokens said."""
+    http, model, _ = served
+    body = {"model": model, "prompt": "w1 w2 w3", "temperature": 0, "ignore_eos": True}
+    plain = http.post("/v1/completions", json={**body, "max_tokens": 12}).json()["choices"][0]
+    first4 = http.post("/v1/completions", json={**body, "max_tokens": 4}).json()["choices"][0]["text"]
+    stop = first4.split()[1]  # the second token's word: within the first 4 tokens
+    early = http.post("/v1/completions", json={**body, "max_tokens": 12, "stop": [stop]}).json()["choices"][0]
+    assert early["finish_reason"] == "stop" and len(early["text"]) < len(first4)
+    at = plain["text"].find(stop, len(first4) - len(stop) + 1)
+    expected = (plain["text"][:at], "stop") if at >= 0 else (plain["text"], "length")
+    for stream in (False, True):
+        r = http.post("/v1/completions", json={**body, "max_tokens": 12, "stop": [stop], "min_tokens": 4, "stream": stream})
+        assert r.status_code == 200, r.text
+        if stream:
+            chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+            text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+            reason = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+            assert (text, reason[-1]) == expected, (stream, text, reason, expected)
+        else:
+            choice = r.json()["choices"][0]
+            assert (choice["text"], choice["finish_reason"]) == expected, (choice, expected)

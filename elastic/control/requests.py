@@ -244,9 +244,11 @@ class RequestEngine:
         c.logprobs.append(out.logprob)
         c.top_logprobs.append(out.top_logprobs)
         c.stalled_since = None
-        if c.stop and self.detokenize is not None:
+        if c.stop and self.detokenize is not None and len(c.tokens) > c.spec.min_tokens:
             text = self.detokenize(c.tokens)
-            hits = [i for i in (text.find(s) for s in c.stop) if i >= 0]
+            # as vLLM's: no stop string before min_tokens, nor one that ends within their text
+            base = len(self.detokenize(c.tokens[:c.spec.min_tokens])) if c.spec.min_tokens else 0
+            hits = [i for i in (text.find(s, max(0, base - len(s) + 1)) for s in c.stop) if i >= 0]
             if hits:
                 c.text_end = min(hits)
                 self._finish(c, "finished", "stop")

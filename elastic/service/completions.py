@@ -268,7 +268,7 @@ def _submit(engine: RequestEngine, served: ServedModel, body: SamplingFields,
     stops = tuple([body.stop] if isinstance(body.stop, str) else body.stop or [])
     skip = body.skip_special_tokens is not False
     queued = engine.submit_all([spec for _, spec in specs], stop=stops)
-    return [Choice(index, prompt_index, c, TextView(served, spec.prompt, stops, skip))
+    return [Choice(index, prompt_index, c, TextView(served, spec.prompt, stops, skip, spec.min_tokens))
             for index, ((prompt_index, spec), c) in enumerate(zip(specs, queued))]
 
 

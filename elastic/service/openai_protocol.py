@@ -90,7 +90,7 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = Field(None, description="stop strings (needs a tokenizer); the text ends before them")
     stop_token_ids: list[StrictInt] | None = Field(None, max_length=64, description="tokens that end the request")
     ignore_eos: StrictBool | None = Field(False, description="go on past the model's EOS token")
-    min_tokens: StrictInt | None = Field(0, ge=0, description="no stop (EOS, stop_token_ids) before this many tokens")
+    min_tokens: StrictInt | None = Field(0, ge=0, description="no stop (EOS, stop_token_ids, stop strings) before this many tokens")
     n: StrictInt | None = Field(1, ge=1, le=16, description="choices per prompt")
     best_of: StrictInt | None = Field(None, ge=1, le=16, description="accepted only equal to n")
     stream: StrictBool | None = False

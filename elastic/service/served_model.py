@@ -98,17 +98,24 @@ class TextView:
     """The text of one choice's tokens, detokenized with the prompt's last tokens as context, cut
     before the first stop string when the request stopped on one."""
 
-    def __init__(self, served: ServedModel, prompt: tuple[int, ...], stops: tuple[str, ...], skip_special: bool = True):
-        self.served, self.stops, self.skip = served, stops, skip_special
+    def __init__(self, served: ServedModel, prompt: tuple[int, ...], stops: tuple[str, ...], skip_special: bool = True,
+                 min_tokens: int = 0):
+        self.served, self.stops, self.skip, self.min_tokens = served, stops, skip_special, min_tokens
         self.context = list(prompt[-CONTEXT_TOKENS:])
         self.prefix = served.detokenize(self.context, skip_special) if served.tokenizer is not None else ""
+
+    def _decoded(self, tokens: list[int]) -> str:
+        full = self.served.detokenize(self.context + tokens, self.skip)
+        return full[len(self.prefix):] if full.startswith(self.prefix) else self.served.detokenize(tokens, self.skip)
 
     def text(self, tokens: list[int], *, final: bool) -> str:
         if self.served.tokenizer is None:
             return ""
-        full = self.served.detokenize(self.context + tokens, self.skip)
-        text = full[len(self.prefix):] if full.startswith(self.prefix) else self.served.detokenize(tokens, self.skip)
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        text = self._decoded(tokens)
+        hits: list[int] = []
+        if len(tokens) > self.min_tokens:  # as vLLM's: no stop string before min_tokens, nor one ending in their text
+            base = len(self._decoded(tokens[:self.min_tokens])) if self.min_tokens and self.stops else 0
+            hits = [i for i in (text.find(s, max(0, base - len(s) + 1)) for s in self.stops) if i >= 0]
         if hits:
             return text[: min(hits)]
         if not final:  # a stop string may be forming, or a character's bytes be incomplete: hold them back
