@@ -308,3 +308,21 @@ def test_no_stop_string_ends_a_request_before_min_tokens_as_vllms(served):
         else:
             choice = r.json()["choices"][0]
             assert (choice["text"], choice["finish_reason"]) == expected, (choice, expected)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_lone_surrogate_in_text_is_a_400_naming_the_field(served):
+    """JSON's "\\ud800" parses to a string that is no Unicode text: the tokenizer raised a TypeError
+    (a 500) on a completion's prompt, a chat message and /tokenize."""
+    http, model, _ = served
+    headers = {"Content-Type": "application/json"}
+    cases = [
+        ("/v1/completions", b'{"model": "%s", "prompt": "w1 \\ud800", "max_tokens": 2}', "prompt"),
+        ("/v1/completions", b'{"model": "%s", "prompt": ["w1", "\\udc00 w2"], "max_tokens": 2, "echo": true}', "prompt"),
+        ("/v1/chat/completions", b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}', "messages"),
+        ("/tokenize", b'{"model": "%s", "prompt": "\\ud800"}', "prompt")]
+    for path, raw, param in cases:
+        r = http.post(path, content=raw % model.encode(), headers=headers)
+        assert "surrogate" in openai_error(r, 400, param), (path, r.text)
+    still_serving(http, model)

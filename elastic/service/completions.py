@@ -180,7 +180,7 @@ def _prompt_ids(prompt: list[int] | str, served: ServedModel, field: str = "prom
     if isinstance(prompt, str):
         if served.tokenizer is None:
             raise InvalidCompletionRequest(field, "this model has no tokenizer: send the prompt as a list of token ids")
-        ids = served.encode(prompt)
+        ids = served.encode(_unicode(prompt, field))
         if not ids:
             raise InvalidCompletionRequest(field, "the text encodes to no tokens")
         return ids
@@ -189,6 +189,17 @@ def _prompt_ids(prompt: list[int] | str, served: ServedModel, field: str = "prom
         raise InvalidCompletionRequest(field, f"token ids must be in [0, {served.vocab_size}) (the model's vocabulary)",
                                        value=bad)
     return list(prompt)
+
+
+def _unicode(text: str, field: str) -> str:
+    """``text``, or a 400 naming ``field`` when it holds a lone surrogate (JSON's ``"\\ud800"`` is
+    valid JSON but no Unicode text: the tokenizer raised a TypeError, a 500)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidCompletionRequest(field, f"not Unicode text: a lone surrogate ({text[exc.start]!a}) at character "
+                                       f"{exc.start}") from None
+    return text
 
 
 def _max_tokens(body: SamplingFields, prompt: list[int], served: ServedModel, limit: int) -> int:
@@ -443,7 +454,8 @@ class Routes:
         else:
             if not isinstance(body.get("prompt"), str):
                 raise InvalidCompletionRequest("prompt", "a string")
-            ids = self.served.encode(body["prompt"], add_special_tokens=body.get("add_special_tokens", True) is not False)
+            ids = self.served.encode(_unicode(body["prompt"], "prompt"),
+                                     add_special_tokens=body.get("add_special_tokens", True) is not False)
         return {"count": len(ids), "max_model_len": self.served.max_model_len, "tokens": ids}
 
     async def detokenize(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -470,7 +482,7 @@ class Routes:
             raise InvalidCompletionRequest(field, "this model has no tokenizer")
 
     def _chat_ids(self, body: ChatRequest) -> list[int]:
-        return self.served.encode(self._chat_text(body), add_special_tokens=False)
+        return self.served.encode(_unicode(self._chat_text(body), "messages"), add_special_tokens=False)
 
     def _chat_text(self, body: ChatRequest) -> str:
         messages = [_content(m) for m in body.messages]
