@@ -68,6 +68,7 @@ class Completion:
     text_end: int | None = None  # a stop string matched: the text is cut here
     rank: int | None = None  # the rank of the group that holds it (None: not admitted yet)
     _ahead: dict[int, p.TokenOut] = field(default_factory=dict)  # tokens past a gap, until it fills
+    _stop_from: int | None = None  # the text length of the first min_tokens tokens, once known
 
     @property
     def id(self) -> str:
@@ -247,7 +248,9 @@ class RequestEngine:
         if c.stop and self.detokenize is not None and len(c.tokens) > c.spec.min_tokens:
             text = self.detokenize(c.tokens)
             # as vLLM's: no stop string before min_tokens, nor one that ends within their text
-            base = len(self.detokenize(c.tokens[:c.spec.min_tokens])) if c.spec.min_tokens else 0
+            if c._stop_from is None:
+                c._stop_from = len(self.detokenize(c.tokens[:c.spec.min_tokens])) if c.spec.min_tokens else 0
+            base = c._stop_from
             hits = [i for i in (text.find(s, max(0, base - len(s) + 1)) for s in c.stop) if i >= 0]
             if hits:
                 c.text_end = min(hits)

@@ -103,6 +103,7 @@ class TextView:
         self.served, self.stops, self.skip, self.min_tokens = served, stops, skip_special, min_tokens
         self.context = list(prompt[-CONTEXT_TOKENS:])
         self.prefix = served.detokenize(self.context, skip_special) if served.tokenizer is not None else ""
+        self._stop_from: int | None = None  # the text length of the first min_tokens tokens, once known
 
     def _decoded(self, tokens: list[int]) -> str:
         full = self.served.detokenize(self.context + tokens, self.skip)
@@ -114,7 +115,9 @@ class TextView:
         text = self._decoded(tokens)
         hits: list[int] = []
         if len(tokens) > self.min_tokens:  # as vLLM's: no stop string before min_tokens, nor one ending in their text
-            base = len(self._decoded(tokens[:self.min_tokens])) if self.min_tokens and self.stops else 0
+            if self._stop_from is None:
+                self._stop_from = len(self._decoded(tokens[:self.min_tokens])) if self.min_tokens and self.stops else 0
+            base = self._stop_from
             hits = [i for i in (text.find(s, max(0, base - len(s) + 1)) for s in self.stops) if i >= 0]
         if hits:
             return text[: min(hits)]
