@@ -326,3 +326,24 @@ def test_a_lone_surrogate_in_text_is_a_400_naming_the_field(served):
         r = http.post(path, content=raw % model.encode(), headers=headers)
         assert "surrogate" in openai_error(r, 400, param), (path, r.text)
     still_serving(http, model)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_stop_string_at_the_outputs_start_ends_the_request_there(served):
+    """The answer's text is decoded with the prompt as context (" w56 ..."); the engine searched stop
+    strings in the output decoded alone ("w56 ..."): " w56" was never seen there, the request went on
+    to max_tokens and answered text "" with finish_reason length and 10 completion tokens."""
+    http, model, _ = served
+    body = {"model": model, "prompt": "w1 w2 w3", "temperature": 0, "ignore_eos": True, "max_tokens": 10}
+    plain = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert plain["text"].startswith(" ")
+    stop = " " + plain["text"].split()[0]
+    r = http.post("/v1/completions", json={**body, "stop": [stop]}).json()
+    assert (r["choices"][0]["text"], r["choices"][0]["finish_reason"]) == ("", "stop"), r
+    assert r["usage"]["completion_tokens"] == 1 and r["choices"][0]["token_ids"] == plain["token_ids"][:1]
+    streamed = http.post("/v1/completions", json={**body, "stop": [stop], "stream": True,
+                                                  "stream_options": {"include_usage": True}})
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
+    assert chunks[-1]["usage"]["completion_tokens"] == 1

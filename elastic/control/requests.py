@@ -69,6 +69,9 @@ class Completion:
     rank: int | None = None  # the rank of the group that holds it (None: not admitted yet)
     _ahead: dict[int, p.TokenOut] = field(default_factory=dict)  # tokens past a gap, until it fills
     _stop_from: int | None = None  # the text length of the first min_tokens tokens, once known
+    # the text stop strings are searched in (the routes': with the prompt's last tokens as context,
+    # as the answer's text is); None: the engine's detokenize
+    text: Callable[[list[int]], str] | None = None
 
     @property
     def id(self) -> str:
@@ -152,10 +155,12 @@ class RequestEngine:
         """Queue a request; raises :class:`Overloaded` (no room) or :class:`ServiceUnavailable`."""
         return self.submit_all([spec], stop=stop)[0]
 
-    def submit_all(self, specs: list[p.RequestSpec], *, stop: tuple[str, ...] = ()) -> list[Completion]:
+    def submit_all(self, specs: list[p.RequestSpec], *, stop: tuple[str, ...] = (),
+                   texts: list[Callable[[list[int]], str]] | None = None) -> list[Completion]:
         """Queue every request (the choices of one HTTP request), or none: the room for all of them is
         checked at once, so a refusal queues nothing (before, the choices queued ahead of it were
-        counted as cancelled, as if their client had left). Raises as :meth:`submit`."""
+        counted as cancelled, as if their client had left). ``texts``: each one's text for its stop
+        strings (:attr:`Completion.text`). Raises as :meth:`submit`."""
         for spec in specs:
             if spec.max_tokens > self.config.max_tokens_limit:
                 raise InvalidCompletionRequest("max_tokens", f"at most {self.config.max_tokens_limit} "
@@ -174,7 +179,8 @@ class RequestEngine:
                 raise Overloaded(f"{running} requests decoding and {len(self._queue)} queued{more} "
                                  f"(serving.max_batch {self.config.max_batch}, max_queue {self.config.max_queue})",
                                  retry_after_s=self.config.retry_after_s)
-            completions = [Completion(spec, self.clock.monotonic(), stop=stop) for spec in specs]
+            completions = [Completion(spec, self.clock.monotonic(), stop=stop, text=texts[i] if texts else None)
+                           for i, spec in enumerate(specs)]
             self._queue.extend(completions)
         self._wake.set()
         return completions
@@ -245,11 +251,12 @@ class RequestEngine:
         c.logprobs.append(out.logprob)
         c.top_logprobs.append(out.top_logprobs)
         c.stalled_since = None
-        if c.stop and self.detokenize is not None and len(c.tokens) > c.spec.min_tokens:
-            text = self.detokenize(c.tokens)
+        decode = c.text if c.text is not None else self.detokenize
+        if c.stop and decode is not None and len(c.tokens) > c.spec.min_tokens:
+            text = decode(c.tokens)
             # as vLLM's: no stop string before min_tokens, nor one that ends within their text
             if c._stop_from is None:
-                c._stop_from = len(self.detokenize(c.tokens[:c.spec.min_tokens])) if c.spec.min_tokens else 0
+                c._stop_from = len(decode(c.tokens[:c.spec.min_tokens])) if c.spec.min_tokens else 0
             base = c._stop_from
             hits = [i for i in (text.find(s, max(0, base - len(s) + 1)) for s in c.stop) if i >= 0]
             if hits:

@@ -278,9 +278,14 @@ def _submit(engine: RequestEngine, served: ServedModel, body: SamplingFields,
     """Queue every choice, or none (the engine checks the room for all of them at once)."""
     stops = tuple([body.stop] if isinstance(body.stop, str) else body.stop or [])
     skip = body.skip_special_tokens is not False
-    queued = engine.submit_all([spec for _, spec in specs], stop=stops)
-    return [Choice(index, prompt_index, c, TextView(served, spec.prompt, stops, skip, spec.min_tokens))
-            for index, ((prompt_index, spec), c) in enumerate(zip(specs, queued))]
+    views = [TextView(served, spec.prompt, stops, skip, spec.min_tokens) for _, spec in specs]
+    # the engine ends a request on a stop string in the text the answer shows (with the prompt as
+    # context, special tokens as asked): decoded alone, " w5" at the output's start was never seen,
+    # the request went on to max_tokens and answered "" with finish_reason length
+    queued = engine.submit_all([spec for _, spec in specs], stop=stops,
+                               texts=[view.decoded for view in views] if stops and served.tokenizer is not None else None)
+    return [Choice(index, prompt_index, c, view)
+            for index, ((prompt_index, spec), c, view) in enumerate(zip(specs, queued, views))]
 
 
 def _finish_reason(c: Completion) -> str | None:

@@ -105,18 +105,19 @@ class TextView:
         self.prefix = served.detokenize(self.context, skip_special) if served.tokenizer is not None else ""
         self._stop_from: int | None = None  # the text length of the first min_tokens tokens, once known
 
-    def _decoded(self, tokens: list[int]) -> str:
+    def decoded(self, tokens: list[int]) -> str:
+        """``tokens``' text after the prompt's, stop strings not applied."""
         full = self.served.detokenize(self.context + tokens, self.skip)
         return full[len(self.prefix):] if full.startswith(self.prefix) else self.served.detokenize(tokens, self.skip)
 
     def text(self, tokens: list[int], *, final: bool) -> str:
         if self.served.tokenizer is None:
             return ""
-        text = self._decoded(tokens)
+        text = self.decoded(tokens)
         hits: list[int] = []
         if len(tokens) > self.min_tokens:  # as vLLM's: no stop string before min_tokens, nor one ending in their text
             if self._stop_from is None:
-                self._stop_from = len(self._decoded(tokens[:self.min_tokens])) if self.min_tokens and self.stops else 0
+                self._stop_from = len(self.decoded(tokens[:self.min_tokens])) if self.min_tokens and self.stops else 0
             base = self._stop_from
             hits = [i for i in (text.find(s, max(0, base - len(s) + 1)) for s in self.stops) if i >= 0]
         if hits:
