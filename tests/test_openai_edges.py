@@ -347,3 +347,33 @@ def test_a_stop_string_at_the_outputs_start_ends_the_request_there(served):
     chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
     assert chunks[-1]["usage"]["completion_tokens"] == 1
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_include_stop_str_in_output_keeps_the_stop_string_and_a_requests_template_is_refused(served):
+    """vLLM's include_stop_str_in_output was ignored (the text ended before the stop string), and a
+    top-level chat_template or continue_final_message were ignored: the answer silently came from
+    another prompt than the one asked for."""
+    http, model, _ = served
+    body = {"model": model, "prompt": "w1 w2 w3", "temperature": 0, "ignore_eos": True, "max_tokens": 10}
+    plain = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    stop = plain.split()[2]
+    cut = http.post("/v1/completions", json={**body, "stop": [stop]}).json()["choices"][0]
+    assert cut["text"] == plain[: plain.index(stop)] and cut["finish_reason"] == "stop"
+    for stream in (False, True):
+        r = http.post("/v1/completions", json={**body, "stop": [stop, "zzz"], "include_stop_str_in_output": True,
+                                               "stream": stream})
+        assert r.status_code == 200 and "x-ignored-fields" not in r.headers, r.text
+        if stream:
+            text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.text.splitlines()
+                           if line.startswith("data: {"))
+        else:
+            text = r.json()["choices"][0]["text"]
+        assert text == plain[: plain.index(stop) + len(stop)], (stream, text, plain)
+    chat = {"model": model, "messages": [{"role": "user", "content": "w1"}], "max_tokens": 2}
+    openai_error(http.post("/v1/chat/completions", json={**chat, "chat_template": "w7 w7"}), 400, "chat_template")
+    openai_error(http.post("/v1/chat/completions", json={**chat, "continue_final_message": True}), 400,
+                 "continue_final_message")
+    r = http.post("/v1/chat/completions", json={**chat, "chat_template": None, "continue_final_message": False})
+    assert r.status_code == 200, r.text

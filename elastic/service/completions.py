@@ -278,7 +278,8 @@ def _submit(engine: RequestEngine, served: ServedModel, body: SamplingFields,
     """Queue every choice, or none (the engine checks the room for all of them at once)."""
     stops = tuple([body.stop] if isinstance(body.stop, str) else body.stop or [])
     skip = body.skip_special_tokens is not False
-    views = [TextView(served, spec.prompt, stops, skip, spec.min_tokens) for _, spec in specs]
+    views = [TextView(served, spec.prompt, stops, skip, spec.min_tokens, body.include_stop_str_in_output is True)
+             for _, spec in specs]
     # the engine ends a request on a stop string in the text the answer shows (with the prompt as
     # context, special tokens as asked): decoded alone, " w5" at the output's start was never seen,
     # the request went on to max_tokens and answered "" with finish_reason length

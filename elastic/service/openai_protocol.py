@@ -25,6 +25,9 @@ UNSUPPORTED: dict[str, Any] = {
     "response_format": None, "tools": None, "tool_choice": None, "functions": None, "function_call": None,
     "allowed_token_ids": None, "bad_words": None, "truncate_prompt_tokens": None, "lora_request": None,
     "prompt_embeds": None, "logits_processors": None, "kv_transfer_params": None, "vllm_xargs": None,
+    # chat: a template sent with the request (vLLM refuses it unless --trust-request-chat-template;
+    # chat_template_kwargs' chat_template is refused too), and a last assistant message continued
+    "chat_template": None, "continue_final_message": False,
 }
 #: other values of those fields that ask for nothing this server lacks (OpenAI's and vLLM's defaults,
 #: which clients send explicitly): no tools, tool_choice "none", plain text. Each was a 400
@@ -97,6 +100,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
     skip_special_tokens: StrictBool | None = True
+    include_stop_str_in_output: StrictBool | None = Field(False, description="the stop string that ended the text kept")
 
     @field_validator("stop")
     @classmethod

@@ -99,8 +99,9 @@ class TextView:
     before the first stop string when the request stopped on one."""
 
     def __init__(self, served: ServedModel, prompt: tuple[int, ...], stops: tuple[str, ...], skip_special: bool = True,
-                 min_tokens: int = 0):
+                 min_tokens: int = 0, include_stop: bool = False):
         self.served, self.stops, self.skip, self.min_tokens = served, stops, skip_special, min_tokens
+        self.include_stop = include_stop  # vLLM's include_stop_str_in_output: the text ends after the stop string
         self.context = list(prompt[-CONTEXT_TOKENS:])
         self.prefix = served.detokenize(self.context, skip_special) if served.tokenizer is not None else ""
         self._stop_from: int | None = None  # the text length of the first min_tokens tokens, once known
@@ -114,14 +115,15 @@ class TextView:
         if self.served.tokenizer is None:
             return ""
         text = self.decoded(tokens)
-        hits: list[int] = []
+        hits: list[tuple[int, int]] = []  # (where, length) of each stop string found
         if len(tokens) > self.min_tokens:  # as vLLM's: no stop string before min_tokens, nor one ending in their text
             if self._stop_from is None:
                 self._stop_from = len(self.decoded(tokens[:self.min_tokens])) if self.min_tokens and self.stops else 0
             base = self._stop_from
-            hits = [i for i in (text.find(s, max(0, base - len(s) + 1)) for s in self.stops) if i >= 0]
+            hits = [(i, len(s)) for i, s in ((text.find(s, max(0, base - len(s) + 1)), s) for s in self.stops) if i >= 0]
         if hits:
-            return text[: min(hits)]
+            at, length = min(hits, key=lambda hit: hit[0])  # the first stop string to appear (vLLM's)
+            return text[: at + length] if self.include_stop else text[:at]
         if not final:  # a stop string may be forming, or a character's bytes be incomplete: hold them back
             hold = max((len(s) - 1 for s in self.stops), default=0)
             text = text[: len(text) - hold] if hold else text
