@@ -377,3 +377,29 @@ def test_include_stop_str_in_output_keeps_the_stop_string_and_a_requests_templat
                  "continue_final_message")
     r = http.post("/v1/chat/completions", json={**chat, "chat_template": None, "continue_final_message": False})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_stop_reason_names_the_stop_string_or_token_that_ended_a_choice(served):
+    """vLLM's stop_reason: the stop string, or the stop_token_ids token; None for a length. It was
+    always None."""
+    http, model, _ = served
+    body = {"model": model, "prompt": "w1 w2 w3", "temperature": 0, "ignore_eos": True, "max_tokens": 10}
+    plain = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert plain["stop_reason"] is None and plain["finish_reason"] == "length"
+    stop, token = plain["text"].split()[2], plain["token_ids"][1]
+    for stream in (False, True):
+        for extra, reason in (({"stop": ["zzz", stop]}, stop), ({"stop_token_ids": [token]}, token)):
+            r = http.post("/v1/completions", json={**body, **extra, "stream": stream})
+            if stream:
+                last = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")][-1]
+                assert last["choices"][0]["stop_reason"] == reason, (extra, last)
+            else:
+                assert r.json()["choices"][0]["stop_reason"] == reason, (extra, r.text)
+    chat = {"model": model, "messages": [{"role": "user", "content": "w1"}], "max_tokens": 10, "temperature": 0,
+            "ignore_eos": True}
+    said = http.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
+    word = said.split()[1]
+    r = http.post("/v1/chat/completions", json={**chat, "stop": [word]}).json()["choices"][0]
+    assert (r["finish_reason"], r["stop_reason"]) == ("stop", word), r

@@ -293,6 +293,18 @@ def _finish_reason(c: Completion) -> str | None:
     return {"cancelled": "abort"}.get(c.status, c.finish_reason)
 
 
+def _stop_reason(ch: Choice, body: SamplingFields) -> str | int | None:
+    """vLLM's ``stop_reason``: the stop string or the ``stop_token_ids`` token that ended the choice;
+    None for EOS or a length (it was always None)."""
+    c = ch.completion
+    if _finish_reason(c) != "stop":
+        return None
+    if ch.view.matched is not None:
+        return ch.view.matched
+    last = c.tokens[-1] if c.tokens else None
+    return last if last is not None and last in (body.stop_token_ids or ()) else None
+
+
 def _usage(choices: list[Choice]) -> dict[str, int]:
     prompt = sum(len(ch.completion.spec.prompt) for ch in choices if ch.index == _first_of(choices, ch.prompt_index))
     completion = sum(len(ch.completion.tokens) for ch in choices)
@@ -544,7 +556,7 @@ class Routes:
             c = ch.completion
             choice = {"index": ch.index, "text": echo + ch.view.text(c.tokens, final=True), "token_ids": list(c.tokens),
                       "logprobs": self._logprobs(c, 0, len(c.tokens), len(echo)),
-                      "finish_reason": _finish_reason(c), "stop_reason": None}
+                      "finish_reason": _finish_reason(c), "stop_reason": _stop_reason(ch, body)}
             if body.return_token_ids:
                 choice["prompt_token_ids"] = list(c.spec.prompt)
             out.append(choice)
@@ -577,7 +589,7 @@ class Routes:
             chunk = {**base, "created": int(time.time()), "choices": [{
                 "index": ch.index, "text": piece, "token_ids": c.tokens[start:end],
                 "logprobs": self._logprobs(c, start, end, offsets[ch.index]),
-                "finish_reason": _finish_reason(c) if done else None}]}
+                "finish_reason": _finish_reason(c) if done else None, "stop_reason": _stop_reason(ch, body) if done else None}]}
             offsets[ch.index] += len(piece)
             if done:
                 chunk["elastic_ep"] = {"replays": c.replays}
@@ -650,7 +662,7 @@ class Routes:
             return failed
         out = [{"index": ch.index, "message": {"role": "assistant", "content": ch.view.text(ch.completion.tokens, final=True)},
                 "logprobs": self._chat_logprobs(ch.completion, 0, len(ch.completion.tokens)),
-                "finish_reason": _finish_reason(ch.completion), "stop_reason": None} for ch in choices]
+                "finish_reason": _finish_reason(ch.completion), "stop_reason": _stop_reason(ch, body)} for ch in choices]
         return JSONResponse({"id": "chat" + choices[0].completion.id, "object": "chat.completion",
                              "created": int(time.time()), "model": body.model, "choices": out, "usage": _usage(choices)},
                             headers=headers)
@@ -673,7 +685,8 @@ class Routes:
             c = ch.completion
             yield sse(_with_usage({**base, "created": int(time.time()), "choices": [{
                 "index": ch.index, "delta": {"content": piece} if piece or not done else {},
-                "logprobs": self._chat_logprobs(c, start, end), "finish_reason": _finish_reason(c) if done else None}]},
+                "logprobs": self._chat_logprobs(c, start, end), "finish_reason": _finish_reason(c) if done else None,
+                "stop_reason": _stop_reason(ch, body) if done else None}]},
                 body, choices))
         async for event in self._tail(body, base, choices, timer):
             yield event

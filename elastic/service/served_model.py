@@ -105,6 +105,7 @@ class TextView:
         self.context = list(prompt[-CONTEXT_TOKENS:])
         self.prefix = served.detokenize(self.context, skip_special) if served.tokenizer is not None else ""
         self._stop_from: int | None = None  # the text length of the first min_tokens tokens, once known
+        self.matched: str | None = None  # the stop string that ended the text, once found
 
     def decoded(self, tokens: list[int]) -> str:
         """``tokens``' text after the prompt's, stop strings not applied."""
@@ -123,6 +124,7 @@ class TextView:
             hits = [(i, len(s)) for i, s in ((text.find(s, max(0, base - len(s) + 1)), s) for s in self.stops) if i >= 0]
         if hits:
             at, length = min(hits, key=lambda hit: hit[0])  # the first stop string to appear (vLLM's)
+            self.matched = text[at: at + length]
             return text[: at + length] if self.include_stop else text[:at]
         if not final:  # a stop string may be forming, or a character's bytes be incomplete: hold them back
             hold = max((len(s) - 1 for s in self.stops), default=0)
