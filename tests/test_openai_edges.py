@@ -9,7 +9,6 @@ word-level tokenizer that carries a chat template (as ``tests/test_openai_server
 from __future__ import annotations
 
 import json
-import os
 
 import httpx
 import openai
@@ -20,23 +19,14 @@ from elastic.coordinator import Coordinator
 from elastic.deployment import DeploymentConfig
 from elastic.service.api import create_app
 from elastic.service.server import BackgroundServer
-from tests.test_completions_text import write_tokenizer
-from tests.test_hf_models import write_checkpoint
-from tests.test_openai_server import TEMPLATE
+from tests.test_openai_server import write_chat_checkpoint
 
 CRASH = "/v1/crash-for-the-test"  # a route that raises: what any unforeseen bug on /v1 looks like
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("ckpt"))
-    write_checkpoint("qwen3_moe", path)
-    write_tokenizer(path)
-    config_path = os.path.join(path, "tokenizer_config.json")
-    with open(config_path) as f:
-        tok_config = json.load(f)
-    with open(config_path, "w") as f:
-        json.dump({**tok_config, "chat_template": TEMPLATE}, f)
+    path = write_chat_checkpoint(str(tmp_path_factory.mktemp("ckpt")))
     torch.set_num_threads(1)
     config = DeploymentConfig.model_validate({
         "model": {"kind": "hf", "path": path}, "ep_size": 2, "max_ep_size": 2, "heartbeat_s": 0.05,
@@ -237,50 +227,26 @@ def test_a_full_server_answers_a_serving_route_503_in_openais_shape_with_retry_a
     """Beyond the connection cap, with every connection answering, /v1 got uvicorn's plain-text
     'Service Unavailable' (the openai client showed 'Error code: 503' and nothing else)."""
     import socket
-    import threading
-    import time
 
-    from elastic.service.server import HttpLimits
-    from tests.test_reliability import _guarded_app
+    from tests.test_reliability import full_server
 
-    app = _guarded_app()
-    release = threading.Event()
-
-    @app.get("/slow")
-    def slow() -> dict:
-        release.wait(20)
-        return {"ok": True}
-
-    with BackgroundServer(app, limits=HttpLimits(request_timeout_s=5.0, keep_alive_s=5, max_connections=8)) as server:
-        address = ("127.0.0.1", server.port)
-        busy = [socket.create_connection(address) for _ in range(8)]
-        try:
-            for sock in busy:
-                sock.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
-            deadline = time.monotonic() + 5
-            while len(server.server.server_state.connections) < 8 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            time.sleep(0.2)
-            for request in (b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n",
-                            b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"):
-                data = socket.create_connection(address)
-                data.sendall(request)
-                data.settimeout(5)
-                answer = b""
-                while chunk := data.recv(4096):  # to the end: the server closes it
-                    answer += chunk
-                head, _, body = answer.partition(b"\r\n\r\n")
-                assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head.lower(), answer
-                assert b"connection: close" in head.lower(), answer
-                assert json.loads(body)["error"]["code"] == "server_full"
-            other = socket.create_connection(address)  # a route of neither kind: uvicorn's answer, as before
-            other.sendall(b"GET /elsewhere HTTP/1.1\r\nHost: x\r\n\r\n")
-            other.settimeout(5)
-            assert other.recv(4096).startswith(b"HTTP/1.1 503")
-        finally:
-            release.set()
-            for sock in busy:
-                sock.close()
+    with full_server() as (server, address, busy, release):
+        for request in (b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n",
+                        b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"):
+            data = socket.create_connection(address)
+            data.sendall(request)
+            data.settimeout(5)
+            answer = b""
+            while chunk := data.recv(4096):  # to the end: the server closes it
+                answer += chunk
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head.lower(), answer
+            assert b"connection: close" in head.lower(), answer
+            assert json.loads(body)["error"]["code"] == "server_full"
+        other = socket.create_connection(address)  # a route of neither kind: uvicorn's answer, as before
+        other.sendall(b"GET /elsewhere HTTP/1.1\r\nHost: x\r\n\r\n")
+        other.settimeout(5)
+        assert other.recv(4096).startswith(b"HTTP/1.1 503")
 
 
 @pytest.mark.multiprocess

@@ -50,9 +50,9 @@ class Served:
         return whole[len(self.tokenizer.decode(prompt_ids, skip_special_tokens=True)):]
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("ckpt"))
+def write_chat_checkpoint(path: str) -> str:
+    """A tiny qwen3_moe checkpoint at ``path`` with the word-level tokenizer and :data:`TEMPLATE` as its
+    chat template; returns ``path``."""
     write_checkpoint("qwen3_moe", path)
     write_tokenizer(path)
     config_path = os.path.join(path, "tokenizer_config.json")
@@ -60,6 +60,12 @@ def served(tmp_path_factory):
         tok_config = json.load(f)
     with open(config_path, "w") as f:
         json.dump({**tok_config, "chat_template": TEMPLATE}, f)
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    path = write_chat_checkpoint(str(tmp_path_factory.mktemp("ckpt")))
     torch.set_num_threads(1)
     spec = {"kind": "hf", "path": path}
     reference = unsharded(spec)

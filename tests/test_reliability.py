@@ -10,7 +10,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -338,15 +342,12 @@ def _guarded_app():
     return app
 
 
-@pytest.mark.timeout(60)
-def test_a_full_server_answers_its_control_routes_and_503_on_the_others():
-    """Every connection under the cap is being answered (slow requests): a new one asking a data
-    route gets 503 with ``Connection: close``, one asking ``/healthz`` or ``/state`` is answered as
-    usual and then closed, and a silent one is closed after the short grace."""
+@contextlib.contextmanager
+def full_server(cap: int = 8) -> Iterator[tuple[Any, tuple[str, int], list[Any], threading.Event]]:
+    """A guarded app (:func:`_guarded_app`) served with ``cap`` connections, every one of them held by a
+    slow request being answered: yields the server, its address, the held sockets and the event that
+    lets the slow requests end (set, and the sockets closed, on the way out)."""
     import socket
-    import threading
-
-    import httpx
 
     from elastic.service.server import BackgroundServer, HttpLimits
 
@@ -358,37 +359,49 @@ def test_a_full_server_answers_its_control_routes_and_503_on_the_others():
         release.wait(20)
         return {"ok": True}
 
-    limits = HttpLimits(request_timeout_s=5.0, keep_alive_s=5, max_connections=8)
-    with BackgroundServer(app, limits=limits) as server:
+    with BackgroundServer(app, limits=HttpLimits(request_timeout_s=5.0, keep_alive_s=5, max_connections=cap)) as server:
         address = ("127.0.0.1", server.port)
-        busy = [socket.create_connection(address) for _ in range(8)]
+        busy = [socket.create_connection(address) for _ in range(cap)]
         try:
             for sock in busy:
                 sock.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
             deadline = time.monotonic() + 5
-            while len(server.server.server_state.connections) < 8 and time.monotonic() < deadline:
+            while len(server.server.server_state.connections) < cap and time.monotonic() < deadline:
                 time.sleep(0.01)
             time.sleep(0.2)  # their requests are being answered
-            data = socket.create_connection(address)
-            data.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
-            answer = data.recv(4096)
-            assert answer.startswith(b"HTTP/1.1 503") and b"connection: close" in answer.lower(), answer
-            assert _closed_by_server(data, 1.0)
-            for path in ("/healthz", "/state"):
-                probe = httpx.get(f"{server.url}{path}", timeout=5)
-                assert probe.status_code == 200, (path, probe.status_code, probe.text)
-                assert probe.headers["connection"] == "close"  # one answer beyond the cap, and it says so
-            silent = socket.create_connection(address)
-            assert _closed_by_server(silent, 1.0), "a silent connection over the cap was kept"
-            release.set()
-            for sock in busy:  # the slow ones were not cut for the others
-                sock.settimeout(5)
-                assert sock.recv(4096).startswith(b"HTTP/1.1 200")
-            assert httpx.get(f"{server.url}/v1/models", timeout=5).status_code == 200
+            yield server, address, busy, release
         finally:
             release.set()
             for sock in busy:
                 sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_full_server_answers_its_control_routes_and_503_on_the_others():
+    """Every connection under the cap is being answered (slow requests): a new one asking a data
+    route gets 503 with ``Connection: close``, one asking ``/healthz`` or ``/state`` is answered as
+    usual and then closed, and a silent one is closed after the short grace."""
+    import socket
+
+    import httpx
+
+    with full_server() as (server, address, busy, release):
+        data = socket.create_connection(address)
+        data.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = data.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 503") and b"connection: close" in answer.lower(), answer
+        assert _closed_by_server(data, 1.0)
+        for path in ("/healthz", "/state"):
+            probe = httpx.get(f"{server.url}{path}", timeout=5)
+            assert probe.status_code == 200, (path, probe.status_code, probe.text)
+            assert probe.headers["connection"] == "close"  # one answer beyond the cap, and it says so
+        silent = socket.create_connection(address)
+        assert _closed_by_server(silent, 1.0), "a silent connection over the cap was kept"
+        release.set()
+        for sock in busy:  # the slow ones were not cut for the others
+            sock.settimeout(5)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        assert httpx.get(f"{server.url}/v1/models", timeout=5).status_code == 200
 
 
 @pytest.mark.timeout(60)
