@@ -35,7 +35,7 @@ import logging
 import threading
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -45,10 +45,18 @@ from elastic.core.config import ServingConfig
 from elastic.core.errors import InvalidCompletionRequest, Overloaded, RequestNotServed, ServiceUnavailable
 from elastic.core.owners import least_loaded
 
-__all__ = ["Completion", "RequestEngine", "ServingGate"]
+__all__ = ["Completion", "RequestEngine", "ServingGate", "first_stop"]
 
 log = logging.getLogger("elastic.control.requests")
 
+
+
+def first_stop(text: str, stops: Sequence[str], start: int = 0) -> tuple[int, str] | None:
+    """Where the first of ``stops`` appears in ``text`` and which one, among those that end past
+    ``start`` (the text of a request's first ``min_tokens`` tokens: as vLLM's, no stop string ends
+    within them); None when none does."""
+    hits = [(at, stop) for stop in stops if (at := text.find(stop, max(0, start - len(stop) + 1))) >= 0]
+    return min(hits, key=lambda hit: hit[0]) if hits else None
 
 @dataclass
 class Completion:
@@ -258,9 +266,9 @@ class RequestEngine:
             if c._stop_from is None:
                 c._stop_from = len(decode(c.tokens[:c.spec.min_tokens])) if c.spec.min_tokens else 0
             base = c._stop_from
-            hits = [i for i in (text.find(s, max(0, base - len(s) + 1)) for s in c.stop) if i >= 0]
-            if hits:
-                c.text_end = min(hits)
+            hit = first_stop(text, c.stop, base)
+            if hit is not None:
+                c.text_end = hit[0]
                 self._finish(c, "finished", "stop")
                 return out.finish_reason is None  # the ranks still hold it
         if out.finish_reason is not None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from elastic.control.requests import first_stop
 from eplb.models.config import HFModelConfig
 
 __all__ = ["ServedModel", "TextView"]
@@ -116,16 +117,14 @@ class TextView:
         if self.served.tokenizer is None:
             return ""
         text = self.decoded(tokens)
-        hits: list[tuple[int, int]] = []  # (where, length) of each stop string found
+        hit = None
         if len(tokens) > self.min_tokens:  # as vLLM's: no stop string before min_tokens, nor one ending in their text
             if self._stop_from is None:
                 self._stop_from = len(self.decoded(tokens[:self.min_tokens])) if self.min_tokens and self.stops else 0
-            base = self._stop_from
-            hits = [(i, len(s)) for i, s in ((text.find(s, max(0, base - len(s) + 1)), s) for s in self.stops) if i >= 0]
-        if hits:
-            at, length = min(hits, key=lambda hit: hit[0])  # the first stop string to appear (vLLM's)
-            self.matched = text[at: at + length]
-            return text[: at + length] if self.include_stop else text[:at]
+            hit = first_stop(text, self.stops, self._stop_from)
+        if hit is not None:
+            at, self.matched = hit
+            return text[: at + len(self.matched)] if self.include_stop else text[:at]
         if not final:  # a stop string may be forming, or a character's bytes be incomplete: hold them back
             hold = max((len(s) - 1 for s in self.stops), default=0)
             text = text[: len(text) - hold] if hold else text
