@@ -249,36 +249,39 @@ def step_header(contexts: list[ExpertsContext], rows: int, top_k: int) -> None:
         return
     send = torch.tensor([rows, top_k, *(c.placement_print for c in contexts)], dtype=torch.int64)
     recv = _all_gather(first, send, "the step header all_gather")
-    header = torch.stack(recv)  # [R, 2 + layers]
-    for c in contexts:
-        differ = (header[:, 2 + c.layer] != c.placement_print).nonzero().flatten().tolist()
-        if differ:
-            raise ReplicaDivergence(f"MoE layer {c.layer}: rank {c.rank} and ranks {differ} hold different placements "
-                                    "of this layer (a rank between placements?): the pairs cannot be exchanged")
+    header = np.stack([r.numpy() for r in recv])  # [R, 2 + layers]
+    prints = np.array([c.placement_print for c in contexts], dtype=np.int64)
+    if (header[:, [2 + c.layer for c in contexts]] != prints).any():  # numpy: a few dozen numbers, every step
+        for c in contexts:
+            differ = np.flatnonzero(header[:, 2 + c.layer] != c.placement_print).tolist()
+            if differ:
+                raise ReplicaDivergence(f"MoE layer {c.layer}: rank {c.rank} and ranks {differ} hold different "
+                                        "placements of this layer (a rank between placements?): the pairs cannot be "
+                                        "exchanged")
     peer_rows, peer_top_k = tuple(header[:, 0].tolist()), int(header[:, 1].max())
     for c in contexts:
         c.peer_rows, c.peer_top_k = peer_rows, peer_top_k
 
 
 def _gather_pairs(ctx: ExpertsContext, hidden: torch.Tensor, ids: torch.Tensor
-                  ) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
-    """The group's rows ``[N, H]``, expert ids ``[N, k]`` (numpy) and decode flags ``[N]`` (the row is
-    a request's one new token: see :func:`~eplb.models.kernel.pair_forward`), rank 0's rows first,
-    then rank 1's, ... (one all_gather of each rank's real rows as bytes: :func:`_gather_rows`)."""
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The group's rows as bytes ``[N, H * element size]``, expert ids ``[N, k]`` and decode flags ``[N]``
+    (the row is a request's one new token: see :func:`~eplb.models.kernel.pair_forward`), all numpy, rank 0's
+    rows first, then rank 1's, ... (one all_gather of each rank's real rows as bytes: :func:`_gather_rows`).
+    The payload is built and read in numpy: a decode step's few rows cost a torch op several numpy ones."""
     width = hidden.shape[1] * hidden.element_size()
     k = ctx.peer_top_k
     n = hidden.shape[0]
-    payload = torch.zeros(n, width + 4 * k + 4, dtype=torch.uint8)  # the flag in 4 bytes: rows stay aligned
+    payload = np.zeros((n, width + 4 * k + 4), dtype=np.uint8)  # the flag in 4 bytes: rows stay aligned
     if n:
-        payload[:, :width] = hidden.contiguous().view(torch.uint8).reshape(n, width)
-        payload[:, width : width + 4 * k] = ids.to(torch.int32).contiguous().view(torch.uint8).reshape(n, 4 * k)
+        payload[:, :width] = hidden.contiguous().view(torch.uint8).numpy().reshape(n, width)
+        payload[:, width : width + 4 * k] = ids.numpy().astype(np.int32).view(np.uint8).reshape(n, 4 * k)
         if ctx.decode is not None:
-            payload[:, -4] = ctx.decode[:n]
-    real = _gather_rows(ctx, payload, "the expert dispatch all_gather")  # [N, bytes]: every rank's real rows
+            payload[:, -4] = ctx.decode[:n].numpy()
+    real = _gather_rows(ctx, torch.from_numpy(payload), "the expert dispatch all_gather").numpy()  # every rank's real rows
     total = real.shape[0]
-    rows = real[:, :width].contiguous().view(hidden.dtype).reshape(total, hidden.shape[1])
-    expert_ids = np.ascontiguousarray(real.numpy()[:, width : width + 4 * k]).view(np.int32).astype(np.int64)
-    return rows, expert_ids.reshape(total, k), real[:, -4].bool()
+    expert_ids = np.ascontiguousarray(real[:, width : width + 4 * k]).view(np.int32).astype(np.int64)
+    return real[:, :width], expert_ids.reshape(total, k), real[:, -4] != 0
 
 
 def _gather_rows(ctx: ExpertsContext, payload: torch.Tensor, what: str) -> torch.Tensor:
@@ -397,16 +400,17 @@ def _remote(ctx: ExpertsContext, module: torch.nn.Module, weights: dict[str, tor
     holder = physical // size
     # this rank's slots' pairs from every owner, owner by owner, each owner's in pair order
     taken = np.flatnonzero(holder == rank)
-    row_of = torch.from_numpy(taken // k)  # pair j is row j // k of the group's rows
-    x = rows[row_of]
-    if x.shape[0]:
+    row_of = taken // k  # pair j is row j // k of the group's rows
+    if taken.shape[0]:
+        x = torch.from_numpy(rows[row_of]).view(hidden.dtype)  # the rows' bytes, copied once
         started = _clock(ctx)
         result = pair_forward(module, weights, x, torch.from_numpy(physical[taken] - rank * size),
-                              min_rows=ctx.min_rows, decode=decode[row_of], decode_rows=ctx.decode_rows)
+                              min_rows=ctx.min_rows, decode=torch.from_numpy(decode[row_of]),
+                              decode_rows=ctx.decode_rows)
         result = result.to(hidden.dtype)
         _charge(ctx, "expert_cpu_s", started)
     else:
-        result = x
+        result = hidden.new_empty(0, hidden.shape[1])
     # combine: each owner gets its pairs' outputs from every holder, in rank order, each in pair order
     ends = np.cumsum(pairs)
     first = int(ends[rank]) - pairs[rank]
@@ -416,7 +420,8 @@ def _remote(ctx: ExpertsContext, module: torch.nn.Module, weights: dict[str, tor
     largest = int(np.bincount(holder, minlength=ctx.num_ranks).max())  # the most pairs a holder sends back
     back = _all_to_all(ctx, result, send, receive, "the expert combine all_to_all", largest)
     out = torch.empty(mine.shape[0], hidden.shape[1], dtype=hidden.dtype)
-    out[torch.from_numpy(np.argsort(mine, kind="stable"))] = back
+    if mine.shape[0]:  # in bytes, in numpy: each received row to its pair's place
+        out.view(torch.uint8).numpy()[np.argsort(mine, kind="stable")] = back.view(torch.uint8).numpy()
     return out
 
 

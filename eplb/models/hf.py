@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -648,8 +649,8 @@ class HFMoE:
             rows = segments[-1][1]
             # a request's one new token is a decode row (see pair_forward): its kind, like its bits,
             # is the request's own, whoever shares the step
-            decode = torch.repeat_interleave(torch.tensor([end - start == 1 for start, end in segments]),
-                                             torch.tensor([end - start for start, end in segments]))
+            sizes = [end - start for start, end in segments]
+            decode = torch.from_numpy(np.repeat(np.array(sizes) == 1, sizes))
             for c in self._contexts:
                 c.rows, c.decode = rows, decode
             step_header(self._contexts, rows, self.top_k)

@@ -73,6 +73,8 @@ class _Step:
     kv: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     parts: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
     returned: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    #: the attention function of each attention module class, looked up at its first layer of the step
+    functions: dict[type, Callable[..., tuple[torch.Tensor, Any]]] = field(default_factory=dict)
 
 
 _ACTIVE: list[_Step] = []
@@ -134,7 +136,9 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     """The model's own attention once per request, on the request's rows, keys, values and mask."""
     step = _ACTIVE[-1]
     layer = int(module.layer_idx)  # type: ignore[arg-type]  # every attention module carries its layer index
-    function = _model_attention(module, step.attention)
+    function = step.functions.get(type(module))
+    if function is None:
+        function = step.functions[type(module)] = _model_attention(module, step.attention)
     kind = step.layer_types(layer)
     kwargs.pop("position_ids", None)  # the packed positions; sdpa and eager do not read them
     direct = step.passthrough.get(layer)
