@@ -53,6 +53,7 @@ from eplb.models.packed import (
     relayout_linears,
     wrap_linear_attention,
 )
+from eplb.models.shared_weights import share_dense
 from eplb.placement import Placement
 
 if TYPE_CHECKING:
@@ -411,6 +412,8 @@ class HFMoE:
         #: the group's collectives over shared memory, and the (group, rank, ranks) it was set up for
         self._local: LocalExchange | None = None
         self._local_for: tuple[Any, int, int] | None = None
+        #: the mapping the dense weights read where the group's ranks share them (see eplb.models.shared_weights)
+        self._dense_map: Any = None
         #: measure the experts' and the exchanges' CPU (take_cpu_split); off: the clock costs
         self.measure_cpu = False
         #: a slot's rows are padded to this many: the machine's floor for bits independent of the row count
@@ -686,6 +689,8 @@ class HFMoE:
             group = self._serving_group()
             self._local, self._local_for = None, (group, self.rank, self.num_ranks)
             self._local = LocalExchange.create(group, self.rank, self.num_ranks, self.timeout)
+            if self._local is not None:  # the group is on this host: its ranks read one copy of the dense weights
+                self._dense_map, _ = share_dense(self.model, group, self.rank, self.num_ranks, self.timeout)
         for c in self._contexts:
             c.local = self._local
 
