@@ -57,7 +57,14 @@ def body(rank: int, world: int, flag: str) -> dict:
     unchanged = bool(torch.equal(weight, before)) if rank == 0 else bool(torch.equal(weight, before + 1.0))
     dist.barrier()
     left = [p for p in glob.glob("/dev/shm/eplb-w-*") if int(os.path.basename(p).split("-")[2]) in pids]
-    return {"tokens": tokens, "logits": logits.tolist(), "shared": shared, "unchanged": unchanged, "left": left}
+    # a group formed again (a rescale: its rank 0 has served before) writes nothing, and the weights keep their mapping
+    from eplb.models.shared_weights import share_dense
+
+    pointer = model.model.model.layers[0].self_attn.k_proj.weight.data_ptr()
+    again = share_dense(model.model, None, rank, world, 30, first_group=False)
+    kept = model.model.model.layers[0].self_attn.k_proj.weight.data_ptr() == pointer
+    return {"tokens": tokens, "logits": logits.tolist(), "shared": shared, "unchanged": unchanged, "left": left,
+            "again": again[1], "kept": kept}
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="the group's shared memory is /dev/shm on Linux")
@@ -68,6 +75,7 @@ def test_shared_dense_weights_give_the_same_bits_and_stay_private_to_writes():
         assert "model.layers.0.self_attn.q_proj.weight" in r["shared"]
         assert not any(".experts." in name for name in r["shared"])
         assert r["unchanged"] and r["left"] == []
+        assert r["again"] == 0 and r["kept"]
     for r in off:
         assert r["shared"] == [] and r["unchanged"]
     for a, b in zip(on, off):

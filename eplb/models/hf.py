@@ -414,6 +414,9 @@ class HFMoE:
         self._local_for: tuple[Any, int, int] | None = None
         #: the mapping the dense weights read where the group's ranks share them (see eplb.models.shared_weights)
         self._dense_map: Any = None
+        #: this rank has served a step in an earlier group (or alone): a later group is a rescale's,
+        #: which does not share the dense weights again (see eplb.models.shared_weights.share_dense)
+        self._served_before = False
         #: measure the experts' and the exchanges' CPU (take_cpu_split); off: the clock costs
         self.measure_cpu = False
         #: a slot's rows are padded to this many: the machine's floor for bits independent of the row count
@@ -682,6 +685,7 @@ class HFMoE:
         """Give the contexts the group's shared-memory exchange, set up at the first step on a new
         group (a collective: every rank of the group runs this step; see :mod:`eplb.models.local_exchange`)."""
         if self.num_ranks == 1:
+            self._served_before = True
             return
         if not self._local_is_current():
             if self._local is not None:
@@ -690,7 +694,11 @@ class HFMoE:
             self._local, self._local_for = None, (group, self.rank, self.num_ranks)
             self._local = LocalExchange.create(group, self.rank, self.num_ranks, self.timeout)
             if self._local is not None:  # the group is on this host: its ranks read one copy of the dense weights
-                self._dense_map, _ = share_dense(self.model, group, self.rank, self.num_ranks, self.timeout)
+                mapped, _ = share_dense(self.model, group, self.rank, self.num_ranks, self.timeout,
+                                        first_group=not self._served_before)
+                if mapped is not None:  # (else the weights keep the mapping they read alive themselves)
+                    self._dense_map = mapped
+            self._served_before = True
         for c in self._contexts:
             c.local = self._local
 
