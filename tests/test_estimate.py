@@ -137,7 +137,11 @@ def test_migration_aware_keeps_default_s_fit_to_an_unchanged_load_at_the_default
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), gpus=st.sampled_from([4, 8]), noise=st.sampled_from(["counts", 4 / 3]))
 def test_migration_aware_moves_after_a_step_change_in_the_load(seed, gpus, noise):
-    _step_change_moves(seed, gpus, noise, far=0.1)
+    # a layer left more than 0.2 behind its refit moves and gains; one 0.1-0.17 behind can sit at the count
+    # noise's level (5 spreads: 0.16 at 4 GPUs, 0.22 at 8), where the copy budget holds it back by design:
+    # with 0.1 here, 5 of 1,200 seeded cases failed (all with count noise; the code before the noise-level
+    # layers moved under the budget: 6), so hypothesis failed a fresh install's suite; with 0.2, none
+    _step_change_moves(seed, gpus, noise, far=0.2)
 
 
 def _noise_layers(monkeypatch) -> list[np.ndarray]:
