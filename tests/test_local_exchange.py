@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import os
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -195,12 +196,13 @@ def test_a_lost_wake_up_costs_a_short_nap_not_the_deadline():
         assert r["got"] == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]
 
 
-def body_model(rank: int, world: int, local: str) -> dict:
+def decode_small_model(rank: int, world: int) -> tuple[Any, list[list[int]], torch.Tensor]:
+    """A tiny qwen3_moe served as rank ``rank`` of ``world`` (experts replicated on 2 ranks): 5 prompts
+    split over the ranks, 4 greedy steps. Returns the model, each step's tokens and the last logits."""
     from eplb.models.config import HFModelConfig
     from eplb.models.hf import HFMoE, describe
     from eplb.placement import Placement
 
-    os.environ["EPLB_LOCAL_EXCHANGE"] = local
     spec = HFModelConfig(architecture="qwen3_moe", seed=3)
     layers = describe(spec).num_moe_layers
     model = HFMoE(spec, Placement.static(layers, 8, 12), rank, world, timeout=30)  # replicas on 2 ranks
@@ -213,6 +215,12 @@ def body_model(rank: int, world: int, local: str) -> dict:
         step = logits.argmax(-1)
         tokens.append(step.tolist())
         inputs = [(t[None], s) for t, s in zip(step, states)]
+    return model, tokens, logits
+
+
+def body_model(rank: int, world: int, local: str) -> dict:
+    os.environ["EPLB_LOCAL_EXCHANGE"] = local
+    model, tokens, logits = decode_small_model(rank, world)
     return {"tokens": tokens, "local": model.local_exchange() is not None, "logits": logits.tolist()}
 
 

@@ -21,25 +21,12 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 def body(rank: int, world: int, flag: str) -> dict:
     import torch.distributed as dist
 
-    from eplb.models.config import HFModelConfig
-    from eplb.models.hf import HFMoE, describe
-    from eplb.placement import Placement
+    from tests.test_local_exchange import decode_small_model
 
     os.environ["EPLB_SHARED_WEIGHTS"] = flag
     pids: list[int] = [0] * world
     dist.all_gather_object(pids, os.getpid())
-    spec = HFModelConfig(architecture="qwen3_moe", seed=3)
-    layers = describe(spec).num_moe_layers
-    model = HFMoE(spec, Placement.static(layers, 8, 12), rank, world, timeout=30)
-    g = torch.Generator().manual_seed(21)
-    prompts = [torch.randint(0, 128, (int(n),), generator=g) for n in (9, 3, 17, 1, 6)]
-    inputs = [(p, None) for p in prompts[rank::world]]
-    tokens = []
-    for _ in range(4):
-        logits, states = model.forward_batch(inputs)
-        step = logits.argmax(-1)
-        tokens.append(step.tolist())
-        inputs = [(t[None], s) for t, s in zip(step, states)]
+    model, tokens, logits = decode_small_model(rank, world)
     mapping = model._dense_map
     shared = []
     if mapping is not None:
