@@ -405,6 +405,50 @@ def test_a_full_server_answers_its_control_routes_and_503_on_the_others():
 
 
 @pytest.mark.timeout(60)
+def test_a_client_that_reads_none_of_its_answer_is_cut_and_one_that_reads_gets_it_whole():
+    """A client that sends its request and then reads nothing holds an answer that cannot drain: it is
+    cut after the write deadline (it held its connection for good, and, being answered, it was never
+    idle: a few hundred such clients filled the cap). A client that reads gets the whole answer."""
+    import socket
+
+    from fastapi.responses import Response
+
+    from elastic.service.server import BackgroundServer, HttpLimits
+
+    app = _guarded_app()
+    body = b"x" * (32 << 20)  # far past both sockets' buffers
+
+    @app.get("/big")
+    def big() -> Response:
+        return Response(body, media_type="application/octet-stream")
+
+    limits = HttpLimits(request_timeout_s=5.0, keep_alive_s=5, max_connections=8, write_timeout_s=1.0)
+    with BackgroundServer(app, limits=limits) as server:
+        address = ("127.0.0.1", server.port)
+        stalled = socket.create_connection(address)
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+        connections = server.server.server_state.connections
+        deadline = time.monotonic() + 5
+        while not connections and time.monotonic() < deadline:  # accepted
+            time.sleep(0.01)
+        assert connections, "the connection was not accepted"
+        deadline = time.monotonic() + 15
+        while connections and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not connections, "a client that reads nothing still holds its connection"
+        stalled.close()
+        with socket.create_connection(address) as reader:
+            reader.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            reader.settimeout(10)
+            answer = bytearray()
+            while chunk := reader.recv(1 << 20):
+                answer += chunk
+        head, _, rest = bytes(answer).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and len(rest) == len(body)
+
+
+@pytest.mark.timeout(60)
 def test_a_burst_beyond_the_cap_is_answered_and_a_trickling_body_does_not_hold_a_slot():
     """Twice the cap of clients connect and send at once: every one gets an answer (200 on a
     control route; 200 or 503 on a data route), none is closed unanswered (the later ones closed

@@ -24,7 +24,11 @@ beyond its count but still accepts every connection.
   which are answered as usual with ``Connection: close``; one that sends nothing by then is
   closed. At most ``max_connections`` (at least 8) are over the cap at once; beyond them a new
   connection is closed as soon as it is accepted, so a crowd holds about twice the cap of
-  descriptors, not its own number.
+  descriptors, not its own number;
+- **a write deadline**: a connection whose answer stops draining (the client reads none of it, the
+  socket's buffers full) for ``write_timeout_s`` is closed. Such a client held its connection for
+  good, and, being answered, it was never idle: a few hundred of them filled the cap, and the
+  server answered every new client 503. A client that reads, however slowly, resets the deadline.
 
 :class:`HttpLimits` holds the numbers; :meth:`HttpLimits.uvicorn_options` gives the keyword
 arguments of ``uvicorn.Config`` that apply them.
@@ -83,9 +87,11 @@ class HttpLimits:
     keep_alive_s: int = 5  # an idle connection between requests is closed after this
     max_connections: int = field(default_factory=default_max_connections)
     served_over_cap: tuple[str, ...] = SERVED_OVER_CAP  # path prefixes a full server still answers
+    write_timeout_s: float = 60.0  # an answer that does not drain (the client reads none of it) for this is cut
 
     def __post_init__(self) -> None:
-        if self.request_timeout_s <= 0 or self.keep_alive_s < 1 or self.max_connections < 1:
+        if (self.request_timeout_s <= 0 or self.keep_alive_s < 1 or self.max_connections < 1
+                or self.write_timeout_s <= 0):
             raise ValueError(f"HTTP limits must be positive (keep_alive_s at least 1), got {self}")
 
     def uvicorn_options(self) -> dict[str, Any]:
@@ -95,6 +101,7 @@ class HttpLimits:
             request_timeout_s = limits.request_timeout_s
             max_connections = limits.max_connections
             served_over_cap = limits.served_over_cap
+            write_timeout_s = limits.write_timeout_s
             idle: ClassVar[dict[GuardedH11Protocol, None]] = {}  # this server's own, oldest first
 
         # the listen backlog is also how many connections asyncio accepts per wake-up of the
@@ -115,12 +122,14 @@ class GuardedH11Protocol(H11Protocol):
     request_timeout_s: float = 10.0
     max_connections: int = 256
     served_over_cap: tuple[str, ...] = SERVED_OVER_CAP
+    write_timeout_s: float = 60.0
     in_grace = 0  # over-cap connections waiting out OVER_CAP_GRACE_S (a count per server's class)
     # connections that are not being answered, in the order they became idle (a dict per server's
     # class, kept in order: a connection moves to the end when an answer completes)
     idle: ClassVar[dict[GuardedH11Protocol, None]] = {}
 
     _deadline: asyncio.TimerHandle | None = None
+    _write_stall: asyncio.TimerHandle | None = None
     _graced = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -165,8 +174,30 @@ class GuardedH11Protocol(H11Protocol):
             idle[self] = None  # the newest idle one
         self._arm()  # the next request on this connection has the same deadline
 
+    def pause_writing(self) -> None:
+        super().pause_writing()  # the transport's buffer is full: the client is not reading
+        if self._write_stall is None and not self.transport.is_closing():
+            self._write_stall = self.loop.call_later(self.write_timeout_s, self._write_overdue)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._cancel_write_stall()
+
+    def _cancel_write_stall(self) -> None:
+        if self._write_stall is not None:
+            self._write_stall.cancel()
+            self._write_stall = None
+
+    def _write_overdue(self) -> None:
+        self._write_stall = None
+        if not self.transport.is_closing():
+            log.info("closing a connection from %s: its answer did not drain for %.0fs (the client reads none of it)",
+                     self.client, self.write_timeout_s)
+            self.transport.abort()  # connection_lost tells the answer its client is gone
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._cancel_write_stall()
         type(self).idle.pop(self, None)
         if self._graced:
             self._graced = False
