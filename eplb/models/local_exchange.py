@@ -91,18 +91,37 @@ def _new_directory() -> str:
     """A fresh directory for one set-up's files (in ``/dev/shm`` where there is one), named after
     this process; first the directories of set-ups whose creator is dead are removed. ``""`` where
     none can be made (then no rank uses shared memory)."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    base = shared_dir()
     try:
-        for name in os.listdir(base):
-            pid = name[len(_PREFIX):].split("-", 1)[0]
-            if name.startswith(_PREFIX) and pid.isdigit() and not _alive(int(pid)):
-                shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+        remove_orphans(base, _PREFIX)
         directory = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=base)
         with open(os.path.join(directory, "token"), "w") as f:
             f.write(secrets.token_hex(8))
     except OSError:
         return ""
     return directory
+
+
+def shared_dir() -> str:
+    """Where a host's shared-memory files go: ``/dev/shm`` where there is one, else the temp directory."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def remove_orphans(base: str, prefix: str) -> None:
+    """Remove the files and directories in ``base`` named ``<prefix><pid>-...`` whose creator ``pid``
+    is dead (a set-up killed between making and removing them). Raises ``OSError`` if ``base`` cannot
+    be listed."""
+    for name in os.listdir(base):
+        pid = name[len(prefix):].split("-", 1)[0]
+        if name.startswith(prefix) and pid.isdigit() and not _alive(int(pid)):
+            path = os.path.join(base, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
 
 
 def _alive(pid: int) -> bool:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from eplb.models.local_exchange import _alive, _gather
+from eplb.models.local_exchange import _gather, remove_orphans, shared_dir
 
 __all__ = ["MIN_BYTES", "share_dense"]
 
@@ -73,23 +73,11 @@ def _raw(p: torch.Tensor) -> torch.Tensor:
 _PREFIX = "eplb-w-"
 
 
-def _remove_orphans(directory: str | None) -> None:
-    """Remove the files of set-ups whose rank 0 died between writing and unlinking (named after its pid)."""
-    base = directory or tempfile.gettempdir()
-    for name in os.listdir(base):
-        pid = name[len(_PREFIX):].split("-", 1)[0]
-        if name.startswith(_PREFIX) and pid.isdigit() and not _alive(int(pid)):
-            try:
-                os.unlink(os.path.join(base, name))
-            except OSError:
-                pass
-
-
-def _write(path_dir: str | None, params: list[nn.Parameter], offsets: list[int], total: int) -> str:
+def _write(path_dir: str, params: list[nn.Parameter], offsets: list[int], total: int) -> str:
     """A fresh file of ``params``' bytes at ``offsets`` (its path), or ``""`` where it cannot be written."""
     path = ""
     try:
-        _remove_orphans(path_dir)
+        remove_orphans(path_dir, _PREFIX)  # files of set-ups whose rank 0 died between writing and unlinking
         fd, path = tempfile.mkstemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=path_dir)
         try:
             os.ftruncate(fd, total)
@@ -143,7 +131,7 @@ def share_dense(model: nn.Module, group: Any, rank: int, world: int, timeout: fl
     offsets, total = _layout(params)
     path = ""
     if rank == 0 and total and first_group:
-        path = _write("/dev/shm" if os.path.isdir("/dev/shm") else None, params, offsets, total)
+        path = _write(shared_dir(), params, offsets, total)
     send = torch.zeros(_PATH_BYTES + 8, dtype=torch.uint8)
     raw_path = path.encode()
     if len(raw_path) <= _PATH_BYTES:
