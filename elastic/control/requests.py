@@ -30,12 +30,13 @@ ones. The survivors' own requests go on without a replay.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -45,18 +46,33 @@ from elastic.core.config import ServingConfig
 from elastic.core.errors import InvalidCompletionRequest, Overloaded, RequestNotServed, ServiceUnavailable
 from elastic.core.owners import least_loaded
 
-__all__ = ["Completion", "RequestEngine", "ServingGate", "first_stop"]
+__all__ = ["Completion", "RequestEngine", "ServingGate", "StopSearch"]
 
 log = logging.getLogger("elastic.control.requests")
 
 
 
-def first_stop(text: str, stops: Sequence[str], start: int = 0) -> tuple[int, str] | None:
-    """Where the first of ``stops`` appears in ``text`` and which one, among those that end past
-    ``start`` (the text of a request's first ``min_tokens`` tokens: as vLLM's, no stop string ends
-    within them); None when none does."""
-    hits = [(at, stop) for stop in stops if (at := text.find(stop, max(0, start - len(stop) + 1))) >= 0]
-    return min(hits, key=lambda hit: hit[0]) if hits else None
+@dataclass
+class StopSearch:
+    """Where a request's stop strings end its text, as vLLM's: the first of ``stops`` to appear, and
+    none that ends within the text of its first ``min_tokens`` tokens (whose length is decoded once).
+    The engine's stop check and the answer's text (``TextView``) each hold one."""
+
+    stops: tuple[str, ...]
+    min_tokens: int = 0
+    _start: int | None = None  # the text length of the first min_tokens tokens, once known
+
+    def find(self, text: str, tokens: list[int], decode: Callable[[list[int]], str]) -> tuple[int, str] | None:
+        """Where in ``text`` (``tokens``' text, as ``decode`` gives it) the first stop string starts,
+        and which one; None when none counts yet."""
+        if not self.stops or len(tokens) <= self.min_tokens:
+            return None
+        if self._start is None:
+            self._start = len(decode(tokens[: self.min_tokens])) if self.min_tokens else 0
+        start = self._start
+        hits = [(at, stop) for stop in self.stops if (at := text.find(stop, max(0, start - len(stop) + 1))) >= 0]
+        return min(hits, key=lambda hit: hit[0]) if hits else None
+
 
 @dataclass
 class Completion:
@@ -76,10 +92,13 @@ class Completion:
     text_end: int | None = None  # a stop string matched: the text is cut here
     rank: int | None = None  # the rank of the group that holds it (None: not admitted yet)
     _ahead: dict[int, p.TokenOut] = field(default_factory=dict)  # tokens past a gap, until it fills
-    _stop_from: int | None = None  # the text length of the first min_tokens tokens, once known
     # the text stop strings are searched in (the routes': with the prompt's last tokens as context,
     # as the answer's text is); None: the engine's detokenize
     text: Callable[[list[int]], str] | None = None
+
+    @functools.cached_property
+    def stop_search(self) -> StopSearch:
+        return StopSearch(self.stop, self.spec.min_tokens)
 
     @property
     def id(self) -> str:
@@ -260,13 +279,8 @@ class RequestEngine:
         c.top_logprobs.append(out.top_logprobs)
         c.stalled_since = None
         decode = c.text if c.text is not None else self.detokenize
-        if c.stop and decode is not None and len(c.tokens) > c.spec.min_tokens:
-            text = decode(c.tokens)
-            # as vLLM's: no stop string before min_tokens, nor one that ends within their text
-            if c._stop_from is None:
-                c._stop_from = len(decode(c.tokens[:c.spec.min_tokens])) if c.spec.min_tokens else 0
-            base = c._stop_from
-            hit = first_stop(text, c.stop, base)
+        if c.stop and decode is not None and len(c.tokens) > c.spec.min_tokens:  # (else no decode)
+            hit = c.stop_search.find(decode(c.tokens), c.tokens, decode)
             if hit is not None:
                 c.text_end = hit[0]
                 self._finish(c, "finished", "stop")

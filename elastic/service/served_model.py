@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from elastic.control.requests import first_stop
+from elastic.control.requests import StopSearch
 from eplb.models.config import HFModelConfig
 
 __all__ = ["ServedModel", "TextView"]
@@ -101,11 +101,11 @@ class TextView:
 
     def __init__(self, served: ServedModel, prompt: tuple[int, ...], stops: tuple[str, ...], skip_special: bool = True,
                  min_tokens: int = 0, include_stop: bool = False):
-        self.served, self.stops, self.skip, self.min_tokens = served, stops, skip_special, min_tokens
+        self.served, self.stops, self.skip = served, stops, skip_special
         self.include_stop = include_stop  # vLLM's include_stop_str_in_output: the text ends after the stop string
         self.context = list(prompt[-CONTEXT_TOKENS:])
         self.prefix = served.detokenize(self.context, skip_special) if served.tokenizer is not None else ""
-        self._stop_from: int | None = None  # the text length of the first min_tokens tokens, once known
+        self.search = StopSearch(stops, min_tokens)
         self.matched: str | None = None  # the stop string that ended the text, once found
 
     def decoded(self, tokens: list[int]) -> str:
@@ -117,11 +117,7 @@ class TextView:
         if self.served.tokenizer is None:
             return ""
         text = self.decoded(tokens)
-        hit = None
-        if len(tokens) > self.min_tokens:  # as vLLM's: no stop string before min_tokens, nor one ending in their text
-            if self._stop_from is None:
-                self._stop_from = len(self.decoded(tokens[:self.min_tokens])) if self.min_tokens and self.stops else 0
-            hit = first_stop(text, self.stops, self._stop_from)
+        hit = self.search.find(text, tokens, self.decoded)
         if hit is not None:
             at, self.matched = hit
             return text[: at + len(self.matched)] if self.include_stop else text[:at]
