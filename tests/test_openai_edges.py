@@ -159,6 +159,22 @@ def test_top_logprobs_without_logprobs_is_a_400_as_openais(served):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
+def test_stream_options_without_stream_is_a_400_as_vllms(served):
+    """They were ignored without a word: a client that asked for the usage in a last chunk got no stream."""
+    http, model, _ = served
+    body = {"model": model, "prompt": "w1 w2", "max_tokens": 2, "temperature": 0, "stream_options": {"include_usage": True}}
+    for stream in (False, None):
+        assert "stream" in openai_error(http.post("/v1/completions", json={**body, "stream": stream}), 400, "stream_options")
+    chat = {"model": model, "messages": [{"role": "user", "content": "w1"}], "max_tokens": 2, "temperature": 0}
+    assert "stream" in openai_error(http.post("/v1/chat/completions", json={**chat, "stream_options": {}}), 400,
+                                    "stream_options")
+    r = http.post("/v1/completions", json={**body, "stream": True})
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert r.status_code == 200 and chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
 def test_a_clients_request_id_is_echoed_cut_on_the_completion_routes_too(served):
     """Every other route cut a client's x-request-id to 128 characters; the completion routes echoed
     it whole (10 000 characters in, 10 000 out)."""

@@ -112,6 +112,14 @@ class SamplingFields(BaseModel):
             raise ValueError(f"at most 16 stop strings, got {len(stops)}")
         return value
 
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        # as vLLM's ("Stream options can only be defined when `stream=True`"): they were ignored without a word
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options needs stream: true")
+        return value
+
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
