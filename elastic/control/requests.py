@@ -61,6 +61,33 @@ class StopSearch:
     stops: tuple[str, ...]
     min_tokens: int = 0
     _start: int | None = None  # the text length of the first min_tokens tokens, once known
+    _seen: int = -1  # the token count at may_end's last answer
+
+    def may_end(self, tokens: list[int], decode: Callable[[list[int]], str]) -> bool:
+        """Whether a stop string can have appeared since the last call, judged on the text of the
+        last few tokens only; ``find`` on the whole text then says where. A request's tokens come one
+        at a time, and a stop string that appears with the last token lies in the text's last
+        characters: decoding the whole output for every token cost ``O(n)`` a token, 24 s of the
+        coordinator's CPU for one 8,192-token request with a stop string. The tail is at least the
+        longest stop string and 8 characters longer than the last token's text (so a tail decoded
+        alone, whose first characters may differ from the whole text's: a space or a character's
+        bytes cut, holds every stop string that ends in the last token or just before it); True
+        after a gap (tokens that came in a batch), on the first call that may count, and when the
+        tail is the whole output."""
+        if not self.stops or len(tokens) <= self.min_tokens:
+            return False
+        first = self._seen < 0 or len(tokens) != self._seen + 1
+        self._seen = len(tokens)
+        if first:
+            return True
+        need = max(len(stop) for stop in self.stops) + 8 + len(decode(tokens[-1:]))
+        width = 2 * need
+        while width < len(tokens):
+            tail = decode(tokens[-width:])
+            if len(tail) >= need:
+                return any(stop in tail for stop in self.stops)
+            width *= 2
+        return True
 
     def find(self, text: str, tokens: list[int], decode: Callable[[list[int]], str]) -> tuple[int, str] | None:
         """Where in ``text`` (``tokens``' text, as ``decode`` gives it) the first stop string starts,
@@ -279,7 +306,7 @@ class RequestEngine:
         c.top_logprobs.append(out.top_logprobs)
         c.stalled_since = None
         decode = c.text if c.text is not None else self.detokenize
-        if c.stop and decode is not None and len(c.tokens) > c.spec.min_tokens:  # (else no decode)
+        if c.stop and decode is not None and c.stop_search.may_end(c.tokens, decode):  # (else no decode)
             hit = c.stop_search.find(decode(c.tokens), c.tokens, decode)
             if hit is not None:
                 c.text_end = hit[0]
