@@ -60,6 +60,13 @@ def error_response(exc: OpenAIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
+def _needs(value: Any, info: ValidationInfo, flag: str) -> Any:
+    """A field that means something only with ``flag`` true: refused without it, naming both."""
+    if value is not None and not info.data.get(flag):
+        raise ValueError(f"{info.field_name} needs {flag}: true")
+    return value
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -112,13 +119,8 @@ class SamplingFields(BaseModel):
             raise ValueError(f"at most 16 stop strings, got {len(stops)}")
         return value
 
-    @field_validator("stream_options")
-    @classmethod
-    def _stream_options(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
-        # as vLLM's ("Stream options can only be defined when `stream=True`"): they were ignored without a word
-        if value is not None and not info.data.get("stream"):
-            raise ValueError("stream_options needs stream: true")
-        return value
+    # as vLLM's ("Stream options can only be defined when `stream=True`"): they were ignored without a word
+    _stream_options = field_validator("stream_options")(classmethod(lambda cls, v, info: _needs(v, info, "stream")))
 
     @field_validator("logit_bias")
     @classmethod
@@ -183,10 +185,5 @@ class ChatRequest(SamplingFields):
     add_generation_prompt: StrictBool | None = True
     chat_template_kwargs: dict[str, Any] | None = None
 
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
-        # as OpenAI's and vLLM's: top_logprobs needs logprobs (it was ignored without a word)
-        if value is not None and not info.data.get("logprobs"):
-            raise ValueError("top_logprobs needs logprobs: true")
-        return value
+    # as OpenAI's and vLLM's: top_logprobs needs logprobs (it was ignored without a word)
+    _top_logprobs = field_validator("top_logprobs")(classmethod(lambda cls, v, info: _needs(v, info, "logprobs")))
