@@ -97,7 +97,13 @@ class ServedModel:
 
 class TextView:
     """The text of one choice's tokens, detokenized with the prompt's last tokens as context, cut
-    before the first stop string when the request stopped on one."""
+    before the first stop string when the request stopped on one.
+
+    A streamed answer is decoded incrementally (``tokenizers``' ``DecodeStream``, as vLLM's fast
+    detokenizer: each token's new text once, where decoding the whole output again at every chunk
+    cost ``O(n)`` a chunk on the server's loop); its last chunk too, so the pieces join. An answer
+    read at once is decoded whole. A tokenizer without a ``tokenizers`` backend, or one that cleans
+    up spaces after decoding (which a stream cannot), is decoded whole at every chunk."""
 
     def __init__(self, served: ServedModel, prompt: tuple[int, ...], stops: tuple[str, ...], skip_special: bool = True,
                  min_tokens: int = 0, include_stop: bool = False):
@@ -107,6 +113,25 @@ class TextView:
         self.prefix = served.detokenize(self.context, skip_special) if served.tokenizer is not None else ""
         self.search = StopSearch(stops, min_tokens)
         self.matched: str | None = None  # the stop string that ended the text, once found
+        self._stream: Any = None  # the DecodeStream of a streamed answer, once its first chunk is asked for
+        self._fed = 0  # the output tokens it has taken
+        self._streamed = ""  # the text they gave
+
+    def _incremental(self, tokens: list[int]) -> str | None:
+        """``tokens``' text from the stream (taking the new ones); None where it cannot serve."""
+        tokenizer = self.served.tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False) or len(tokens) < self._fed:
+            return None
+        if self._stream is None:
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(ids=self.context, skip_special_tokens=self.skip)
+        pieces = [self._streamed]
+        for token in tokens[self._fed:]:
+            pieces.append(self._stream.step(backend, token) or "")
+        self._fed, self._streamed = len(tokens), "".join(pieces)
+        return self._streamed
 
     def decoded(self, tokens: list[int]) -> str:
         """``tokens``' text after the prompt's, stop strings not applied."""
@@ -116,13 +141,14 @@ class TextView:
     def text(self, tokens: list[int], *, final: bool) -> str:
         if self.served.tokenizer is None:
             return ""
-        text = self.decoded(tokens)
+        streamed = self._incremental(tokens) if not final or self._stream is not None else None
+        text = streamed if streamed is not None else self.decoded(tokens)
         hit = self.search.find(text, tokens, self.decoded)
         if hit is not None:
             at, self.matched = hit
             return text[: at + len(self.matched)] if self.include_stop else text[:at]
         if not final:  # a stop string may be forming, or a character's bytes be incomplete: hold them back
             hold = max((len(s) - 1 for s in self.stops), default=0)
-            text = text[: len(text) - hold] if hold else text
+            text = text[: max(0, len(text) - hold)]  # (a text shorter than that: none of it; a negative end wrapped)
             text = text.rstrip("\ufffd")
         return text
