@@ -49,26 +49,37 @@ def _streamed(view: TextView, out: list[int], sizes: list[int]) -> str:
 
 
 def test_a_streamed_answer_joins_to_the_whole_decode_with_characters_of_several_bytes(served):
+    """Every prompt cut and every output end, those inside a character included: an output that ends
+    inside one (max_tokens) lost the bytes the stream held back, and a prompt that ends inside one
+    sent the prompt's text as the stream's first piece (a hostile tester's finds)."""
     ids = served.encode(TEXT, add_special_tokens=False)
-    assert len(ids) > 40 and any(len(served.token_text(t).encode()) < len(served.token_text(t)) * 2 for t in ids)
+    assert any(served.detokenize(ids[:n]).endswith("\ufffd") for n in range(len(ids)))  # characters split over tokens
     rng = random.Random(0)
-    for cut in (1, 3, 6, 11):
-        prompt, out = ids[:cut], ids[cut:]
-        whole = TextView(served, tuple(prompt), ()).text(out, final=True)
-        assert whole == served.detokenize(ids)[len(served.detokenize(prompt)):]
-        for sizes in ([1] * len(out), [rng.randint(1, 5) for _ in out]):
-            assert _streamed(TextView(served, tuple(prompt), ()), out, sizes) == whole
+    for cut in range(1, 16):
+        prompt = ids[:cut]
+        for end in range(cut + 1, len(ids) + 1):
+            out = ids[cut:end]
+            whole = TextView(served, tuple(prompt), ()).text(out, final=True)
+            if not served.detokenize(prompt).endswith("\ufffd"):
+                assert whole == served.detokenize(ids[:end])[len(served.detokenize(prompt)):]
+            for sizes in ([1] * len(out), [rng.randint(1, 5) for _ in out]):
+                assert _streamed(TextView(served, tuple(prompt), ()), out, sizes) == whole, (cut, end)
 
 
 def test_a_streamed_answer_stops_where_the_answer_read_at_once_does(served):
     ids = served.encode(TEXT, add_special_tokens=False)
     prompt, out = ids[:4], ids[4:]
-    for stops, include in ((("🦊",), False), (("café", "ü"), True), (("wörld",), False)):
+    for stops, include in ((("🦊",), False), (("café", "ü"), True), (("wörld",), False), (("日",), True)):
         whole = TextView(served, tuple(prompt), stops, include_stop=include)
         text = whole.text(out, final=True)
         assert whole.matched is not None and text.endswith(whole.matched) == include
         streamed = TextView(served, tuple(prompt), stops, include_stop=include)
         assert _streamed(streamed, out, [1] * len(out)) == text and streamed.matched == whole.matched
+    # the engine stops on a stop string whose last bytes the stream still holds: the last chunk shows it
+    end = next(n for n in range(5, len(ids)) if "日" in served.detokenize(ids[4:n]))
+    assert served.detokenize(ids[4:end]).endswith("日\ufffd")  # the token that completes 日 begins the next character
+    view = TextView(served, tuple(prompt), ("日",), include_stop=True)
+    assert _streamed(view, ids[4:end], [1] * (end - 4)).endswith("日") and view.matched == "日"
 
 
 def test_a_stream_decodes_each_token_once_not_its_whole_output_per_chunk(served, monkeypatch):

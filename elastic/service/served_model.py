@@ -99,11 +99,13 @@ class TextView:
     """The text of one choice's tokens, detokenized with the prompt's last tokens as context, cut
     before the first stop string when the request stopped on one.
 
-    A streamed answer is decoded incrementally (``tokenizers``' ``DecodeStream``, as vLLM's fast
-    detokenizer: each token's new text once, where decoding the whole output again at every chunk
-    cost ``O(n)`` a chunk on the server's loop); its last chunk too, so the pieces join. An answer
-    read at once is decoded whole. A tokenizer without a ``tokenizers`` backend, or one that cleans
-    up spaces after decoding (which a stream cannot), is decoded whole at every chunk."""
+    A streamed answer's chunks are decoded incrementally (``tokenizers``' ``DecodeStream``, as vLLM's
+    fast detokenizer: each token's new text once, where decoding the whole output again at every
+    chunk cost ``O(n)`` a chunk on the server's loop); its last chunk, and an answer read at once,
+    whole (what a stream holds back, a character's incomplete bytes, shows there as the answer read
+    at once shows it). A tokenizer without a ``tokenizers`` backend, one that cleans up spaces after
+    decoding (which a stream cannot), and a prompt whose last tokens end inside a character are
+    decoded whole at every chunk."""
 
     def __init__(self, served: ServedModel, prompt: tuple[int, ...], stops: tuple[str, ...], skip_special: bool = True,
                  min_tokens: int = 0, include_stop: bool = False):
@@ -121,7 +123,8 @@ class TextView:
         """``tokens``' text from the stream (taking the new ones); None where it cannot serve."""
         tokenizer = self.served.tokenizer
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False) or len(tokens) < self._fed:
+        if (backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False) or len(tokens) < self._fed
+                or self.prefix.endswith("\ufffd")):  # a prompt that ends inside a character: its text is not the prefill's
             return None
         if self._stream is None:
             from tokenizers.decoders import DecodeStream
@@ -141,7 +144,9 @@ class TextView:
     def text(self, tokens: list[int], *, final: bool) -> str:
         if self.served.tokenizer is None:
             return ""
-        streamed = self._incremental(tokens) if not final or self._stream is not None else None
+        # the last chunk decoded whole: a stream holds back a character's incomplete bytes (and the
+        # stop string they may end), which the answer read at once shows
+        streamed = self._incremental(tokens) if not final else None
         text = streamed if streamed is not None else self.decoded(tokens)
         hit = self.search.find(text, tokens, self.decoded)
         if hit is not None:
